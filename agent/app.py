@@ -1,0 +1,86 @@
+"""Wiring: turns an :class:`AgentConfig` into GPU sources, collectors, a runner and the HTTP
+exposition. Registration is explicit (a dict of name -> factory) and nothing happens at import.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.registry import CollectorRegistry
+
+from agent.catalog import CATALOG
+from agent.collectors.base import Collector
+from agent.collectors.derived import DerivedCollector
+from agent.collectors.gpu import GpmCollector, GpuCollector, ProfilingCollector
+from agent.collectors.process import ProcessCollector
+from agent.config import AgentConfig
+from agent.runner import Runner
+from agent.targets import TargetResolver
+from exporters.http import ExpositionServer
+from exporters.snapshot import SnapshotCollector
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sources:
+    """The GPU sources the collectors read; ``None`` where the backend is 'none'."""
+
+    device: Any = None
+    gpm: Any = None
+    profiling: Any = None
+    backend: Any = None  # the object to close()
+
+
+def make_sources(cfg: AgentConfig, nvml_lib: Any | None = None) -> Sources:
+    """Build the GPU sources for ``--gpu-backend``. A replay trace is parsed here, so a
+    malformed one stops the agent before it starts (ReplayFormatError)."""
+    replay = cfg.replay_path
+    if replay is not None:
+        from agent.hw.replay import ReplayBackend
+
+        backend = ReplayBackend(replay)
+        return Sources(backend, backend, backend, backend)
+    if cfg.gpu_backend == "none":
+        return Sources()
+    from agent.hw.nvml import NvmlBackend
+
+    nvml = NvmlBackend(lib=nvml_lib)
+
+    def profiling_factory() -> Any:
+        # Built on first use: it needs the GPU list, and only runs when asked for.
+        from agent.hw.cupti_pm import CuptiPmSampler
+
+        return CuptiPmSampler([s.gpu for s in nvml.sample_devices()])
+
+    return Sources(nvml, nvml, profiling_factory, nvml)
+
+
+COLLECTOR_FACTORIES: dict[str, Callable[[AgentConfig, Sources], Collector]] = {
+    "process": lambda cfg, src: ProcessCollector(),
+    "gpu": lambda cfg, src: GpuCollector(src.device),
+    "gpm": lambda cfg, src: GpmCollector(src.gpm),
+    "profiling": lambda cfg, src: ProfilingCollector(src.profiling),
+    "derived": lambda cfg, src: DerivedCollector(cfg.thresholds),
+}
+
+
+def build_runner(cfg: AgentConfig, sources: Sources) -> Runner:
+    collectors = [COLLECTOR_FACTORIES[name](cfg, sources) for name in cfg.enabled]
+    targets = TargetResolver(cfg.pids, cfg.pidfile, cfg.process_name)
+    return Runner(collectors, targets, cfg.interval)
+
+
+def build_registry(runner: Runner) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(SnapshotCollector(CATALOG, runner.latest))
+    return registry
+
+
+def build_server(cfg: AgentConfig, runner: Runner) -> ExpositionServer:
+    host, port = cfg.host_port
+    return ExpositionServer(build_registry(runner), host, port, runner.version,
+                            runner.ready.is_set)

@@ -1,0 +1,100 @@
+"""Process collector: target CPU with ``pidstat -u`` semantics, hottest thread, RSS, threads and
+context switches, read from ``/proc``.
+
+Ratios need two readings, so a new target shows its counters at once and its ratios from the
+next pass on. A PID whose start time changes is a new process and starts afresh; a target that
+vanished simply stops producing series.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from agent.collectors.base import SampleContext, TargetState
+from agent.hw.procfs import CLK_TCK, ProcessGone, ProcFS
+from exporters.snapshot import Sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Prev:
+    start_ticks: int
+    at: float
+    user_ticks: int
+    system_ticks: int
+    threads: dict[int, int] = field(default_factory=dict)
+
+
+def ratio(delta_ticks: int, seconds: float) -> float:
+    """CPU seconds per wall second from a tick delta (never negative)."""
+    if seconds <= 0:
+        return 0.0
+    return max(delta_ticks, 0) / CLK_TCK / seconds
+
+
+class ProcessCollector:
+    name = "process"
+
+    def __init__(self, procfs: ProcFS | None = None, threads: bool = True) -> None:
+        self._procfs = procfs or ProcFS()
+        self._threads = threads
+        self._prev: dict[int, _Prev] = {}
+        self._boot_time: float | None = None
+
+    def update(self, ctx: SampleContext) -> list[Sample]:
+        if self._boot_time is None:
+            self._boot_time = self._procfs.boot_time()
+        out: list[Sample] = []
+        seen = set()
+        for target in ctx.targets:
+            try:
+                out.extend(self._one(ctx, target.pid))
+                seen.add(target.pid)
+            except ProcessGone as exc:
+                log.debug("target %d gone: %s", target.pid, exc)
+        for pid in [p for p in self._prev if p not in seen]:
+            del self._prev[pid]
+        return out
+
+    def _one(self, ctx: SampleContext, pid: int) -> list[Sample]:
+        st = self._procfs.stat(pid)
+        voluntary, involuntary = self._procfs.context_switches(pid)
+        threads = self._procfs.thread_user_ticks(pid) if self._threads else {}
+        labels = (str(pid), st.comm)
+        prev = self._prev.get(pid)
+        if prev is not None and prev.start_ticks != st.start_ticks:
+            prev = None  # the PID was reused by another process
+        state = TargetState(pid=pid, process=st.comm)
+        out: list[Sample] = [
+            ("mrc_process_cpu_seconds_total", labels + ("user",), st.user_ticks / CLK_TCK),
+            ("mrc_process_cpu_seconds_total", labels + ("system",), st.system_ticks / CLK_TCK),
+            ("mrc_process_resident_memory_bytes", labels, float(st.rss_bytes)),
+            ("mrc_process_threads", labels, float(st.num_threads)),
+            ("mrc_process_context_switches_total", labels + ("voluntary",), float(voluntary)),
+            ("mrc_process_context_switches_total", labels + ("involuntary",), float(involuntary)),
+            ("mrc_process_start_time_seconds", labels,
+             (self._boot_time or 0.0) + st.start_ticks / CLK_TCK),
+        ]
+        if prev is not None:
+            dt = ctx.now - prev.at
+            state.user_ratio = ratio(st.user_ticks - prev.user_ticks, dt)
+            out.append(("mrc_process_cpu_user_ratio", labels, state.user_ratio))
+            out.append(("mrc_process_cpu_system_ratio", labels,
+                        ratio(st.system_ticks - prev.system_ticks, dt)))
+            if self._threads:
+                hottest = max(
+                    (ticks - prev.threads.get(tid, ticks) for tid, ticks in threads.items()),
+                    default=0,
+                )
+                # A thread born inside the window has no previous reading: its whole
+                # lifetime falls in the window, so its ticks count from zero.
+                born = [t for tid, t in threads.items() if tid not in prev.threads]
+                hottest = max([hottest, *born])
+                state.hottest_thread_user_ratio = min(ratio(hottest, dt), state.user_ratio)
+                out.append(("mrc_process_hottest_thread_cpu_user_ratio", labels,
+                            state.hottest_thread_user_ratio))
+        ctx.processes[pid] = state
+        self._prev[pid] = _Prev(st.start_ticks, ctx.now, st.user_ticks, st.system_ticks, threads)
+        return out

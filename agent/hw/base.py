@@ -1,0 +1,121 @@
+"""The hardware boundary: what a GPU source returns, the protocols it implements, and the
+project's own error types.
+
+Everything above this module (collectors, runner, recorder) speaks only these types; the NVML,
+CUPTI and replay adapters translate their library's answers and errors into them. All fields of
+the samples are optional: ``None`` means "this source does not measure it on this GPU", which
+the collectors turn into an absent series, never into a zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class HardwareError(Exception):
+    """A hardware source failed at run time (GPU lost, timeout, driver error)."""
+
+
+class SourceUnavailable(HardwareError):
+    """The source does not apply here: no GPU, no NVML library, no GPM, no profiling permission.
+
+    ``reason`` is a short, bounded code (it becomes a label value); ``detail`` is for people.
+    """
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class GPUIdentity:
+    """Labels every per-GPU series carries."""
+
+    index: int
+    uuid: str
+    name: str
+
+    @property
+    def labels(self) -> tuple[str, str, str]:
+        return (str(self.index), self.uuid, self.name)
+
+
+@dataclass
+class DeviceSample:
+    """NVML-level device state. Rates are bytes per second, counters are cumulative."""
+
+    gpu: GPUIdentity
+    gpu_util: float | None = None  # 0-1, fraction of the sample period a kernel ran
+    mem_util: float | None = None  # 0-1, memory-controller busy fraction
+    #: Fine-grained utilisation samples ``(monotonic seconds, 0-1)`` since the last call,
+    #: oldest first, when the source keeps a sample buffer (NVML GetSamples, replay).
+    util_samples: list[tuple[float, float]] = field(default_factory=list)
+    mem_used_bytes: float | None = None
+    mem_total_bytes: float | None = None
+    pcie_tx_bytes_per_second: float | None = None
+    pcie_rx_bytes_per_second: float | None = None
+    pcie_replays_total: float | None = None
+    nvlink_tx_bytes_total: float | None = None  # summed over links
+    nvlink_rx_bytes_total: float | None = None
+    #: Per-link cumulative ``(tx_bytes, rx_bytes)``, keyed by link index.
+    nvlink_links: dict[int, tuple[float, float]] = field(default_factory=dict)
+    power_watts: float | None = None
+    sm_clock_hertz: float | None = None
+    temperature_celsius: float | None = None
+    ecc_corrected_total: float | None = None
+    ecc_uncorrected_total: float | None = None
+    xid_errors_total: float | None = None
+    last_xid: float | None = None
+    #: GPU memory held by each process, keyed by host PID.
+    process_memory_bytes: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class GpmSample:
+    """NVML GPM (Hopper+) activity ratios (0-1) and rates (bytes per second)."""
+
+    gpu: GPUIdentity
+    sm_util: float | None = None
+    sm_occupancy: float | None = None
+    tensor_util: float | None = None
+    dram_bw_util: float | None = None
+    pcie_tx_bytes_per_second: float | None = None
+    pcie_rx_bytes_per_second: float | None = None
+    nvlink_tx_bytes_per_second: float | None = None
+    nvlink_rx_bytes_per_second: float | None = None
+
+
+@dataclass
+class ProfilingSample:
+    """True hardware counters (CUPTI PM sampling), cumulative since the source started."""
+
+    gpu: GPUIdentity
+    sm_instructions_executed_total: float | None = None
+    dram_read_bytes_total: float | None = None
+
+
+class DeviceSource(Protocol):
+    """NVML-level device sampling."""
+
+    def sample_devices(self) -> list[DeviceSample]:
+        """One sample per GPU. Raises SourceUnavailable or HardwareError."""
+        ...
+
+
+class GpmSource(Protocol):
+    """GPM activity sampling."""
+
+    def sample_gpm(self) -> list[GpmSample]:
+        """One sample per GPM-capable GPU. Raises SourceUnavailable or HardwareError."""
+        ...
+
+
+class ProfilingSource(Protocol):
+    """Profiling-counter sampling."""
+
+    def sample_profiling(self) -> list[ProfilingSample]:
+        """One sample per GPU. Raises SourceUnavailable (with the driver's reason) or
+        HardwareError."""
+        ...

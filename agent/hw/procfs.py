@@ -1,0 +1,121 @@
+"""Thin adapter over Linux ``/proc``: per-process and per-thread CPU ticks, memory, threads,
+context switches and command lines.
+
+Reads the files directly instead of going through psutil because the agent samples at up to
+10 Hz and every target's threads are read each pass: one ``read()`` per file keeps a pass over
+four targets well under a millisecond. The semantics follow ``pidstat -u``: user time is
+``utime - guest_time`` (guest time is counted inside utime by the kernel and pidstat takes it
+out), in clock ticks of ``SC_CLK_TCK``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+class ProcessGone(Exception):
+    """The process (or thread) no longer exists, or its files cannot be read."""
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of ``/proc/PID/stat`` the agent uses."""
+
+    pid: int
+    comm: str
+    user_ticks: int  # utime - guest_time, like pidstat's %usr
+    system_ticks: int
+    num_threads: int
+    start_ticks: int  # starttime: ticks after boot; with pid it identifies one process
+    rss_bytes: int
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError) as exc:
+        raise ProcessGone(f"{path}: {exc.strerror or exc}") from exc
+    except OSError as exc:  # ESRCH while the process exits
+        raise ProcessGone(f"{path}: {exc}") from exc
+
+
+def parse_stat(pid: int, raw: bytes) -> ProcStat:
+    """Parse the content of ``/proc/PID/stat``.
+
+    ``comm`` may hold spaces and parentheses, so the fields are split after the *last* ``)``.
+    """
+    open_paren = raw.find(b"(")
+    close_paren = raw.rfind(b")")
+    if open_paren < 0 or close_paren < 0:
+        raise ProcessGone(f"/proc/{pid}/stat: unexpected format")
+    comm = raw[open_paren + 1 : close_paren].decode("utf-8", "replace")
+    fields = raw[close_paren + 2 :].split()
+    # fields[0] is field 3 (state) of proc(5); field N is fields[N - 3].
+    utime, stime = int(fields[11]), int(fields[12])
+    guest = int(fields[39]) if len(fields) > 39 else 0
+    return ProcStat(
+        pid=pid,
+        comm=comm,
+        user_ticks=max(utime - guest, 0),
+        system_ticks=stime,
+        num_threads=int(fields[17]),
+        start_ticks=int(fields[19]),
+        rss_bytes=int(fields[21]) * PAGE_SIZE,
+    )
+
+
+class ProcFS:
+    """Reads process data below ``root`` (``/proc``; tests may point it elsewhere)."""
+
+    def __init__(self, root: str = "/proc") -> None:
+        self.root = root
+
+    def stat(self, pid: int) -> ProcStat:
+        return parse_stat(pid, _read(f"{self.root}/{pid}/stat"))
+
+    def thread_user_ticks(self, pid: int) -> dict[int, int]:
+        """User ticks of every thread of ``pid`` (threads that exit mid-read are skipped)."""
+        base = f"{self.root}/{pid}/task"
+        try:
+            tids = os.listdir(base)
+        except OSError as exc:
+            raise ProcessGone(f"{base}: {exc.strerror}") from exc
+        out: dict[int, int] = {}
+        for tid in tids:
+            try:
+                out[int(tid)] = parse_stat(int(tid), _read(f"{base}/{tid}/stat")).user_ticks
+            except (ProcessGone, ValueError, IndexError):
+                continue
+        return out
+
+    def context_switches(self, pid: int) -> tuple[int, int]:
+        """(voluntary, involuntary) context switches of the whole process."""
+        voluntary = involuntary = 0
+        for line in _read(f"{self.root}/{pid}/status").splitlines():
+            if line.startswith(b"voluntary_ctxt_switches:"):
+                voluntary = int(line.split()[1])
+            elif line.startswith(b"nonvoluntary_ctxt_switches:"):
+                involuntary = int(line.split()[1])
+        return voluntary, involuntary
+
+    def cmdline(self, pid: int) -> str:
+        """The command line with NUL separators turned into spaces."""
+        return _read(f"{self.root}/{pid}/cmdline").replace(b"\0", b" ").decode(
+            "utf-8", "replace"
+        ).strip()
+
+    def pids(self) -> list[int]:
+        """All process IDs currently in ``root``."""
+        return [int(name) for name in os.listdir(self.root) if name.isdigit()]
+
+    def boot_time(self) -> float:
+        """Seconds since the epoch at boot, from ``/proc/stat``'s ``btime``."""
+        for line in _read(f"{self.root}/stat").splitlines():
+            if line.startswith(b"btime"):
+                return float(line.split()[1])
+        raise ProcessGone(f"{self.root}/stat: no btime")

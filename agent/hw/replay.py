@@ -1,0 +1,241 @@
+"""Replay backend: plays a JSON Lines GPU trace at wall-clock pace, looping forever.
+
+One object per GPU per sample (format in ``docs/replay-format.md``)::
+
+    {"t": 0.0, "gpu": 0, "uuid": "GPU-…", "name": "NVIDIA H200", "gpu_util": 0.93, ...}
+
+``t`` is seconds from the trace start. At agent time ``e`` after start the trace position is
+``e mod period`` and each GPU shows its latest record at or before that position. Cumulative
+counters keep growing across loops: each loop adds the trace's own increase plus one mean step,
+so ``rate()`` stays continuous over the seam. The same field table drives ``mrc-agent record``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.hw.base import (
+    DeviceSample,
+    GpmSample,
+    GPUIdentity,
+    ProfilingSample,
+    SourceUnavailable,
+)
+
+#: Trace field -> (sample kind, attribute, kind of value). Kinds of value: "ratio" (0-1),
+#: "counter" (cumulative, non-decreasing), "gauge" (any non-negative number).
+TRACE_FIELDS: dict[str, tuple[str, str, str]] = {
+    "gpu_util": ("device", "gpu_util", "ratio"),
+    "mem_util": ("device", "mem_util", "ratio"),
+    "mem_used_bytes": ("device", "mem_used_bytes", "gauge"),
+    "mem_total_bytes": ("device", "mem_total_bytes", "gauge"),
+    "pcie_tx_bytes_per_second": ("device", "pcie_tx_bytes_per_second", "gauge"),
+    "pcie_rx_bytes_per_second": ("device", "pcie_rx_bytes_per_second", "gauge"),
+    "pcie_replays_total": ("device", "pcie_replays_total", "counter"),
+    "nvlink_tx_bytes_total": ("device", "nvlink_tx_bytes_total", "counter"),
+    "nvlink_rx_bytes_total": ("device", "nvlink_rx_bytes_total", "counter"),
+    "power_watts": ("device", "power_watts", "gauge"),
+    "sm_clock_hertz": ("device", "sm_clock_hertz", "gauge"),
+    "temperature_celsius": ("device", "temperature_celsius", "gauge"),
+    "ecc_corrected_total": ("device", "ecc_corrected_total", "counter"),
+    "ecc_uncorrected_total": ("device", "ecc_uncorrected_total", "counter"),
+    "xid_errors_total": ("device", "xid_errors_total", "counter"),
+    "sm_util": ("gpm", "sm_util", "ratio"),
+    "sm_occupancy": ("gpm", "sm_occupancy", "ratio"),
+    "tensor_util": ("gpm", "tensor_util", "ratio"),
+    "dram_bw_util": ("gpm", "dram_bw_util", "ratio"),
+    "gpm_pcie_tx_bytes_per_second": ("gpm", "pcie_tx_bytes_per_second", "gauge"),
+    "gpm_pcie_rx_bytes_per_second": ("gpm", "pcie_rx_bytes_per_second", "gauge"),
+    "nvlink_tx_bytes_per_second": ("gpm", "nvlink_tx_bytes_per_second", "gauge"),
+    "nvlink_rx_bytes_per_second": ("gpm", "nvlink_rx_bytes_per_second", "gauge"),
+    "sm_instructions_executed_total": ("profiling", "sm_instructions_executed_total", "counter"),
+    "dram_read_bytes_total": ("profiling", "dram_read_bytes_total", "counter"),
+}
+
+#: At most this many fine-grained utilisation points are handed out per sampling pass.
+_MAX_UTIL_POINTS = 10_000
+
+
+class ReplayFormatError(ValueError):
+    """The trace is malformed; the message names the file, the line and the reason."""
+
+
+@dataclass
+class _GpuTrace:
+    identity: GPUIdentity
+    times: list[float] = field(default_factory=list)
+    records: list[dict[str, float]] = field(default_factory=list)
+    loop_increment: dict[str, float] = field(default_factory=dict)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def load_trace(path: str) -> dict[int, _GpuTrace]:
+    """Parse and validate a trace; raises ReplayFormatError with ``path:line: reason``."""
+    gpus: dict[int, _GpuTrace] = {}
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as exc:
+        raise ReplayFormatError(f"{path}: cannot read replay trace: {exc.strerror}") from exc
+    with f:
+        for lineno, line in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ReplayFormatError(f"{where}: not valid JSON ({exc.msg})") from exc
+            if not isinstance(obj, dict):
+                raise ReplayFormatError(f"{where}: expected a JSON object")
+            t, gpu = obj.get("t"), obj.get("gpu")
+            if not _number(t) or t < 0:
+                raise ReplayFormatError(f"{where}: 't' must be a number >= 0")
+            if not isinstance(gpu, int) or isinstance(gpu, bool) or gpu < 0:
+                raise ReplayFormatError(f"{where}: 'gpu' must be an integer >= 0")
+            uuid = obj.get("uuid", f"GPU-replay-{gpu}")
+            name = obj.get("name", "replay")
+            if not isinstance(uuid, str) or not isinstance(name, str):
+                raise ReplayFormatError(f"{where}: 'uuid' and 'name' must be strings")
+            trace = gpus.get(gpu)
+            if trace is None:
+                trace = gpus[gpu] = _GpuTrace(GPUIdentity(gpu, uuid, name))
+            elif trace.identity.uuid != uuid:
+                raise ReplayFormatError(f"{where}: gpu {gpu} changed uuid to {uuid!r}")
+            if trace.times and t < trace.times[-1]:
+                raise ReplayFormatError(f"{where}: 't' goes backwards for gpu {gpu}")
+            record: dict[str, float] = {}
+            for key, value in obj.items():
+                spec = TRACE_FIELDS.get(key)
+                if spec is None:
+                    continue  # more fields are allowed
+                if not _number(value) or value < 0:
+                    raise ReplayFormatError(f"{where}: {key!r} must be a number >= 0")
+                if spec[2] == "ratio" and value > 1:
+                    raise ReplayFormatError(f"{where}: {key!r} is a 0-1 ratio, got {value}")
+                if spec[2] == "counter" and trace.records:
+                    prev = next((r[key] for r in reversed(trace.records) if key in r), None)
+                    if prev is not None and value < prev:
+                        raise ReplayFormatError(
+                            f"{where}: counter {key!r} decreases ({prev} -> {value})")
+                record[key] = float(value)
+            trace.times.append(float(t))
+            trace.records.append(record)
+    if not gpus:
+        raise ReplayFormatError(f"{path}: the trace holds no samples")
+    for trace in gpus.values():
+        _fill_loop_increments(trace)
+    return gpus
+
+
+def _fill_loop_increments(trace: _GpuTrace) -> None:
+    counters = {k for k, spec in TRACE_FIELDS.items() if spec[2] == "counter"}
+    for key in counters:
+        values = [r[key] for r in trace.records if key in r]
+        if not values:
+            continue
+        rise = values[-1] - values[0]
+        step = rise / (len(values) - 1) if len(values) > 1 else 0.0
+        trace.loop_increment[key] = rise + step
+
+
+def _period(gpus: dict[int, _GpuTrace]) -> float:
+    last = max(tr.times[-1] for tr in gpus.values())
+    steps = sorted(
+        b - a for tr in gpus.values() for a, b in zip(tr.times, tr.times[1:]) if b > a
+    )
+    step = steps[len(steps) // 2] if steps else 1.0
+    return last + step
+
+
+class ReplayBackend:
+    """Implements DeviceSource, GpmSource and ProfilingSource from a trace file."""
+
+    def __init__(self, path: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = path
+        self._gpus = load_trace(path)
+        self._period = _period(self._gpus)
+        self._clock = clock
+        self._start = clock()
+        # Last (loop, index) handed out as fine-grained utilisation, per GPU.
+        self._util_cursor: dict[int, tuple[int, int]] = {}
+        kinds = {TRACE_FIELDS[k][0] for tr in self._gpus.values() for r in tr.records for k in r}
+        self._has = kinds
+
+    @property
+    def period(self) -> float:
+        return self._period
+
+    @property
+    def identities(self) -> list[GPUIdentity]:
+        return [tr.identity for _, tr in sorted(self._gpus.items())]
+
+    def _position(self, now: float) -> tuple[int, float]:
+        elapsed = max(now - self._start, 0.0)
+        loop = int(elapsed // self._period)
+        return loop, elapsed - loop * self._period
+
+    def _current(self, kind: str) -> list[tuple[GPUIdentity, dict[str, float]]]:
+        loop, pos = self._position(self._clock())
+        out = []
+        for _, trace in sorted(self._gpus.items()):
+            idx = max(bisect.bisect_right(trace.times, pos) - 1, 0)
+            values: dict[str, float] = {}
+            for key, value in trace.records[idx].items():
+                spec = TRACE_FIELDS[key]
+                if spec[0] != kind:
+                    continue
+                if spec[2] == "counter":
+                    value += loop * trace.loop_increment.get(key, 0.0)
+                values[spec[1]] = value
+            out.append((trace.identity, values))
+        return out
+
+    def _util_points(self, gpu: int, trace: _GpuTrace) -> list[tuple[float, float]]:
+        loop, pos = self._position(self._clock())
+        idx = max(bisect.bisect_right(trace.times, pos) - 1, 0)
+        last = self._util_cursor.get(gpu)
+        self._util_cursor[gpu] = (loop, idx)
+        n = len(trace.times)
+        if last is None:
+            steps = [(loop, idx)]
+        else:
+            flat_last = last[0] * n + last[1]
+            flat_now = loop * n + idx
+            first = max(flat_last + 1, flat_now - _MAX_UTIL_POINTS + 1)
+            steps = [divmod(i, n) for i in range(first, flat_now + 1)]
+        points = []
+        for lp, i in steps:
+            util = trace.records[i].get("gpu_util")
+            if util is not None:
+                points.append((self._start + lp * self._period + trace.times[i], util))
+        return points
+
+    def sample_devices(self) -> list[DeviceSample]:
+        if "device" not in self._has:
+            raise SourceUnavailable("not_in_trace", f"{self.path} has no NVML-level fields")
+        out = []
+        for identity, values in self._current("device"):
+            sample = DeviceSample(gpu=identity, **values)
+            sample.util_samples = self._util_points(identity.index, self._gpus[identity.index])
+            out.append(sample)
+        return out
+
+    def sample_gpm(self) -> list[GpmSample]:
+        if "gpm" not in self._has:
+            raise SourceUnavailable("gpm_unsupported", f"{self.path} has no GPM fields")
+        return [GpmSample(gpu=i, **v) for i, v in self._current("gpm") if v]
+
+    def sample_profiling(self) -> list[ProfilingSample]:
+        if "profiling" not in self._has:
+            raise SourceUnavailable(
+                "not_in_trace", f"{self.path} has no profiling-counter fields")
+        return [ProfilingSample(gpu=i, **v) for i, v in self._current("profiling") if v]

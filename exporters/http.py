@@ -1,0 +1,136 @@
+"""HTTP exposition server: ``/metrics`` (Prometheus text or OpenMetrics, gzip when asked),
+``/healthz`` (live) and ``/readyz`` (first sample taken).
+
+The rendered body is cached per snapshot version and format, so fifty scrapers of the same
+snapshot cost one render; a scrape never touches hardware. The socket is bound in the
+constructor so that "address in use" surfaces before the agent starts sampling.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import CollectorRegistry
+
+log = logging.getLogger(__name__)
+
+_INDEX = b"""<html><head><title>mrc-agent</title></head><body><h1>mrc-agent</h1>
+<p><a href="/metrics">/metrics</a> &middot; <a href="/healthz">/healthz</a> &middot;
+<a href="/readyz">/readyz</a></p></body></html>
+"""
+
+
+class _RenderCache:
+    """Rendered exposition bodies keyed by (snapshot version, content type, gzip)."""
+
+    def __init__(self, registry: CollectorRegistry, version: Callable[[], int]) -> None:
+        self._registry = registry
+        self._version = version
+        self._lock = threading.Lock()
+        self._key: tuple[int, str] | None = None
+        self._bodies: dict[tuple[int, str, bool], bytes] = {}
+
+    def render(self, accept: str, gzipped: bool) -> tuple[bytes, str]:
+        encoder, content_type = choose_encoder(accept)
+        version = self._version()
+        key = (version, content_type, gzipped)
+        body = self._bodies.get(key)
+        if body is None:
+            with self._lock:
+                body = self._bodies.get(key)
+                if body is None:
+                    body = encoder(self._registry)
+                    if gzipped:
+                        body = gzip.compress(body, compresslevel=1)
+                    # Keep only the current version's bodies.
+                    self._bodies = {k: v for k, v in self._bodies.items() if k[0] == version}
+                    self._bodies[key] = body
+        return body, content_type
+
+
+class ExpositionServer:
+    """A threaded HTTP server for the agent's endpoints. ``port`` 0 picks a free port."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        host: str,
+        port: int,
+        version: Callable[[], int],
+        ready: Callable[[], bool],
+    ) -> None:
+        cache = _RenderCache(registry, version)
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive for Prometheus' connection reuse
+            server_version = "mrc-agent"
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+                log.debug("%s " + format, self.address_string(), *args)
+
+            def _send(self, status: int, body: bytes, ctype: str,
+                      extra: dict[str, str] | None = None) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                for k, v in (extra or {}).items():
+                    self.send_header(k, v)
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def do_GET(self) -> None:  # noqa: N802
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    gz = "gzip" in self.headers.get("Accept-Encoding", "")
+                    body, ctype = cache.render(self.headers.get("Accept", ""), gz)
+                    self._send(200, body, ctype, {"Content-Encoding": "gzip"} if gz else None)
+                elif path == "/healthz":
+                    self._send(200, b"ok\n", "text/plain; charset=utf-8")
+                elif path == "/readyz":
+                    if ready():
+                        self._send(200, b"ready\n", "text/plain; charset=utf-8")
+                    else:
+                        self._send(503, b"no sample taken yet\n", "text/plain; charset=utf-8")
+                elif path == "/":
+                    self._send(200, _INDEX, "text/html; charset=utf-8")
+                else:
+                    self._send(404, b"not found\n", "text/plain; charset=utf-8")
+
+            do_HEAD = do_GET
+
+            def _not_allowed(self) -> None:
+                self._send(405, b"method not allowed\n", "text/plain; charset=utf-8",
+                           {"Allow": "GET, HEAD"})
+
+            do_POST = do_PUT = do_DELETE = do_PATCH = _not_allowed
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+            request_queue_size = 128  # 50+ concurrent scrapers must not see refused connects
+
+        if ":" in host and not host.startswith("["):
+            Server.address_family = socket.AF_INET6
+        self._httpd = Server((host.strip("[]"), port), Handler)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self._httpd.server_address[1])
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
+            name="mrc-agent-http", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
