@@ -29,7 +29,8 @@ def _m(name: str, kind: str, collector: str, labels: tuple[str, ...], help_: str
 
 
 AGENT = [
-    _m("mrc_agent_build_info", "info", "agent", (), "Version of the agent and of Python it runs on."),
+    _m("mrc_agent_build_info", "info", "agent", (),
+       "Version of the agent and of Python it runs on."),
     _m("mrc_agent_collector_success", "gauge", "agent", ("collector",),
        "Whether the collector's last update succeeded (1) or failed or had no data (0)."),
     _m("mrc_agent_collector_available", "gauge", "agent", ("collector",),

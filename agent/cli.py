@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run the sidecar agent")
     _agent_flags(run)
-    run.add_argument("--listen", metavar="HOST:PORT", help=f"address to serve on ({DEFAULT_LISTEN})")
+    run.add_argument("--listen", metavar="HOST:PORT",
+                     help=f"address to serve on ({DEFAULT_LISTEN})")
     run.add_argument("--interval", type=float, metavar="SECONDS", help="sampling period (1)")
 
     rec = sub.add_parser("record", help="record a replay trace from the local GPUs")

@@ -21,7 +21,8 @@ PATTERNS = ("starved", "busy", "low_nvlink")
 H200_MEMORY = 143_771_000_832  # bytes NVML reports on an H200 141 GB
 
 
-def _row(t: float, gpu: int, pattern: str, counters: dict[str, float], step: float) -> dict[str, Any]:
+def _row(t: float, gpu: int, pattern: str, counters: dict[str, float],
+         step: float) -> dict[str, Any]:
     if pattern == "starved":
         busy = (t % 3.0) < 0.6
         util = 0.97 if busy else 0.0

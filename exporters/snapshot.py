@@ -146,7 +146,8 @@ class SnapshotCollector(Collector):
             if family is None:
                 family = families[name] = _family(self._specs[name])
             if isinstance(value, HistogramValue):
-                buckets = [(_fmt_bound(b), c) for b, c in zip(value.bounds, value.counts)]
+                pairs = zip(value.bounds, value.counts, strict=True)
+                buckets = [(_fmt_bound(b), c) for b, c in pairs]
                 buckets.append(("+Inf", value.total))
                 family.add_metric(list(labels), buckets, value.sum)  # type: ignore[attr-defined]
             else:

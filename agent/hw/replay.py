@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from agent.hw.base import (
     DeviceSample,
@@ -72,9 +72,10 @@ class _GpuTrace:
     times: list[float] = field(default_factory=list)
     records: list[dict[str, float]] = field(default_factory=list)
     loop_increment: dict[str, float] = field(default_factory=dict)
+    last_counter: dict[str, float] = field(default_factory=dict)
 
 
-def _number(value: Any) -> bool:
+def _number(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -82,53 +83,56 @@ def load_trace(path: str) -> dict[int, _GpuTrace]:
     """Parse and validate a trace; raises ReplayFormatError with ``path:line: reason``."""
     gpus: dict[int, _GpuTrace] = {}
     try:
-        f = open(path, encoding="utf-8")
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
     except OSError as exc:
         raise ReplayFormatError(f"{path}: cannot read replay trace: {exc.strerror}") from exc
-    with f:
-        for lineno, line in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ReplayFormatError(f"{where}: not valid JSON ({exc.msg})") from exc
-            if not isinstance(obj, dict):
-                raise ReplayFormatError(f"{where}: expected a JSON object")
-            t, gpu = obj.get("t"), obj.get("gpu")
-            if not _number(t) or t < 0:
-                raise ReplayFormatError(f"{where}: 't' must be a number >= 0")
-            if not isinstance(gpu, int) or isinstance(gpu, bool) or gpu < 0:
-                raise ReplayFormatError(f"{where}: 'gpu' must be an integer >= 0")
-            uuid = obj.get("uuid", f"GPU-replay-{gpu}")
-            name = obj.get("name", "replay")
-            if not isinstance(uuid, str) or not isinstance(name, str):
-                raise ReplayFormatError(f"{where}: 'uuid' and 'name' must be strings")
-            trace = gpus.get(gpu)
-            if trace is None:
-                trace = gpus[gpu] = _GpuTrace(GPUIdentity(gpu, uuid, name))
-            elif trace.identity.uuid != uuid:
-                raise ReplayFormatError(f"{where}: gpu {gpu} changed uuid to {uuid!r}")
-            if trace.times and t < trace.times[-1]:
-                raise ReplayFormatError(f"{where}: 't' goes backwards for gpu {gpu}")
-            record: dict[str, float] = {}
-            for key, value in obj.items():
-                spec = TRACE_FIELDS.get(key)
-                if spec is None:
-                    continue  # more fields are allowed
-                if not _number(value) or value < 0:
-                    raise ReplayFormatError(f"{where}: {key!r} must be a number >= 0")
-                if spec[2] == "ratio" and value > 1:
-                    raise ReplayFormatError(f"{where}: {key!r} is a 0-1 ratio, got {value}")
-                if spec[2] == "counter" and trace.records:
-                    prev = next((r[key] for r in reversed(trace.records) if key in r), None)
-                    if prev is not None and value < prev:
-                        raise ReplayFormatError(
-                            f"{where}: counter {key!r} decreases ({prev} -> {value})")
-                record[key] = float(value)
-            trace.times.append(float(t))
-            trace.records.append(record)
+    except UnicodeDecodeError as exc:
+        raise ReplayFormatError(f"{path}: not UTF-8 text ({exc.reason})") from exc
+    for lineno, line in enumerate(lines, 1):
+        where = f"{path}:{lineno}"
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ReplayFormatError(f"{where}: not valid JSON ({exc.msg})") from exc
+        if not isinstance(obj, dict):
+            raise ReplayFormatError(f"{where}: expected a JSON object")
+        t, gpu = obj.get("t"), obj.get("gpu")
+        if not _number(t) or t < 0:
+            raise ReplayFormatError(f"{where}: 't' must be a number >= 0")
+        if not isinstance(gpu, int) or isinstance(gpu, bool) or gpu < 0:
+            raise ReplayFormatError(f"{where}: 'gpu' must be an integer >= 0")
+        uuid = obj.get("uuid", f"GPU-replay-{gpu}")
+        name = obj.get("name", "replay")
+        if not isinstance(uuid, str) or not isinstance(name, str):
+            raise ReplayFormatError(f"{where}: 'uuid' and 'name' must be strings")
+        trace = gpus.get(gpu)
+        if trace is None:
+            trace = gpus[gpu] = _GpuTrace(GPUIdentity(gpu, uuid, name))
+        elif trace.identity.uuid != uuid:
+            raise ReplayFormatError(f"{where}: gpu {gpu} changed uuid to {uuid!r}")
+        if trace.times and t < trace.times[-1]:
+            raise ReplayFormatError(f"{where}: 't' goes backwards for gpu {gpu}")
+        record: dict[str, float] = {}
+        for key, value in obj.items():
+            spec = TRACE_FIELDS.get(key)
+            if spec is None:
+                continue  # more fields are allowed
+            if not _number(value) or value < 0:
+                raise ReplayFormatError(f"{where}: {key!r} must be a number >= 0")
+            if spec[2] == "ratio" and value > 1:
+                raise ReplayFormatError(f"{where}: {key!r} is a 0-1 ratio, got {value}")
+            if spec[2] == "counter":
+                prev = trace.last_counter.get(key)
+                if prev is not None and value < prev:
+                    raise ReplayFormatError(
+                        f"{where}: counter {key!r} decreases ({prev} -> {value})")
+                trace.last_counter[key] = float(value)
+            record[key] = float(value)
+        trace.times.append(float(t))
+        trace.records.append(record)
     if not gpus:
         raise ReplayFormatError(f"{path}: the trace holds no samples")
     for trace in gpus.values():
@@ -150,7 +154,7 @@ def _fill_loop_increments(trace: _GpuTrace) -> None:
 def _period(gpus: dict[int, _GpuTrace]) -> float:
     last = max(tr.times[-1] for tr in gpus.values())
     steps = sorted(
-        b - a for tr in gpus.values() for a, b in zip(tr.times, tr.times[1:]) if b > a
+        b - a for tr in gpus.values() for a, b in zip(tr.times, tr.times[1:], strict=False) if b > a
     )
     step = steps[len(steps) // 2] if steps else 1.0
     return last + step
@@ -224,7 +228,7 @@ class ReplayBackend:
             raise SourceUnavailable("not_in_trace", f"{self.path} has no NVML-level fields")
         out = []
         for identity, values in self._current("device"):
-            sample = DeviceSample(gpu=identity, **values)
+            sample = DeviceSample(gpu=identity, **values)  # type: ignore[arg-type]
             sample.util_samples = self._util_points(identity.index, self._gpus[identity.index])
             out.append(sample)
         return out

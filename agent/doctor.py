@@ -1,0 +1,173 @@
+"""``mrc-agent doctor``: a table of what this host can deliver, and a non-zero exit when a
+collector that was asked for cannot run.
+
+"Asked for" means named with ``--collector``, or a GPU collector under an explicit
+``--gpu-backend nvml``/``replay:…``, or the process collector when targets are configured. The
+defaults under ``--gpu-backend auto`` are best-effort and never fail the doctor.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from agent.config import AgentConfig, ConfigError
+from agent.hw.base import HardwareError, SourceUnavailable
+from agent.hw.procfs import ProcessGone, ProcFS
+from agent.targets import TargetResolver
+
+CAP_SYS_PTRACE = 19
+EXIT_MISSING = 1
+
+
+@dataclass
+class Check:
+    what: str
+    ok: bool | None  # None: informational
+    detail: str
+    collector: str = ""
+
+
+def _ptrace_ok(pid: int, procfs: ProcFS) -> tuple[bool, str]:
+    """Whether py-spy could attach to ``pid`` from here (root/CAP_SYS_PTRACE or same UID
+    under a permissive Yama scope)."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            scope = int(f.read().strip())
+    except OSError:
+        scope = 0
+    cap = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("CapEff:"):
+                cap = int(line.split()[1], 16)
+    if cap & (1 << CAP_SYS_PTRACE):
+        return (scope < 3, f"CAP_SYS_PTRACE held, yama ptrace_scope={scope}")
+    try:
+        uid = os.stat(f"{procfs.root}/{pid}").st_uid
+    except OSError as exc:
+        return (False, str(exc))
+    if uid != os.getuid():
+        return (False, "different user and no CAP_SYS_PTRACE")
+    if scope >= 1:
+        return (False, f"yama ptrace_scope={scope} allows only descendants; add CAP_SYS_PTRACE")
+    return (True, "same user, yama ptrace_scope=0")
+
+
+def gather(cfg: AgentConfig, nvml_lib: Any | None = None, cupti_lib: Any | None = None,
+           procfs: ProcFS | None = None) -> list[Check]:
+    procfs = procfs or ProcFS()
+    checks: list[Check] = []
+    replay = cfg.replay_path
+    if replay is not None:
+        from agent.hw.replay import ReplayBackend, ReplayFormatError
+
+        try:
+            backend = ReplayBackend(replay)
+        except ReplayFormatError as exc:
+            raise ConfigError(str(exc)) from exc
+        ids = backend.identities
+        checks.append(Check("replay trace", True, f"{replay}: {len(ids)} GPU(s), period "
+                            f"{backend.period:.1f} s", "gpu"))
+        for kind, method in (("gpm", backend.sample_gpm), ("profiling", backend.sample_profiling)):
+            try:
+                method()
+                checks.append(Check(f"{kind} fields", True, "present in the trace", kind))
+            except SourceUnavailable as exc:
+                checks.append(Check(f"{kind} fields", False, str(exc), kind))
+    elif cfg.gpu_backend == "none":
+        checks.append(Check("GPU backend", None, "none: GPU collectors are off"))
+    else:
+        from agent.hw.nvml import NvmlBackend
+
+        nvml = NvmlBackend(lib=nvml_lib)
+        info = nvml.info()
+        if not info["available"]:
+            checks.append(Check("NVML", False, info["error"] or info["reason"] or "unavailable",
+                                "gpu"))
+            checks.append(Check("GPM", False, "needs NVML", "gpm"))
+            checks.append(Check("profiling counters", False, "needs NVML", "profiling"))
+        else:
+            checks.append(Check("NVML", True, f"driver {info['driver_version']}, NVML "
+                                f"{info['nvml_version']}, CUDA {info['cuda_driver_version']}",
+                                "gpu"))
+            gpus = info["gpus"]
+            checks.append(Check("GPUs", bool(gpus), ", ".join(
+                f"{g['index']}: {g['name']} {g['uuid']}" for g in gpus) or "none", "gpu"))
+            gpm = [g["index"] for g in gpus if g.get("gpm_supported")]
+            checks.append(Check("GPM", bool(gpm), f"supported on GPU(s) {gpm}" if gpm else
+                                "not supported (Hopper or newer needed)", "gpm"))
+            links = {g["index"]: g.get("nvlink_active_links", 0) for g in gpus}
+            checks.append(Check("NVLink", None, ", ".join(
+                f"GPU {i}: {n} active link(s)" for i, n in links.items())))
+            checks.append(_profiling_check(nvml, cupti_lib))
+        nvml.close()
+    checks.extend(_target_checks(cfg, procfs))
+    for tool in ("py-spy", "pidstat"):
+        path = shutil.which(tool)
+        checks.append(Check(tool, None, path or "not installed"))
+    return checks
+
+
+def _profiling_check(nvml: Any, cupti_lib: Any | None) -> Check:
+    from agent.hw.cupti_pm import CuptiPmSampler
+
+    try:
+        devices = [s.gpu for s in nvml.sample_devices()]
+        sampler = CuptiPmSampler(devices, lib=cupti_lib)
+        try:
+            sampler.sample_profiling()
+            return Check("profiling counters", True, "CUPTI PM sampling works", "profiling")
+        finally:
+            sampler.close()
+    except SourceUnavailable as exc:
+        return Check("profiling counters", False, f"{exc.reason}: {exc.detail}", "profiling")
+    except HardwareError as exc:
+        return Check("profiling counters", False, str(exc), "profiling")
+
+
+def _target_checks(cfg: AgentConfig, procfs: ProcFS) -> list[Check]:
+    resolver = TargetResolver(cfg.pids, cfg.pidfile, cfg.process_name, procfs=procfs)
+    if not resolver.configured:
+        return [Check("targets", None, "none configured (--pid, --pidfile, --process-name)")]
+    targets = resolver.resolve()
+    if not targets:
+        return [Check("targets", False, "no process matches", "process")]
+    out = []
+    for t in targets:
+        try:
+            st = procfs.stat(t.pid)
+            procfs.thread_user_ticks(t.pid)
+            out.append(Check(f"target {t.pid}", True, f"{st.comm}: /proc readable", "process"))
+        except ProcessGone as exc:
+            out.append(Check(f"target {t.pid}", False, str(exc), "process"))
+            continue
+        ok, why = _ptrace_ok(t.pid, procfs)
+        out.append(Check(f"ptrace {t.pid} (py-spy)", ok, why))
+    return out
+
+
+def render(checks: list[Check], out: TextIO) -> None:
+    width = max(len(c.what) for c in checks)
+    for c in checks:
+        mark = {True: "ok  ", False: "FAIL", None: "info"}[c.ok]
+        out.write(f"{mark}  {c.what.ljust(width)}  {c.detail}\n")
+
+
+def run_doctor(cfg: AgentConfig, explicit_collectors: set[str], explicit_backend: bool,
+               out: TextIO = sys.stdout, **libs: Any) -> int:
+    checks = gather(cfg, **libs)
+    render(checks, out)
+    requested = set(explicit_collectors)
+    if explicit_backend and cfg.gpu_backend != "none":
+        requested |= {"gpu"} | ({"gpm"} if cfg.collectors.get("gpm") else set())
+    if cfg.pids or cfg.pidfile or cfg.process_name:
+        requested.add("process")
+    failed = sorted({c.collector for c in checks if c.ok is False and c.collector in requested})
+    if failed:
+        out.write(f"\nrequested collector(s) cannot run: {', '.join(failed)}\n")
+        return EXIT_MISSING
+    return 0

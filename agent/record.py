@@ -1,0 +1,104 @@
+"""``mrc-agent record``: write a replay trace from the local GPUs.
+
+The output is the replay format (``docs/replay-format.md``), built from the same field table the
+replay backend reads, so a recording replays without conversion. Device, GPM and profiling
+samples are merged per GPU per tick; a source that is unavailable is skipped with one line on
+stderr and its fields are simply absent.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from agent.hw.base import HardwareError, SourceUnavailable
+from agent.hw.replay import TRACE_FIELDS
+
+#: (sample kind, attribute) -> trace field, the inverse of the replay table.
+_FIELD_OF = {(kind, attr): key for key, (kind, attr, _) in TRACE_FIELDS.items()}
+
+EXIT_NO_GPU = 1
+
+
+@dataclass
+class RecordSources:
+    device: Any
+    gpm: Any = None
+    profiling: Any = None
+
+
+def _merge(rows: dict[int, dict[str, Any]], kind: str, samples: list[Any]) -> None:
+    for s in samples:
+        row = rows.setdefault(s.gpu.index, {"gpu": s.gpu.index, "uuid": s.gpu.uuid,
+                                             "name": s.gpu.name})
+        for (k, attr), key in _FIELD_OF.items():
+            if k == kind:
+                value = getattr(s, attr, None)
+                if value is not None:
+                    row[key] = value
+
+
+def record(sources: RecordSources, out: TextIO, duration: float, interval: float,
+           clock: Callable[[], float] = time.monotonic,
+           sleep: Callable[[float], None] = time.sleep, err: TextIO = sys.stderr) -> int:
+    """Sample every ``interval`` for ``duration`` seconds; returns the number of lines."""
+    said: set[str] = set()
+    kinds = [("device", sources.device, "sample_devices"), ("gpm", sources.gpm, "sample_gpm"),
+             ("profiling", sources.profiling, "sample_profiling")]
+    start = clock()
+    lines = 0
+    tick = 0
+    while True:
+        now = clock()
+        if now - start > duration:
+            break
+        rows: dict[int, dict[str, Any]] = {}
+        for kind, source, method in kinds:
+            if source is None:
+                continue
+            try:
+                _merge(rows, kind, getattr(source, method)())
+            except (SourceUnavailable, HardwareError) as exc:
+                if kind == "device" and isinstance(exc, SourceUnavailable):
+                    raise
+                if f"{kind}{exc}" not in said:
+                    print(f"mrc-agent record: {kind} not recorded: {exc}", file=err)
+                    said.add(f"{kind}{exc}")
+        t = round(now - start, 4)
+        for index in sorted(rows):
+            out.write(json.dumps({"t": t, **rows[index]}) + "\n")
+            lines += 1
+        tick += 1
+        sleep(max(start + tick * interval - clock(), 0.0))
+    return lines
+
+
+def run_record(path: str, duration: float, interval: float, profiling: bool) -> int:
+    from agent.hw.nvml import NvmlBackend
+
+    nvml = NvmlBackend()
+    sources = RecordSources(device=nvml, gpm=nvml)
+    try:
+        if profiling:
+            from agent.hw.cupti_pm import CuptiPmSampler
+
+            sources.profiling = CuptiPmSampler([s.gpu for s in nvml.sample_devices()],
+                                               interval_s=min(interval, 0.1))
+        with open(path, "w", encoding="utf-8") as out:
+            lines = record(sources, out, duration, interval)
+    except SourceUnavailable as exc:
+        print(f"mrc-agent record: error: no GPU to record from ({exc})", file=sys.stderr)
+        return EXIT_NO_GPU
+    except OSError as exc:
+        print(f"mrc-agent record: error: cannot write {path}: {exc.strerror}", file=sys.stderr)
+        return EXIT_NO_GPU
+    finally:
+        if sources.profiling is not None:
+            sources.profiling.close()
+        nvml.close()
+    print(f"mrc-agent record: wrote {lines} samples to {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,124 @@
+"""Shared fixtures: real child processes to watch and a real agent process on loopback."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).resolve().parent / "data"
+
+BUSY = "import time\nend = time.time() + {life}\nwhile time.time() < end: pass\n"
+IDLE = "import time\ntime.sleep({life})\n"
+#: One hot thread among several sleepers: the process total is ~1 core, the hottest thread too.
+THREADED = """
+import threading, time
+end = time.time() + {life}
+def spin():
+    while time.time() < end: pass
+def nap():
+    while time.time() < end: time.sleep(0.05)
+for f in [spin, nap, nap, nap]:
+    threading.Thread(target=f, daemon=True).start()
+time.sleep({life})
+"""
+
+
+class Procs:
+    """Spawns bounded-lifetime Python children and kills them all at teardown."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(self, code: str, life: float = 60.0, *extra: str) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen([sys.executable, "-c", code.format(life=life), *extra])
+        self.procs.append(p)
+        return p
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture
+def procs() -> Iterator[Procs]:
+    p = Procs()
+    yield p
+    p.close()
+
+
+class AgentProcess:
+    """A real ``mrc-agent run`` subprocess on an ephemeral loopback port."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "agent", "run", "--listen", "127.0.0.1:0", *args],
+            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+            env={**os.environ, **(env or {})}, cwd=REPO)
+        self.log: list[str] = []
+        self.port = 0
+        deadline = time.monotonic() + 20
+        assert self.proc.stderr is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                break
+            self.log.append(line)
+            m = re.search(r"listening on http://[^ ]+:(\d+)/metrics", line)
+            if m:
+                self.port = int(m.group(1))
+                break
+        if not self.port:
+            self.proc.kill()
+            raise AssertionError("agent did not start: " + "".join(self.log))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            return self.proc.wait(10)
+        finally:
+            self.proc.kill()
+
+
+@pytest.fixture
+def agent_factory() -> Iterator[type[AgentProcess]]:
+    started: list[AgentProcess] = []
+
+    class Factory(AgentProcess):
+        def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+            super().__init__(*args, env=env)
+            started.append(self)
+
+    yield Factory
+    for a in started:
+        a.stop()
+
+
+def parse_metrics(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Prometheus text -> {(name, labels): value}, via prometheus-client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def series(metrics: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str,
+           **labels: str) -> list[float]:
+    want = set(labels.items())
+    return [v for (n, ls), v in metrics.items() if n == name and want <= ls]

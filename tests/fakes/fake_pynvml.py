@@ -1,0 +1,449 @@
+"""A hand-written, data-driven stand-in for the parts of ``pynvml`` that ``agent/hw/nvml.py``
+calls, so the NVML adapter can be tested on machines without a GPU.
+
+Build it from plain dicts (see :func:`gpu` for every key and its default), hand it to
+``NvmlBackend(lib=fake)``, then change the dicts between samples to advance counters, queue XID
+events, lose a GPU and so on.
+
+It cannot drift from the real library's vocabulary: every constant (``NVML_*``,
+``nvmlEventType*``, ``nvmlMemory_v2``), exception class (``NVMLError*``) and ctypes structure
+(``c_nvml*``) is the real one from ``pynvml``, and the functions answer with the real ctypes
+structures, so a misspelt field name in the adapter fails here as it would on a GPU. Functions
+the adapter does not use are deliberately absent (``AttributeError``).
+
+Like NVML, it checks what it is given: calls before ``nvmlInit`` or with a handle from an older
+session raise, wrong enum arguments raise ``NVMLError_InvalidArgument``, and ``calls`` counts
+every call by function name so tests can prove a query was not retried.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pynvml
+
+#: Names resolved from the real pynvml module rather than faked.
+_PASSTHROUGH_PREFIXES = ("NVML_", "NVMLError", "c_nvml", "nvmlEventType", "nvmlMemory_v")
+
+NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
+
+
+def gpu(**overrides: Any) -> dict[str, Any]:
+    """A GPU description with realistic defaults (an H100-like board), in NVML's own units."""
+    index = overrides.pop("index", 0)
+    data: dict[str, Any] = {
+        "uuid": f"GPU-0000000{index}-fake-uuid",
+        "name": "NVIDIA H100 80GB HBM3",
+        # nvmlDeviceGetUtilizationRates, percent
+        "util": {"gpu": 50, "memory": 25},
+        # nvmlDeviceGetSamples(NVML_GPU_UTILIZATION_SAMPLES): (wall-clock microseconds, percent)
+        "util_samples": [],
+        # nvmlDeviceGetMemoryInfo, bytes. v1 ``used`` includes ``reserved``; v2 does not.
+        "memory": {"total": 80 * 2**30, "used": 10 * 2**30, "reserved": 512 * 2**20},
+        # nvmlDeviceGetPcieThroughput (KB/s) and nvmlDeviceGetPcieReplayCounter
+        "pcie": {"tx_kb_per_s": 1000, "rx_kb_per_s": 2000, "replays": 0},
+        # link index -> state and cumulative NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX (KiB).
+        # The link count NVML reports is len(nvlink).
+        "nvlink": {},
+        "power_mw": 300_000,
+        "sm_clock_mhz": 1980,
+        "temperature_c": 40,
+        "ecc": {"corrected": 0, "uncorrected": 0},
+        # NVML_GPM_METRIC_* id -> value in NVML's unit; None = GPM not supported on this GPU.
+        "gpm": None,
+        # (pid, usedGpuMemory bytes or None)
+        "compute_processes": [],
+        "graphics_processes": [],
+        # XID codes waiting to be delivered through an event set, oldest first
+        "xid_events": [],
+        # function names that answer NVML_ERROR_NOT_SUPPORTED on this GPU
+        "not_supported": set(),
+        # field ids whose nvmlFieldValue_t.nvmlReturn is NOT_SUPPORTED on this GPU
+        "fields_not_supported": set(),
+        # True: every call with this GPU's handle answers NVML_ERROR_GPU_IS_LOST
+        "lost": False,
+    }
+    data.update(overrides)
+    return data
+
+
+def nvlink(tx_kib: int = 0, rx_kib: int = 0, active: bool = True) -> dict[str, Any]:
+    """One NVLink link for ``gpu(nvlink={0: nvlink(...), ...})``."""
+    return {"active": active, "tx_kib": tx_kib, "rx_kib": rx_kib}
+
+
+@dataclass(frozen=True)
+class FakeHandle:
+    """An nvmlDevice_t: valid only in the NVML session (generation) that handed it out."""
+
+    index: int
+    generation: int
+
+
+@dataclass
+class FakeEventSet:
+    gpus: list[int] = field(default_factory=list)
+    event_types: int = 0
+    freed: bool = False
+
+
+class FakeNvml:
+    """The fake module. ``gpus`` is a list of :func:`gpu` dicts, kept (copied) as ``self.gpus``."""
+
+    def __init__(
+        self,
+        gpus: Iterable[dict[str, Any]],
+        *,
+        library_missing: bool = False,
+        driver_version: str = "550.54.15",
+        nvml_version: str = "12.550.54.15",
+        cuda_driver_version: int = 12040,
+    ) -> None:
+        self.gpus: list[dict[str, Any]] = [copy.deepcopy(g) for g in gpus]
+        self.library_missing = library_missing
+        #: NVML error code nvmlInit answers with (None: succeeds), e.g. DRIVER_NOT_LOADED.
+        self.init_error: int | None = None
+        #: function name -> error codes to raise on its next calls, one per call.
+        self.fail_next: dict[str, list[int]] = {}
+        self.driver_version = driver_version
+        self.nvml_version = nvml_version
+        self.cuda_driver_version = cuda_driver_version
+        self.calls: Counter[str] = Counter()
+        self.initialized = False
+        self.generation = 0
+        #: Per GPU index: handles from generations below this are dead (GPU was lost).
+        self.min_generation: dict[int, int] = {}
+        self.event_sets: list[FakeEventSet] = []
+        self.wait_timeouts: list[int] = []
+        # GPM sample buffers: address of the opaque struct -> (gpu index or None, metric values).
+        self._gpm_buffers: dict[int, tuple[int | None, dict[int, float] | None]] = {}
+        self._gpm_structs: list[Any] = []  # keeps the structs (and so their addresses) alive
+
+    # --- the real library's vocabulary ----------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith(_PASSTHROUGH_PREFIXES):
+            return getattr(pynvml, name)
+        raise AttributeError(f"fake pynvml does not implement {name!r}")
+
+    # --- test controls --------------------------------------------------------------------
+
+    def lose_gpu(self, index: int) -> None:
+        """The GPU falls off the bus: its handles answer GPU_IS_LOST until it is restored."""
+        self.gpus[index]["lost"] = True
+
+    def restore_gpu(self, index: int) -> None:
+        """NVML answers again, but only through handles fetched in a new session."""
+        self.gpus[index]["lost"] = False
+        self.min_generation[index] = self.generation + 1
+
+    # --- plumbing -------------------------------------------------------------------------
+
+    @staticmethod
+    def _error(code: int) -> pynvml.NVMLError:
+        return pynvml.NVMLError(code)
+
+    def _enter(self, name: str, handle: FakeHandle | None = None) -> dict[str, Any] | None:
+        """Count the call and raise what NVML would; return the GPU dict for ``handle``."""
+        self.calls[name] += 1
+        if not self.initialized:
+            raise self._error(pynvml.NVML_ERROR_UNINITIALIZED)
+        queued = self.fail_next.get(name)
+        if queued:
+            raise self._error(queued.pop(0))
+        if handle is None:
+            return None
+        if not isinstance(handle, FakeHandle) or not 0 <= handle.index < len(self.gpus):
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        data = self.gpus[handle.index]
+        if data["lost"] or handle.generation < self.min_generation.get(handle.index, 0):
+            raise self._error(pynvml.NVML_ERROR_GPU_IS_LOST)
+        if handle.generation != self.generation:
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if name in data["not_supported"]:
+            raise self._error(NOT_SUPPORTED)
+        return data
+
+    def _gpu(self, name: str, handle: FakeHandle) -> dict[str, Any]:
+        data = self._enter(name, handle)
+        assert data is not None
+        return data
+
+    # --- init / system --------------------------------------------------------------------
+
+    def nvmlInit(self) -> None:
+        self.calls["nvmlInit"] += 1
+        if self.library_missing:
+            raise self._error(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+        if self.init_error is not None:
+            raise self._error(self.init_error)
+        self.initialized = True
+        self.generation += 1
+
+    def nvmlShutdown(self) -> None:
+        self._enter("nvmlShutdown")
+        self.initialized = False
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        self._enter("nvmlSystemGetDriverVersion")
+        return self.driver_version
+
+    def nvmlSystemGetNVMLVersion(self) -> str:
+        self._enter("nvmlSystemGetNVMLVersion")
+        return self.nvml_version
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        self._enter("nvmlSystemGetCudaDriverVersion")
+        return self.cuda_driver_version
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._enter("nvmlDeviceGetCount")
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeHandle:
+        self._enter("nvmlDeviceGetHandleByIndex")
+        if not 0 <= index < len(self.gpus):
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if self.gpus[index]["lost"]:
+            raise self._error(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return FakeHandle(index, self.generation)
+
+    def nvmlDeviceGetUUID(self, handle: FakeHandle) -> str:
+        return str(self._gpu("nvmlDeviceGetUUID", handle)["uuid"])
+
+    def nvmlDeviceGetName(self, handle: FakeHandle) -> str:
+        return str(self._gpu("nvmlDeviceGetName", handle)["name"])
+
+    # --- device queries -------------------------------------------------------------------
+
+    def nvmlDeviceGetUtilizationRates(self, handle: FakeHandle) -> Any:
+        util = self._gpu("nvmlDeviceGetUtilizationRates", handle)["util"]
+        return pynvml.c_nvmlUtilization_t(gpu=util["gpu"], memory=util["memory"])
+
+    def nvmlDeviceGetSamples(
+        self, handle: FakeHandle, sampling_type: int, timeStamp: int
+    ) -> tuple[int, list[Any]]:
+        data = self._gpu("nvmlDeviceGetSamples", handle)
+        if sampling_type != pynvml.NVML_GPU_UTILIZATION_SAMPLES:
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        newer = [(ts, v) for ts, v in data["util_samples"] if ts > timeStamp]
+        if not newer:
+            # What NVML answers when no sample is newer than lastSeenTimeStamp.
+            raise self._error(pynvml.NVML_ERROR_NOT_FOUND)
+        samples = []
+        for ts, value in newer:
+            sample = pynvml.c_nvmlSample_t()
+            sample.timeStamp = ts
+            sample.sampleValue.uiVal = value
+            samples.append(sample)
+        return pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, samples
+
+    def nvmlDeviceGetMemoryInfo(self, handle: FakeHandle, version: int | None = None) -> Any:
+        data = self._gpu("nvmlDeviceGetMemoryInfo", handle)
+        mem = data["memory"]
+        if version is None:
+            return pynvml.c_nvmlMemory_t(
+                total=mem["total"],
+                used=mem["used"] + mem["reserved"],
+                free=mem["total"] - mem["used"] - mem["reserved"],
+            )
+        if "nvmlDeviceGetMemoryInfo_v2" in data["not_supported"]:
+            raise self._error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        if version != pynvml.nvmlMemory_v2:
+            raise self._error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        return pynvml.c_nvmlMemory_v2_t(
+            version=version,
+            total=mem["total"],
+            reserved=mem["reserved"],
+            used=mem["used"],
+            free=mem["total"] - mem["used"] - mem["reserved"],
+        )
+
+    def nvmlDeviceGetPcieThroughput(self, handle: FakeHandle, counter: int) -> int:
+        pcie = self._gpu("nvmlDeviceGetPcieThroughput", handle)["pcie"]
+        if counter == pynvml.NVML_PCIE_UTIL_TX_BYTES:
+            return int(pcie["tx_kb_per_s"])
+        if counter == pynvml.NVML_PCIE_UTIL_RX_BYTES:
+            return int(pcie["rx_kb_per_s"])
+        raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def nvmlDeviceGetPcieReplayCounter(self, handle: FakeHandle) -> int:
+        return int(self._gpu("nvmlDeviceGetPcieReplayCounter", handle)["pcie"]["replays"])
+
+    def nvmlDeviceGetNvLinkState(self, handle: FakeHandle, link: int) -> int:
+        links = self._gpu("nvmlDeviceGetNvLinkState", handle)["nvlink"]
+        if not links:
+            raise self._error(NOT_SUPPORTED)
+        if link not in links:
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return pynvml.NVML_FEATURE_ENABLED if links[link]["active"] else 0
+
+    def nvmlDeviceGetFieldValues(self, handle: FakeHandle, fieldIds: list[Any]) -> Any:
+        data = self._gpu("nvmlDeviceGetFieldValues", handle)
+        values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
+        for i, requested in enumerate(fieldIds):
+            field_id, scope = requested if isinstance(requested, tuple) else (requested, 0)
+            out = values[i]
+            out.fieldId, out.scopeId = field_id, scope
+            out.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+            out.nvmlReturn = pynvml.NVML_SUCCESS
+            links = data["nvlink"]
+            if field_id in data["fields_not_supported"] or not links:
+                out.nvmlReturn = NOT_SUPPORTED
+            elif field_id == pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT:
+                out.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+                out.value.uiVal = len(links)
+            elif field_id in (
+                pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+                pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+            ):
+                if scope not in links:
+                    out.nvmlReturn = pynvml.NVML_ERROR_INVALID_ARGUMENT
+                    continue
+                tx = field_id == pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
+                out.value.ullVal = links[scope]["tx_kib" if tx else "rx_kib"]
+            else:
+                out.nvmlReturn = NOT_SUPPORTED
+        return values
+
+    def nvmlDeviceGetPowerUsage(self, handle: FakeHandle) -> int:
+        return int(self._gpu("nvmlDeviceGetPowerUsage", handle)["power_mw"])
+
+    def nvmlDeviceGetClockInfo(self, handle: FakeHandle, type: int) -> int:
+        data = self._gpu("nvmlDeviceGetClockInfo", handle)
+        if type != pynvml.NVML_CLOCK_SM:
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return int(data["sm_clock_mhz"])
+
+    def nvmlDeviceGetTemperature(self, handle: FakeHandle, sensor: int) -> int:
+        data = self._gpu("nvmlDeviceGetTemperature", handle)
+        if sensor != pynvml.NVML_TEMPERATURE_GPU:
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return int(data["temperature_c"])
+
+    def nvmlDeviceGetTotalEccErrors(
+        self, handle: FakeHandle, errorType: int, counterType: int
+    ) -> int:
+        ecc = self._gpu("nvmlDeviceGetTotalEccErrors", handle)["ecc"]
+        if counterType != pynvml.NVML_VOLATILE_ECC:
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if errorType == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED:
+            return int(ecc["corrected"])
+        if errorType == pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED:
+            return int(ecc["uncorrected"])
+        raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def _processes(self, name: str, handle: FakeHandle, key: str) -> list[Any]:
+        procs = self._gpu(name, handle)[key]
+        out = []
+        for pid, used in procs:
+            info = pynvml.c_nvmlProcessInfo_t(pid=pid, usedGpuMemory=used or 0)
+            obj = pynvml.nvmlStructToFriendlyObject(info)
+            if used is None:
+                obj.usedGpuMemory = None  # pynvml's translation of NVML_VALUE_NOT_AVAILABLE
+            out.append(obj)
+        return out
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeHandle) -> list[Any]:
+        return self._processes("nvmlDeviceGetComputeRunningProcesses", handle, "compute_processes")
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: FakeHandle) -> list[Any]:
+        return self._processes(
+            "nvmlDeviceGetGraphicsRunningProcesses", handle, "graphics_processes"
+        )
+
+    # --- events ---------------------------------------------------------------------------
+
+    def nvmlEventSetCreate(self) -> FakeEventSet:
+        self._enter("nvmlEventSetCreate")
+        event_set = FakeEventSet()
+        self.event_sets.append(event_set)
+        return event_set
+
+    def nvmlDeviceRegisterEvents(
+        self, handle: FakeHandle, eventTypes: int, eventSet: FakeEventSet
+    ) -> None:
+        self._gpu("nvmlDeviceRegisterEvents", handle)
+        if eventSet.freed:
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        eventSet.gpus.append(handle.index)
+        eventSet.event_types |= eventTypes
+
+    def nvmlEventSetWait(self, eventSet: FakeEventSet, timeoutms: int) -> Any:
+        self._enter("nvmlEventSetWait")
+        self.wait_timeouts.append(timeoutms)
+        if eventSet.freed:
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if eventSet.event_types & pynvml.nvmlEventTypeXidCriticalError:
+            for index in eventSet.gpus:
+                queue = self.gpus[index]["xid_events"]
+                if queue:
+                    data = pynvml.c_nvmlEventData_t()
+                    data.eventType = pynvml.nvmlEventTypeXidCriticalError
+                    data.eventData = queue.pop(0)
+                    return data
+        raise self._error(pynvml.NVML_ERROR_TIMEOUT)
+
+    def nvmlEventSetFree(self, eventSet: FakeEventSet) -> None:
+        self.calls["nvmlEventSetFree"] += 1
+        eventSet.freed = True
+
+    # --- GPM ------------------------------------------------------------------------------
+
+    def nvmlGpmQueryDeviceSupport(self, device: FakeHandle) -> Any:
+        data = self._gpu("nvmlGpmQueryDeviceSupport", device)
+        support = pynvml.c_nvmlGpmSupport_t()
+        support.version = pynvml.NVML_GPM_SUPPORT_VERSION
+        support.isSupportedDevice = 0 if data["gpm"] is None else 1
+        return support
+
+    def nvmlGpmSampleAlloc(self) -> Any:
+        self._enter("nvmlGpmSampleAlloc")
+        struct = pynvml.struct_c_nvmlGpmSample_t()
+        self._gpm_structs.append(struct)
+        self._gpm_buffers[ctypes.addressof(struct)] = (None, None)
+        return pynvml.c_nvmlGpmSample_t(struct)
+
+    def nvmlGpmSampleFree(self, gpmSample: Any) -> None:
+        self.calls["nvmlGpmSampleFree"] += 1
+        self._gpm_buffers.pop(ctypes.addressof(gpmSample.contents), None)
+
+    def nvmlGpmSampleGet(self, device: FakeHandle, gpmSample: Any) -> Any:
+        data = self._gpu("nvmlGpmSampleGet", device)
+        address = ctypes.addressof(gpmSample.contents)
+        if address not in self._gpm_buffers:
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if data["gpm"] is None:
+            raise self._error(NOT_SUPPORTED)
+        self._gpm_buffers[address] = (device.index, dict(data["gpm"]))
+        return gpmSample
+
+    def nvmlGpmMetricsGet(self, metricsGet: Any) -> Any:
+        """Each metric's value is the one the GPU dict held when sample2 was taken."""
+        self._enter("nvmlGpmMetricsGet")
+        if metricsGet.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
+            raise self._error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        if not 0 < metricsGet.numMetrics <= pynvml.NVML_GPM_METRIC_MAX:
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        address1 = ctypes.addressof(metricsGet.sample1.contents)
+        address2 = ctypes.addressof(metricsGet.sample2.contents)
+        first = self._gpm_buffers.get(address1)
+        second = self._gpm_buffers.get(address2)
+        if first is None or second is None or first[1] is None or second[1] is None:
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)  # an unfilled buffer
+        if address1 == address2 or first[0] != second[0]:
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)  # same buffer, or two GPUs
+        values = second[1]
+        for i in range(metricsGet.numMetrics):
+            metric = metricsGet.metrics[i]
+            if metric.metricId in values:
+                metric.nvmlReturn = pynvml.NVML_SUCCESS
+                metric.value = values[metric.metricId]
+            else:
+                metric.nvmlReturn = NOT_SUPPORTED
+        return metricsGet

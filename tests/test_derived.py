@@ -1,0 +1,64 @@
+"""Idle windows and the starvation signal, computed in the agent."""
+
+from __future__ import annotations
+
+from agent.collectors.base import SampleContext, TargetState
+from agent.collectors.derived import DerivedCollector, IdleTracker, Thresholds
+from agent.hw.base import GPUIdentity
+from agent.targets import Target
+
+GPU0 = GPUIdentity(0, "GPU-a", "NVIDIA H200")
+GPU1 = GPUIdentity(1, "GPU-b", "NVIDIA H200")
+
+
+def test_idle_windows_are_measured_from_first_idle_to_first_busy_point() -> None:
+    tracker = IdleTracker(threshold=0.05)
+    # busy, then idle 2.0 s, busy, idle 0.3 s, busy, then idle still running
+    points = [(0.0, 0.9), (0.5, 0.0), (1.5, 0.02), (2.5, 0.8), (3.0, 0.0), (3.3, 0.5),
+              (4.0, 0.0)]
+    tracker.feed(points[:4])
+    tracker.feed(points[3:])  # overlapping points are not counted twice
+    h = tracker.histogram
+    assert h.total == 2
+    assert abs(h.sum - 2.3) < 1e-9
+    assert h.counts[h.bounds.index(0.5)] == 1 and h.counts[h.bounds.index(2.0)] == 2
+    assert abs(tracker.current(5.5) - 1.5) < 1e-9
+
+
+def _ctx(now: float, user: float, hot: float, utils: dict[GPUIdentity, float],
+         held: dict[int, set[GPUIdentity]] | None = None) -> SampleContext:
+    ctx = SampleContext(now=now, wall=now, targets=[Target(7, "pid")])
+    ctx.processes[7] = TargetState(7, "python", user, hot)
+    ctx.gpu_util = dict(utils)
+    ctx.gpu_util_points = {g: [(now, u)] for g, u in utils.items()}
+    ctx.gpus_of_pid = held or {}
+    return ctx
+
+
+def _starved(samples) -> tuple[float, float]:
+    d = {name: v for name, labels, v in samples if labels == ("7", "python")}
+    return d["mrc_gpu_starved"], d["mrc_gpu_starved_seconds_total"]
+
+
+def test_starved_when_a_thread_is_hot_and_the_gpu_waits() -> None:
+    c = DerivedCollector(Thresholds(starved_cpu=0.9, starved_gpu=0.2))
+    assert _starved(c.update(_ctx(0.0, 0.5, 0.98, {GPU0: 0.05}))) == (1.0, 0.0)
+    assert _starved(c.update(_ctx(1.0, 0.5, 0.98, {GPU0: 0.05}))) == (1.0, 1.0)
+    # GPU busy again: not starved, the counter keeps its total.
+    assert _starved(c.update(_ctx(2.0, 0.5, 0.98, {GPU0: 0.9}))) == (0.0, 1.0)
+    # CPU cool: not starved.
+    assert _starved(c.update(_ctx(3.0, 0.3, 0.3, {GPU0: 0.0}))) == (0.0, 1.0)
+
+
+def test_starvation_looks_only_at_the_gpus_the_target_holds() -> None:
+    c = DerivedCollector()
+    held = {7: {GPU1}}
+    # GPU0 is busy with someone else's work; the target's GPU1 idles.
+    assert _starved(c.update(_ctx(0.0, 1.0, 1.0, {GPU0: 0.95, GPU1: 0.0}, held)))[0] == 1.0
+    # Without attribution all GPUs count, and a busy one means not starved.
+    assert _starved(c.update(_ctx(1.0, 1.0, 1.0, {GPU0: 0.95, GPU1: 0.0})))[0] == 0.0
+
+
+def test_no_gpu_data_means_no_starvation_series() -> None:
+    c = DerivedCollector()
+    assert c.update(_ctx(0.0, 1.0, 1.0, {})) == []

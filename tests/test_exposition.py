@@ -1,0 +1,124 @@
+"""Exposition: the snapshot collector, a golden /metrics for a fixed fake device, the
+catalogue, and promtool's lint on the real agent's output."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import httpx
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.registry import CollectorRegistry
+
+from agent.catalog import CATALOG
+from agent.collectors.base import SampleContext, TargetState
+from agent.collectors.derived import DerivedCollector
+from agent.collectors.gpu import GpmCollector, GpuCollector, ProfilingCollector
+from agent.docs import render
+from agent.hw.replay import ReplayBackend
+from agent.targets import Target
+from exporters.snapshot import MetricSpec, Snapshot, SnapshotCollector
+from tests.conftest import BUSY, DATA, REPO, Procs, parse_metrics, series
+
+GOLDEN = DATA / "golden_gpu_metrics.txt"
+FIXED_TRACE = DATA / "fixed_device.jsonl"
+
+
+def _fixed_snapshot() -> Snapshot:
+    clock_t = [50.0]
+    backend = ReplayBackend(str(FIXED_TRACE), clock=lambda: clock_t[0])
+    collectors = [GpuCollector(backend), GpmCollector(backend), ProfilingCollector(backend),
+                  DerivedCollector()]
+    samples = []
+    for now in (50.0, 50.5, 51.0):
+        clock_t[0] = now
+        ctx = SampleContext(now=now, wall=now, targets=[Target(4242, "pid")])
+        ctx.processes[4242] = TargetState(4242, "python", 1.0, 1.0)
+        samples = [s for c in collectors for s in c.update(ctx)]
+    return Snapshot(1, 51.0, tuple(samples))
+
+
+def _registry(snap: Snapshot) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(CATALOG, lambda: snap))
+    return registry
+
+
+def test_golden_exposition_for_a_fixed_fake_device() -> None:
+    text = generate_latest(_registry(_fixed_snapshot())).decode()
+    if os.environ.get("MRC_REGEN_GOLDEN") == "1":  # regenerate on purpose only
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text()
+
+
+def test_openmetrics_has_units_and_eof() -> None:
+    text = generate_openmetrics(_registry(_fixed_snapshot())).decode()
+    assert text.endswith("# EOF\n")
+    assert "# UNIT mrc_gpu_memory_used_bytes bytes" in text
+    assert "mrc_gpu_nvlink_tx_bytes_total{" in text
+
+
+def test_every_spec_is_exposed_even_without_samples() -> None:
+    specs = [MetricSpec("x_total", "counter", "A counter."), MetricSpec("y", "gauge", "Y.")]
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(specs, lambda: Snapshot(1, 0, (("y", (), 2.0),))))
+    text = generate_latest(registry).decode()
+    assert "# TYPE x_total counter" in text and "y 2.0" in text
+    with pytest.raises(ValueError):
+        SnapshotCollector(specs + specs[:1], lambda: Snapshot(1, 0, ()))
+
+
+def test_catalogue_matches_the_code() -> None:
+    assert (REPO / "docs" / "metrics.md").read_text() == render(), (
+        "regenerate with: mrc-agent catalog --out docs/metrics.md")
+    names = [s.name for s in CATALOG]
+    assert len(names) == len(set(names))
+    for s in CATALOG:
+        assert s.name.startswith("mrc_") and ":" not in s.name
+        assert (s.kind == "counter") == s.name.endswith("_total")
+        assert s.help.endswith(".")
+
+
+@pytest.fixture
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.fail("promtool is required (Debian package 'prometheus'; .ci/run installs it)")
+    return path
+
+
+def test_real_agent_serves_clean_metrics(agent_factory, procs: Procs, promtool: str) -> None:
+    busy = procs.spawn(BUSY)
+    agent = agent_factory("--pid", str(busy.pid), "--interval", "0.2",
+                          "--gpu-backend", f"replay:{FIXED_TRACE}", "--collector", "profiling")
+    with httpx.Client(base_url=agent.url, timeout=5) as client:
+        assert client.get("/healthz").status_code == 200
+        for _ in range(50):
+            if client.get("/readyz").status_code == 200:
+                break
+            import time
+
+            time.sleep(0.1)
+        assert client.get("/readyz").status_code == 200
+        import time
+
+        time.sleep(0.6)
+        text = client.get("/metrics").text
+        om = client.get("/metrics", headers={"Accept": "application/openmetrics-text"})
+        assert om.headers["content-type"].startswith("application/openmetrics-text")
+        assert om.text.endswith("# EOF\n")
+        gz = client.get("/metrics", headers={"Accept-Encoding": "gzip"})
+        assert gz.headers.get("content-encoding") == "gzip" and "mrc_agent_targets" in gz.text
+        assert client.get("/nope").status_code == 404
+        assert client.post("/metrics").status_code == 405
+    lint = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                          text=True)
+    assert lint.returncode == 0 and lint.stdout + lint.stderr == "", lint.stdout + lint.stderr
+    m = parse_metrics(text)
+    assert series(m, "mrc_process_cpu_user_ratio", pid=str(busy.pid))[0] > 0.8
+    assert series(m, "mrc_gpu_sm_instructions_executed_total")
+    assert series(m, "mrc_agent_compute_memory_source_info", source="cupti_pm_sampling")
+    assert series(m, "mrc_agent_collector_success", collector="profiling") == [1.0]

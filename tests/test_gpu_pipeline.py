@@ -1,0 +1,108 @@
+"""The GPU side end to end without a GPU: fake NVML / fake CUPTI at the hardware boundary,
+real collectors, runner, record and doctor above it."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pynvml
+
+from agent.app import COLLECTOR_FACTORIES, Sources
+from agent.config import AgentConfig
+from agent.doctor import run_doctor
+from agent.hw.nvml import NvmlBackend
+from agent.hw.replay import ReplayBackend, load_trace
+from agent.record import RecordSources, record
+from agent.runner import Runner
+from agent.targets import TargetResolver
+from tests.conftest import DATA
+from tests.fakes.fake_cupti import FakeCupti, FakeDevice
+from tests.fakes.fake_pynvml import FakeNvml, gpu, nvlink
+
+
+def _runner(nvml: NvmlBackend, names=("gpu", "gpm", "derived")) -> Runner:
+    cfg = AgentConfig()
+    src = Sources(device=nvml, gpm=nvml)
+    return Runner([COLLECTOR_FACTORIES[n](cfg, src) for n in names], TargetResolver(), 1.0)
+
+
+def _values(snap, name: str) -> list[float]:
+    return [v for n, _, v in snap.samples if n == name]
+
+
+def _health(snap, collector: str) -> float:
+    return next(v for n, labels, v in snap.samples
+                if n == "mrc_agent_collector_success" and labels == (collector,))
+
+
+def test_nvml_failure_at_runtime_is_isolated_and_recovers() -> None:
+    fake = FakeNvml([gpu(index=0, nvlink={0: nvlink(1024, 2048), 1: nvlink(1024, 0)})])
+    runner = _runner(NvmlBackend(lib=fake, pcie_thread=False))
+    snap = runner.sample_once()
+    assert _health(snap, "gpu") == 1.0
+    assert _values(snap, "mrc_gpu_nvlink_tx_bytes_total") == [2048 * 1024.0]
+    assert _values(snap, "mrc_gpu_nvlink_link_rx_bytes_total") == [2048 * 1024.0, 0.0]
+    fake.lose_gpu(0)
+    snap = runner.sample_once()
+    assert _health(snap, "gpu") == 0.0 and _health(snap, "derived") == 1.0
+    assert not _values(snap, "mrc_gpu_utilization_ratio")
+    fake.restore_gpu(0)
+    snap = runner.sample_once()
+    assert _health(snap, "gpu") == 1.0
+    assert _values(snap, "mrc_gpu_utilization_ratio") == [0.5]
+
+
+def test_no_nvml_library_means_unavailable_collectors_not_a_crash() -> None:
+    runner = _runner(NvmlBackend(lib=FakeNvml([], library_missing=True), pcie_thread=False))
+    for _ in range(3):
+        snap = runner.sample_once()
+    avail = {labels[0]: v for n, labels, v in snap.samples
+             if n == "mrc_agent_collector_available"}
+    assert avail == {"gpu": 0.0, "gpm": 0.0, "derived": 1.0}
+
+
+def test_record_writes_a_trace_that_replays(tmp_path) -> None:
+    clock = [0.0]
+    src = ReplayBackend(str(DATA / "fixed_device.jsonl"), clock=lambda: clock[0])
+
+    def sleep(seconds: float) -> None:
+        clock[0] += max(seconds, 0.05)
+
+    out = io.StringIO()
+    lines = record(RecordSources(src, src, src), out, duration=1.0, interval=0.25,
+                   clock=lambda: clock[0], sleep=sleep)
+    assert lines == 10  # 5 ticks x 2 GPUs
+    path = tmp_path / "rec.jsonl"
+    path.write_text(out.getvalue())
+    gpus = load_trace(str(path))  # validates: counters monotonic, ratios in range
+    assert set(gpus) == {0, 1}
+    first = json.loads(out.getvalue().splitlines()[0])
+    assert first["uuid"] == "GPU-fixed-0000" and "sm_instructions_executed_total" in first
+    assert "dram_bw_util" in first and "nvlink_tx_bytes_total" in first
+
+
+def test_doctor_reports_and_fails_only_for_requested_collectors() -> None:
+    fake = FakeNvml([gpu(index=0, gpm={pynvml.NVML_GPM_METRIC_SM_UTIL: 1.0})])
+    cupti = FakeCupti({0: FakeDevice(errors={"enable": [PermissionError("admin only")] * 9})})
+    out = io.StringIO()
+    cfg = AgentConfig(gpu_backend="nvml")
+    code = run_doctor(cfg, explicit_collectors=set(), explicit_backend=True, out=out,
+                      nvml_lib=fake, cupti_lib=cupti)
+    text = out.getvalue()
+    assert code == 0, text
+    assert "driver 550.54.15" in text and "NVIDIA H100" in text
+    assert "no_permission" in text
+    out = io.StringIO()
+    code = run_doctor(cfg, explicit_collectors={"profiling"}, explicit_backend=True, out=out,
+                      nvml_lib=fake, cupti_lib=cupti)
+    assert code == 1 and "cannot run: profiling" in out.getvalue()
+
+
+def test_doctor_without_nvml_fails_only_when_nvml_was_asked_for() -> None:
+    missing = FakeNvml([], library_missing=True)
+    out = io.StringIO()
+    assert run_doctor(AgentConfig(), set(), False, out=out, nvml_lib=missing) == 0
+    assert "FAIL  NVML" in out.getvalue()
+    assert run_doctor(AgentConfig(gpu_backend="nvml"), set(), True, out=io.StringIO(),
+                      nvml_lib=missing) == 1

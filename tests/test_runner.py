@@ -1,0 +1,74 @@
+"""The runner owns health: timing, isolation of failures, once-only logging, recovery."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from agent.collectors.base import SampleContext
+from agent.hw.base import HardwareError, SourceUnavailable
+from agent.runner import Runner
+from agent.targets import TargetResolver
+from exporters.snapshot import Sample
+
+
+class Scripted:
+    """A collector that follows a script of results: a value, or an exception to raise."""
+
+    def __init__(self, name: str, script: list[object]) -> None:
+        self.name = name
+        self.script = list(script)
+
+    def update(self, ctx: SampleContext) -> list[Sample]:
+        step = self.script.pop(0) if len(self.script) > 1 else self.script[0]
+        if isinstance(step, Exception):
+            raise step
+        return [("mrc_gpu_power_watts", ("0", "GPU-a", "H"), float(step))]
+
+
+def _health(snap, metric: str) -> dict[str, float]:
+    return {labels[0]: v for name, labels, v in snap.samples if name == metric}
+
+
+def test_one_failing_collector_never_breaks_the_others(caplog) -> None:
+    ok = Scripted("gpu", [100.0])
+    broken = Scripted("gpm", [HardwareError("GPU is lost")] * 3 + [5.0])
+    absent = Scripted("profiling", [SourceUnavailable("no_permission", "admin only")])
+    runner = Runner([ok, broken, absent], TargetResolver(), interval=1.0)
+    with caplog.at_level(logging.INFO, logger="agent.runner"):
+        for _ in range(3):
+            snap = runner.sample_once()
+    assert _health(snap, "mrc_agent_collector_success") == {
+        "gpu": 1.0, "gpm": 0.0, "profiling": 0.0}
+    assert _health(snap, "mrc_agent_collector_available") == {
+        "gpu": 1.0, "gpm": 1.0, "profiling": 0.0}
+    assert set(_health(snap, "mrc_agent_collector_duration_seconds")) == {"gpu", "gpm",
+                                                                          "profiling"}
+    assert [v for n, _, v in snap.samples if n == "mrc_gpu_power_watts"] == [100.0]
+    # Each reason is said once, not once per pass.
+    assert sum("GPU is lost" in r.message for r in caplog.records) == 1
+    assert sum("no_permission" in r.message for r in caplog.records) == 1
+    # The broken collector recovers when its source answers again.
+    with caplog.at_level(logging.INFO, logger="agent.runner"):
+        snap = runner.sample_once()
+    assert _health(snap, "mrc_agent_collector_success")["gpm"] == 1.0
+    assert any("gpm recovered" in r.message for r in caplog.records)
+    info = [labels for n, labels, _ in snap.samples
+            if n == "mrc_agent_compute_memory_source_info"]
+    assert info == [("gpm_activity_proxy", "not_requested")]
+
+
+def test_background_loop_keeps_sampling_at_100ms() -> None:
+    runner = Runner([Scripted("gpu", [1.0])], TargetResolver(), interval=0.1)
+    runner.start()
+    try:
+        assert runner.ready.wait(2.0)
+        time.sleep(1.0)
+    finally:
+        runner.stop()
+    samples = dict((n, v) for n, _, v in runner.latest().samples if not _)
+    assert samples["mrc_agent_samples_total"] >= 6
+    assert samples["mrc_agent_interval_seconds"] == 0.1
+    seq = runner.version()
+    time.sleep(0.3)
+    assert runner.version() == seq  # stopped means stopped
