@@ -5,6 +5,7 @@ exposition. Registration is explicit (a dict of name -> factory) and nothing hap
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +52,9 @@ def make_sources(cfg: AgentConfig, nvml_lib: Any | None = None) -> Sources:
     nvml = NvmlBackend(lib=nvml_lib)
 
     def profiling_factory() -> Any:
-        # Built on first use: it needs the GPU list, and only runs when asked for.
+        # Built on first use: it needs the GPU list, and only runs when asked for. CUPTI takes
+        # CUDA device indices; PCI order makes them agree with NVML's indices.
+        os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
         from agent.hw.cupti_pm import CuptiPmSampler
 
         return CuptiPmSampler([s.gpu for s in nvml.sample_devices()])

@@ -192,6 +192,30 @@ class CpuWindow:
         return out
 
 
+@dataclass
+class MachineWindow:
+    """Busy CPU of the whole machine (all processes) from ``/proc/stat``, in cores."""
+
+    busy0: int = 0
+    t0: float = 0.0
+    busy_cores: float = 0.0
+
+    @staticmethod
+    def _busy() -> int:
+        with open("/proc/stat", "rb") as f:
+            cols = [int(x) for x in f.readline().split()[1:]]
+        # user nice system idle iowait irq softirq steal (guest is inside user already)
+        return sum(cols[:8]) - cols[3] - cols[4]
+
+    def begin(self) -> MachineWindow:
+        self.busy0, self.t0 = self._busy(), time.monotonic()
+        return self
+
+    def end(self) -> MachineWindow:
+        self.busy_cores = (self._busy() - self.busy0) / CLK_TCK / (time.monotonic() - self.t0)
+        return self
+
+
 # -- metrics over HTTP ----------------------------------------------------------------------------
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _PID = re.compile(r'pid="(\d+)"')
@@ -429,16 +453,19 @@ class Bench:
                     extra: Sequence[tuple[str, int]] = ()) -> dict[str, Any]:
         """No scraping between the two CPU readings (the pace scrapes sit outside them)."""
         before = scrape(port)
+        machine = MachineWindow().begin()
         win = CpuWindow(agent_pid).begin()
         others = {name: CpuWindow(pid).begin() for name, pid in extra}
+        targets = {name: CpuWindow(pid).begin() for name, pid in self.targets.items()}
         time.sleep(self.plan.idle)
         win.end()
-        for w in others.values():
+        for w in [*others.values(), *targets.values()]:
             w.end()
+        machine.end()
         rss_kb = status_kb(agent_pid, "VmRSS")
         after = scrape(port)
-        return {"cpu": win, "others": others, "rss_kb": rss_kb, "before": before,
-                "after": after}
+        return {"cpu": win, "others": others, "targets": targets, "machine": machine,
+                "rss_kb": rss_kb, "before": before, "after": after}
 
     def load_window(self, agent_pid: int, port: int, interval: float,
                     pace: float) -> dict[str, Any]:
@@ -465,7 +492,7 @@ class Bench:
         lat: list[float] = []
         errors = 0
         body = 0
-        for child, out in zip(children, outs):
+        for child, out in zip(children, outs, strict=True):
             try:
                 child.wait(30)
             except subprocess.TimeoutExpired:
@@ -578,13 +605,15 @@ class Bench:
         goal = GOAL_CPU[interval]
         self.rows.append(Row(f"agent CPU, idle (not scraped), interval {tag}", cpu.text(),
                              f"≤ {goal} % of a core", verdict(cpu.pct_ticks <= goal)))
-        taken = idle["after"].samples_total - idle["before"].samples_total
-        expected = (idle["after"].at - idle["before"].at) / interval
-        over = idle["after"].overruns_total - idle["before"].overruns_total
-        self.rows.append(Row(f"sampling pace, idle, interval {tag}",
-                             f"{taken:.0f} passes / {expected:.1f} expected, {over:.0f} overruns",
-                             f"≥ {GOAL_PACE:.0%} of expected",
-                             verdict(taken >= GOAL_PACE * expected)))
+        self.rows.append(pace_row(f"sampling pace, idle, interval {tag}", idle["before"],
+                                  idle["after"], interval))
+        m: MachineWindow = idle["machine"]
+        ours = sum(w.pct_ticks for w in idle["targets"].values()) / 100
+        rest = m.busy_cores - ours - cpu.pct_ticks / 100
+        self.rows.append(Row(
+            f"machine CPU busy during the idle window, interval {tag}",
+            f"{m.busy_cores:.2f} of {os.cpu_count()} cores (targets {ours:.2f}, agent "
+            f"{cpu.pct_ticks / 100:.3f}, everything else {rest:.2f})"))
         rss = idle["rss_kb"] * 1024 / 1e6
         self.rows.append(Row(f"agent RSS (VmRSS) after idle window, interval {tag}",
                              f"{rss:.1f} MB", f"≤ {GOAL_RSS_MB:g} MB",
@@ -612,15 +641,8 @@ class Bench:
             w: CpuWindow = res["cpu"]
             self.rows.append(Row(f"agent CPU while scraped {name}, interval {tag}",
                                  f"{w.pct_ticks:.1f} % of a core ({w.seconds:.1f} s)"))
-            b, a = res["before"], res["after"]
-            taken = a.samples_total - b.samples_total
-            expected = (a.at - b.at) / interval
-            over = a.overruns_total - b.overruns_total
-            self.rows.append(Row(f"sampling pace while scraped {name}, interval {tag}",
-                                 f"{taken:.0f} passes / {expected:.1f} expected, "
-                                 f"{over:.0f} overruns",
-                                 f"≥ {GOAL_PACE:.0%} of expected",
-                                 verdict(taken >= GOAL_PACE * expected)))
+            self.rows.append(pace_row(f"sampling pace while scraped {name}, interval {tag}",
+                                      res["before"], res["after"], interval))
         if interval != 1.0:
             return
         # -- rows: accuracy against /proc ground truth --
@@ -701,6 +723,18 @@ class Bench:
                                  f"cores abs error ({len(all_t)} windows)"))
 
 
+def pace_row(metric: str, before: Scrape, after: Scrape, interval: float) -> Row:
+    """Passes taken between two scrapes against the passes the interval calls for over the
+    span between the two passes seen (exact for the runner's fixed-phase clock)."""
+    taken = after.samples_total - before.samples_total
+    span = after.last_sample_ts - before.last_sample_ts
+    expected = round(span / interval)
+    over = after.overruns_total - before.overruns_total
+    return Row(metric, f"{taken:.0f} passes / {expected} expected over {span:.1f} s, "
+               f"{over:.0f} overruns", f"≥ {GOAL_PACE:.0%} of expected",
+               verdict(taken >= GOAL_PACE * expected))
+
+
 def truth_ratio(polls: list[tuple[float, dict[int, int]]], pid: int, t0: float,
                 t1: float) -> float | None:
     """User CPU (cores) of ``pid`` over [t0, t1] from the 100 Hz utime readings, linearly
@@ -726,7 +760,7 @@ def agent_errors(passes: list[Scrape],
                  polls: list[tuple[float, dict[int, int]]]) -> dict[int, list[float]]:
     """agent ratio - ground truth, per pid, for every pair of consecutive agent passes."""
     out: dict[int, list[float]] = {}
-    for prev, cur in zip(passes, passes[1:]):
+    for prev, cur in zip(passes, passes[1:], strict=False):
         if cur.samples_total != prev.samples_total + 1:
             continue  # a pass was missed between two scrapes: the window is unknown
         for pid, ratio in cur.user_ratio.items():

@@ -106,3 +106,32 @@ def test_doctor_without_nvml_fails_only_when_nvml_was_asked_for() -> None:
     assert "FAIL  NVML" in out.getvalue()
     assert run_doctor(AgentConfig(gpu_backend="nvml"), set(), True, out=io.StringIO(),
                       nvml_lib=missing) == 1
+
+
+REASONS = {"nvml_missing", "driver_not_loaded", "no_gpu", "no_permission", "cupti_missing",
+           "profiler_busy", "unsupported_device", "gpm_unsupported"}
+
+
+def test_real_libraries_on_this_host_answer_or_say_why() -> None:
+    """The real pynvml and cupti modules, not fakes: on a host without a GPU they must map to
+    a bounded reason; on a GPU host they must sample."""
+    from agent.hw.base import GPUIdentity, SourceUnavailable
+    from agent.hw.cupti_pm import CuptiPmSampler
+
+    nvml = NvmlBackend(pcie_thread=False)
+    try:
+        samples = nvml.sample_devices()
+        assert samples and all(s.gpu.uuid for s in samples)
+    except SourceUnavailable as exc:
+        assert exc.reason in REASONS, exc
+    finally:
+        nvml.close()
+    sampler = CuptiPmSampler([GPUIdentity(0, "GPU-0", "any")])
+    try:
+        sampler.sample_profiling()
+        assert sampler.status()[0] == "ok"
+    except SourceUnavailable as exc:
+        assert exc.reason in REASONS, exc
+        assert sampler.status()[0] == exc.reason
+    finally:
+        sampler.close()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes.util
 import logging
 import sys
+import threading
+import time
 from typing import Any
 
 import pynvml
@@ -19,8 +21,21 @@ WALL_NOW = 1_700_000_000.0  # the fake wall clock, seconds since the epoch
 MONO_NOW = 5_000.0  # the fake monotonic clock
 
 
-def backend(fake: FakeNvml) -> NvmlBackend:
-    return NvmlBackend(lib=fake, clock=lambda: MONO_NOW, wall_clock=lambda: WALL_NOW)
+def backend(fake: FakeNvml, **kwargs: Any) -> NvmlBackend:
+    """A backend on fixed clocks and without the PCIe thread: tests call ``_pcie_round()``."""
+    kwargs.setdefault("clock", lambda: MONO_NOW)
+    kwargs.setdefault("pcie_thread", False)
+    return NvmlBackend(lib=fake, wall_clock=lambda: WALL_NOW, **kwargs)
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self, now: float = MONO_NOW) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def gpm_values(**overrides: float) -> dict[int, float]:
@@ -80,7 +95,10 @@ def test_device_sample_converts_every_field_to_base_units() -> None:
             )
         ]
     )
-    [s] = backend(fake).sample_devices()
+    b = backend(fake)
+    b.sample_devices()
+    b._pcie_round()  # PCIe throughput comes from the background reader's latest values
+    [s] = b.sample_devices()
     assert s.gpu.index == 0 and s.gpu.uuid == "GPU-00000000-fake-uuid"
     assert s.gpu.name == "NVIDIA H100 80GB HBM3"
     assert s.gpu_util == pytest.approx(0.73)
@@ -156,6 +174,199 @@ def test_not_supported_leaves_field_none_and_is_not_retried_or_relogged(
     assert fake.calls["nvmlDeviceGetTotalEccErrors"] == 1
     power_logs = [r for r in caplog.records if "power_usage" in r.getMessage()]
     assert len(power_logs) == 1
+
+
+# --- PCIe throughput (background reader) ----------------------------------------------------
+
+
+def test_pcie_throughput_comes_from_the_cache_never_from_the_sampling_path() -> None:
+    fake = FakeNvml(
+        [
+            gpu(index=0, pcie={"tx_kb_per_s": 10, "rx_kb_per_s": 20, "replays": 0}),
+            gpu(index=1, pcie={"tx_kb_per_s": 30, "rx_kb_per_s": 40, "replays": 0}),
+        ]
+    )
+    b = backend(fake)
+    s0, s1 = b.sample_devices()
+    # Nothing read yet: absent, not zero.
+    assert s0.pcie_tx_bytes_per_second is None and s0.pcie_rx_bytes_per_second is None
+    assert s1.pcie_tx_bytes_per_second is None
+    assert fake.calls["nvmlDeviceGetPcieThroughput"] == 0  # the 20 ms call is never made here
+
+    b._pcie_round()
+    assert fake.calls["nvmlDeviceGetPcieThroughput"] == 4  # TX and RX per GPU
+    s0, s1 = b.sample_devices()
+    assert (s0.pcie_tx_bytes_per_second, s0.pcie_rx_bytes_per_second) == (10 * 1024, 20 * 1024)
+    assert (s1.pcie_tx_bytes_per_second, s1.pcie_rx_bytes_per_second) == (30 * 1024, 40 * 1024)
+
+    fake.gpus[0]["pcie"]["tx_kb_per_s"] = 99
+    [s0, _] = b.sample_devices()
+    assert s0.pcie_tx_bytes_per_second == 10 * 1024  # still the last published value
+    b._pcie_round()
+    [s0, _] = b.sample_devices()
+    assert s0.pcie_tx_bytes_per_second == 99 * 1024
+    assert fake.calls["nvmlDeviceGetPcieThroughput"] == 8  # only the two rounds read it
+
+
+def test_stale_pcie_values_are_reported_absent_not_repeated() -> None:
+    clock = FakeClock()
+    fake = FakeNvml([gpu()])
+    b = backend(fake, clock=clock, pcie_stale_after=2.0)
+    b.sample_devices()
+    b._pcie_round()
+    clock.now += 2.0  # exactly at the limit: still fresh
+    [s] = b.sample_devices()
+    assert s.pcie_tx_bytes_per_second == 1000 * 1024
+    clock.now += 0.001  # the reader stopped publishing (e.g. stuck in NVML)
+    [s] = b.sample_devices()
+    assert s.pcie_tx_bytes_per_second is None and s.pcie_rx_bytes_per_second is None
+    b._pcie_round()  # it publishes again
+    [s] = b.sample_devices()
+    assert s.pcie_rx_bytes_per_second == 2000 * 1024
+
+
+def test_pcie_not_supported_is_remembered_and_not_read_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake = FakeNvml([gpu(index=0, not_supported={"nvmlDeviceGetPcieThroughput"}), gpu(index=1)])
+    b = backend(fake)
+    b.sample_devices()
+    with caplog.at_level(logging.INFO, logger="agent.hw.nvml"):
+        for _ in range(3):
+            b._pcie_round()
+    s0, s1 = b.sample_devices()
+    assert s0.pcie_tx_bytes_per_second is None and s0.pcie_rx_bytes_per_second is None
+    assert s1.pcie_tx_bytes_per_second == 1000 * 1024  # the other GPU is unaffected
+    # GPU 0: its first TX call only, then never again; GPU 1: TX and RX in each of 3 rounds.
+    assert fake.calls["nvmlDeviceGetPcieThroughput"] == 1 + 3 * 2
+    assert len([r for r in caplog.records if "pcie_throughput" in r.getMessage()]) == 1
+    # The same memory of unsupported queries as every other field (doctor shows it).
+    g0, g1 = b.info()["gpus"]
+    assert "pcie_throughput" in g0["unsupported"] and "pcie_throughput" not in g1["unsupported"]
+
+
+def test_failing_pcie_read_skips_the_gpu_and_does_not_break_sampling(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake = FakeNvml([gpu(index=0), gpu(index=1)])
+    b = backend(fake)
+    b.sample_devices()
+    with caplog.at_level(logging.DEBUG, logger="agent.hw.nvml"):
+        for _ in range(2):
+            fake.fail_next["nvmlDeviceGetPcieThroughput"] = [pynvml.NVML_ERROR_UNKNOWN]
+            b._pcie_round()  # GPU 0's first call fails; no exception escapes
+    s0, s1 = b.sample_devices()
+    assert s0.pcie_tx_bytes_per_second is None  # skipped, never a made-up value
+    assert s1.pcie_tx_bytes_per_second == 1000 * 1024
+    failures = [r for r in caplog.records if "reading PCIe throughput failed" in r.getMessage()]
+    assert len(failures) == 1 and failures[0].levelno == logging.DEBUG  # logged once, at debug
+    # Neither remembered as unsupported nor a reason to re-initialise NVML.
+    assert fake.calls["nvmlInit"] == 1
+    b._pcie_round()
+    s0, _ = b.sample_devices()
+    assert s0.pcie_tx_bytes_per_second == 1000 * 1024
+
+
+def test_pcie_round_tolerates_handles_invalidated_by_a_reinit() -> None:
+    fake = FakeNvml([gpu(index=0), gpu(index=1)])
+    b = backend(fake)
+    b.sample_devices()
+    snapshot = b._pcie_snapshot()  # what the thread holds while the sampler re-initialises
+    assert snapshot is not None
+    fake.lose_gpu(1)
+    with pytest.raises(HardwareError):
+        b.sample_devices()
+    fake.restore_gpu(1)
+    b.sample_devices()  # a new session: the snapshot's handles are dead
+    assert fake.calls["nvmlInit"] == 2
+    lib, old_gpus = snapshot
+    b._pcie_read(lib, old_gpus)  # NVMLErrors from dead handles: skipped, not raised
+    b._pcie_round()  # the next round takes the new session's handles
+    s0, s1 = b.sample_devices()
+    assert s0.pcie_tx_bytes_per_second == s1.pcie_tx_bytes_per_second == 1000 * 1024
+
+
+def test_pcie_round_without_an_nvml_session_does_nothing() -> None:
+    fake = FakeNvml([gpu()])
+    b = backend(fake)
+    b._pcie_round()  # not initialised yet
+    b.sample_devices()
+    b.close()
+    b._pcie_round()  # shut down
+    assert fake.calls["nvmlDeviceGetPcieThroughput"] == 0
+
+
+def pcie_thread_of(b: NvmlBackend) -> threading.Thread | None:
+    worker = b._pcie_worker
+    return worker[0] if worker is not None else None
+
+
+def test_pcie_thread_starts_on_first_successful_sample_and_close_stops_it() -> None:
+    fake = FakeNvml([gpu()])
+    b = NvmlBackend(lib=fake, pcie_period=0.01)
+    assert pcie_thread_of(b) is None  # lazily: nothing before the first sample
+    [s] = b.sample_devices()
+    thread = pcie_thread_of(b)
+    assert thread is not None and thread.is_alive() and thread.daemon
+    assert thread.name == "mrc-agent-nvml-pcie"
+    b.sample_devices()
+    assert pcie_thread_of(b) is thread  # one thread, not one per sample
+
+    deadline = time.monotonic() + 5.0
+    while s.pcie_tx_bytes_per_second is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+        [s] = b.sample_devices()
+    assert (s.pcie_tx_bytes_per_second, s.pcie_rx_bytes_per_second) == (1000 * 1024, 2000 * 1024)
+
+    b.close()
+    assert not thread.is_alive()
+    assert pcie_thread_of(b) is None
+    b.close()  # still idempotent
+
+
+def test_pcie_thread_not_started_when_sampling_fails() -> None:
+    b = NvmlBackend(lib=FakeNvml([gpu()], library_missing=True))
+    with pytest.raises(SourceUnavailable):
+        b.sample_devices()
+    assert pcie_thread_of(b) is None
+
+
+def test_close_interrupts_the_pause_at_once() -> None:
+    fake = FakeNvml([gpu()])
+    b = NvmlBackend(lib=fake, pcie_period=60.0)
+    b.sample_devices()
+    thread = pcie_thread_of(b)
+    assert thread is not None
+    deadline = time.monotonic() + 5.0
+    while fake.calls["nvmlDeviceGetPcieThroughput"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)  # let the first round finish, so the thread is in its 60 s pause
+    started = time.monotonic()
+    b.close()
+    assert time.monotonic() - started < 1.0
+    assert not thread.is_alive()
+
+
+def test_blocking_pcie_reads_do_not_slow_sampling() -> None:
+    fake = FakeNvml([gpu(index=i) for i in range(8)])
+    fake.pcie_throughput_delay_s = 0.2  # far slower than NVML's 20 ms, to make it obvious
+    b = NvmlBackend(lib=fake, pcie_period=0.0)
+    b.sample_devices()  # starts the thread, which is now blocked in its reads
+    deadline = time.monotonic() + 5.0
+    while fake.calls["nvmlDeviceGetPcieThroughput"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    started = time.monotonic()
+    for _ in range(5):
+        b.sample_devices()
+    # Had sampling read PCIe itself: 5 samples x 8 GPUs x 2 x 0.2 s = 16 s.
+    assert time.monotonic() - started < 1.0
+    b.close()
+
+
+def test_pcie_parameters_are_checked() -> None:
+    with pytest.raises(ValueError):
+        NvmlBackend(lib=FakeNvml([gpu()]), pcie_period=-1.0)
+    with pytest.raises(ValueError):
+        NvmlBackend(lib=FakeNvml([gpu()]), pcie_stale_after=0.0)
 
 
 def test_util_samples_only_new_ones_mapped_to_monotonic_clock() -> None:

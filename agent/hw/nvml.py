@@ -11,6 +11,9 @@ What it does beyond calling NVML:
   comes from;
 * remembers per GPU which queries answered NOT_SUPPORTED, so they are neither retried nor
   logged again on every sample, and the field stays ``None`` (an absent series, never a zero);
+* keeps PCIe throughput off the sampling path: ``nvmlDeviceGetPcieThroughput`` blocks ~20 ms
+  per call, so a small background thread reads it and samples take its latest values, reporting
+  ``None`` once they are older than ``pcie_stale_after``;
 * translates NVML errors into :class:`~agent.hw.base.SourceUnavailable` (the source does not
   apply here) or :class:`~agent.hw.base.HardwareError` (it failed now); after a failure the next
   call shuts NVML down, initialises it again and fetches fresh handles, so the collector
@@ -59,6 +62,21 @@ MICROSECONDS_PER_SECOND = 1_000_000.0
 #: A burst of XID events is drained up to this many per GPU per sample; the rest stay queued in
 #: NVML for the next sample, so one sample never spins on a storm.
 MAX_EVENTS_PER_POLL = 256
+
+# --- PCIe throughput thread ------------------------------------------------------------------
+# nvmlDeviceGetPcieThroughput "is querying a byte counter over a 20ms interval" (NVML API
+# reference) and blocks for that window: TX+RX cost ~40 ms per GPU, ~320 ms per pass on 8 GPUs,
+# which the sampler's 0.1 s pace cannot afford. A dedicated thread reads it instead.
+
+#: Name of the background thread (shows up in py-spy dumps and thread listings).
+PCIE_THREAD_NAME = "mrc-agent-nvml-pcie"
+#: Pause between two rounds over all GPUs, in seconds.
+DEFAULT_PCIE_PERIOD_S = 0.25
+#: A value older than this (seconds, monotonic) is reported as absent, never as a stale number.
+DEFAULT_PCIE_STALE_AFTER_S = 5.0
+#: close() waits this long for the thread; only a hung NVML call can take longer (the thread is
+#: a daemon, so even then it does not keep the process alive).
+PCIE_JOIN_TIMEOUT_S = 2.0
 
 
 def percent_to_ratio(percent: float) -> float:
@@ -120,6 +138,16 @@ class _Gpu:
     gpm_primed: bool = False
 
 
+@dataclass(frozen=True)
+class _PcieReading:
+    """The PCIe thread's latest TX/RX rates for one GPU, in bytes per second."""
+
+    #: When the reads finished, on the backend's monotonic clock.
+    taken_at: float
+    tx_bytes_per_second: float
+    rx_bytes_per_second: float
+
+
 #: GPM metric id attribute name in pynvml -> GpmSample attribute, and the converter applied.
 _GPM_METRICS: tuple[tuple[str, str, Callable[[float], float]], ...] = (
     ("NVML_GPM_METRIC_SM_UTIL", "sm_util", percent_to_ratio),
@@ -164,6 +192,12 @@ class NvmlBackend:
     ``pynvml`` on first use. ``clock`` is the monotonic clock samples are stamped with;
     ``wall_clock`` is the clock NVML's sample timestamps are taken on (the Unix epoch).
     All public methods are safe to call from several threads.
+
+    PCIe throughput is read by a daemon thread (:data:`PCIE_THREAD_NAME`) started by the first
+    successful :meth:`sample_devices` and stopped by :meth:`close`: one round over the GPUs,
+    then a pause of ``pcie_period`` seconds. Samples report its latest values, or ``None`` when
+    they are older than ``pcie_stale_after`` seconds. ``pcie_thread=False`` starts no thread;
+    the values then only come from calling :meth:`_pcie_round` (what the tests do).
     """
 
     def __init__(
@@ -172,7 +206,14 @@ class NvmlBackend:
         clock: Callable[[], float] = time.monotonic,
         *,
         wall_clock: Callable[[], float] = time.time,
+        pcie_period: float = DEFAULT_PCIE_PERIOD_S,
+        pcie_stale_after: float = DEFAULT_PCIE_STALE_AFTER_S,
+        pcie_thread: bool = True,
     ) -> None:
+        if pcie_period < 0:
+            raise ValueError(f"pcie_period must be >= 0, not {pcie_period}")
+        if pcie_stale_after <= 0:
+            raise ValueError(f"pcie_stale_after must be > 0, not {pcie_stale_after}")
         self._lib: Any | None = lib
         self._clock = clock
         self._wall_clock = wall_clock
@@ -191,6 +232,20 @@ class NvmlBackend:
         self._xid_total: dict[str, int] = {}
         self._last_xid: dict[str, int] = {}
         self._logged: set[str] = set()
+        # The PCIe thread. It reads NVML without ``_lock`` (NVML API reference, introduction,
+        # https://docs.nvidia.com/deploy/nvml-api/nvml-api-reference.html: "NVML is thread-safe
+        # so it is safe to make simultaneous NVML calls from multiple threads"; and
+        # pynvml calls through ctypes.CDLL, which releases the GIL during the call), so the
+        # sampler never waits behind its 20 ms reads. What it shares with the sampler
+        # (``_unsupported``, ``_logged``, ``_pcie_latest``) is guarded by ``_shared_lock``, which
+        # is never held across an NVML call nor while taking ``_lock``.
+        self._shared_lock = threading.Lock()
+        self._pcie_latest: dict[str, _PcieReading] = {}
+        self._pcie_period = pcie_period
+        self._pcie_stale_after = pcie_stale_after
+        self._pcie_thread_enabled = pcie_thread
+        #: The running thread and the event that stops it; each thread gets its own event.
+        self._pcie_worker: tuple[threading.Thread, threading.Event] | None = None
 
     # --- public API --------------------------------------------------------------------------
 
@@ -204,6 +259,7 @@ class NvmlBackend:
             except lib.NVMLError as err:
                 raise self._failure(err, "sampling devices") from err
             self._note_success()
+            self._start_pcie_thread()
             return samples
 
     def sample_gpm(self) -> list[GpmSample]:
@@ -277,10 +333,29 @@ class NvmlBackend:
             return out
 
     def close(self) -> None:
-        """Free event sets and GPM buffers and shut NVML down. Safe to call twice."""
+        """Stop the PCIe thread, free event sets and GPM buffers and shut NVML down.
+
+        Safe to call twice. A later :meth:`sample_devices` starts NVML and the thread again.
+        """
+        with self._lock:
+            worker, self._pcie_worker = self._pcie_worker, None
+        if worker is not None:
+            thread, stop = worker
+            stop.set()  # wakes its pause at once; a round in progress ends after its current GPU
+            # Joined without ``_lock``: the thread takes it for its snapshot of the GPUs.
+            if thread is not threading.current_thread():
+                thread.join(PCIE_JOIN_TIMEOUT_S)
+                if thread.is_alive():
+                    log.warning(
+                        "PCIe throughput thread still in an NVML call after %.1f s; "
+                        "shutting NVML down anyway",
+                        PCIE_JOIN_TIMEOUT_S,
+                    )
         with self._lock:
             if self._initialized:
                 self._teardown()
+            with self._shared_lock:
+                self._pcie_latest.clear()
 
     # --- session ---------------------------------------------------------------------------
 
@@ -402,9 +477,11 @@ class NvmlBackend:
         self._failing = False
 
     def _log_once(self, key: str, level: int, msg: str, *args: object) -> None:
-        if key not in self._logged:
+        with self._shared_lock:  # the PCIe thread logs too
+            if key in self._logged:
+                return
             self._logged.add(key)
-            log.log(level, msg, *args)
+        log.log(level, msg, *args)
 
     def _optional(
         self,
@@ -419,10 +496,12 @@ class NvmlBackend:
 
         Codes in ``empty`` mean "nothing to report this time" and are neither remembered nor
         logged. Any other error propagates and fails the whole sample.
+        Called from the PCIe thread too: the memory of unsupported queries is shared.
         """
         key = (gpu.identity.uuid, feature)
-        if key in self._unsupported:
-            return None
+        with self._shared_lock:
+            if key in self._unsupported:
+                return None
         try:
             return call()
         except lib.NVMLError as err:
@@ -430,7 +509,8 @@ class NvmlBackend:
                 return None
             if err.value not in _unsupported_codes(lib):
                 raise
-            self._unsupported.add(key)
+            with self._shared_lock:
+                self._unsupported.add(key)
             self._log_once(
                 f"unsupported:{key}",
                 logging.INFO,
@@ -456,20 +536,11 @@ class NvmlBackend:
 
         s.mem_used_bytes, s.mem_total_bytes = self._memory(lib, gpu)
 
-        # Each call measures a byte counter over 20 ms (NVML docs), so this pair costs ~40 ms per
-        # GPU; GPM gives the same rates without blocking on Hopper.
-        pcie = self._optional(
-            lib,
-            gpu,
-            "pcie_throughput",
-            lambda: (
-                lib.nvmlDeviceGetPcieThroughput(h, lib.NVML_PCIE_UTIL_TX_BYTES),
-                lib.nvmlDeviceGetPcieThroughput(h, lib.NVML_PCIE_UTIL_RX_BYTES),
-            ),
-        )
+        # Not read here: each call blocks 20 ms. The PCIe thread's latest values, if fresh.
+        pcie = self._fresh_pcie(gpu.identity.uuid)
         if pcie is not None:
-            s.pcie_tx_bytes_per_second = pcie_kb_per_s_to_bytes_per_s(pcie[0])
-            s.pcie_rx_bytes_per_second = pcie_kb_per_s_to_bytes_per_s(pcie[1])
+            s.pcie_tx_bytes_per_second = pcie.tx_bytes_per_second
+            s.pcie_rx_bytes_per_second = pcie.rx_bytes_per_second
         replays = self._optional(
             lib, gpu, "pcie_replay_counter", lambda: lib.nvmlDeviceGetPcieReplayCounter(h)
         )
@@ -514,6 +585,91 @@ class NvmlBackend:
         self._poll_xid(lib, gpu, s)
         s.process_memory_bytes = self._process_memory(lib, gpu)
         return s
+
+    def _fresh_pcie(self, uuid: str) -> _PcieReading | None:
+        """The PCIe thread's latest reading for this GPU; None if none or too old."""
+        with self._shared_lock:
+            reading = self._pcie_latest.get(uuid)
+        if reading is None or self._clock() - reading.taken_at > self._pcie_stale_after:
+            return None
+        return reading
+
+    # --- PCIe throughput thread ----------------------------------------------------------------
+
+    def _start_pcie_thread(self) -> None:
+        """Start the PCIe thread unless it runs or is disabled. Called holding ``_lock``."""
+        if not self._pcie_thread_enabled or self._pcie_worker is not None:
+            return
+        stop = threading.Event()
+        thread = threading.Thread(
+            target=self._pcie_loop, args=(stop,), name=PCIE_THREAD_NAME, daemon=True
+        )
+        self._pcie_worker = (thread, stop)
+        thread.start()
+
+    def _pcie_loop(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self._pcie_round(stop)
+            except Exception as err:  # a bug must not end the thread silently, nor spam
+                self._log_once(
+                    f"pcie_thread:{type(err).__name__}",
+                    logging.WARNING,
+                    "PCIe throughput round failed: %r",
+                    err,
+                )
+            stop.wait(self._pcie_period)
+
+    def _pcie_round(self, stop: threading.Event | None = None) -> None:
+        """One round over the current GPUs: read TX and RX throughput, publish the values.
+
+        Does nothing while NVML is not initialised. Never raises for NVML errors.
+        """
+        snapshot = self._pcie_snapshot()
+        if snapshot is not None:
+            self._pcie_read(*snapshot, stop=stop)
+
+    def _pcie_snapshot(self) -> tuple[Any, list[_Gpu]] | None:
+        """The library and this session's GPUs, taken under ``_lock`` and used without it."""
+        with self._lock:
+            if not self._initialized or self._lib is None:
+                return None
+            return self._lib, list(self._gpus)
+
+    def _pcie_read(
+        self, lib: Any, gpus: list[_Gpu], *, stop: threading.Event | None = None
+    ) -> None:
+        for gpu in gpus:
+            if stop is not None and stop.is_set():
+                return
+            uuid = gpu.identity.uuid
+            try:
+                kb = self._optional(
+                    lib, gpu, "pcie_throughput", partial(_pcie_throughput, lib, gpu.handle)
+                )
+            except lib.NVMLError as err:
+                # E.g. a handle from a session the sampler has since re-initialised, or a GPU
+                # that is lost: the sampler notices and recovers; this GPU waits a round.
+                self._log_once(
+                    f"pcie_error:{uuid}",
+                    logging.DEBUG,
+                    "GPU %d (%s): reading PCIe throughput failed (%s); skipped this round",
+                    gpu.index,
+                    uuid,
+                    err,
+                )
+                continue
+            if kb is None:  # not supported: remembered by _optional, never read again
+                with self._shared_lock:
+                    self._pcie_latest.pop(uuid, None)
+                continue
+            reading = _PcieReading(
+                taken_at=self._clock(),
+                tx_bytes_per_second=pcie_kb_per_s_to_bytes_per_s(kb[0]),
+                rx_bytes_per_second=pcie_kb_per_s_to_bytes_per_s(kb[1]),
+            )
+            with self._shared_lock:
+                self._pcie_latest[uuid] = reading
 
     def _util_samples(self, lib: Any, gpu: _Gpu) -> list[tuple[float, float]]:
         uuid = gpu.identity.uuid
@@ -789,7 +945,8 @@ class NvmlBackend:
             links = len(gpu.nvlinks)
         except lib.NVMLError as err:
             errors.append(f"nvlink: {err}")
-        unsupported = sorted(f for uuid, f in self._unsupported if uuid == gpu.identity.uuid)
+        with self._shared_lock:
+            unsupported = sorted(f for uuid, f in self._unsupported if uuid == gpu.identity.uuid)
         return {
             "index": gpu.index,
             "uuid": gpu.identity.uuid,
@@ -812,6 +969,14 @@ def _unsupported_codes(lib: Any) -> set[int]:
         lib.NVML_ERROR_FUNCTION_NOT_FOUND,
         lib.NVML_ERROR_NO_PERMISSION,
     }
+
+
+def _pcie_throughput(lib: Any, handle: Any) -> tuple[int, int]:
+    """TX and RX PCIe throughput in KB/s; blocks ~20 ms per direction."""
+    return (
+        lib.nvmlDeviceGetPcieThroughput(handle, lib.NVML_PCIE_UTIL_TX_BYTES),
+        lib.nvmlDeviceGetPcieThroughput(handle, lib.NVML_PCIE_UTIL_RX_BYTES),
+    )
 
 
 def _union_value(lib: Any, value_type: int, value: Any) -> float:

@@ -13,13 +13,17 @@ the adapter does not use are deliberately absent (``AttributeError``).
 
 Like NVML, it checks what it is given: calls before ``nvmlInit`` or with a handle from an older
 session raise, wrong enum arguments raise ``NVMLError_InvalidArgument``, and ``calls`` counts
-every call by function name so tests can prove a query was not retried.
+every call by function name so tests can prove a query was not retried. Like NVML, it may be
+called from several threads (the adapter's PCIe throughput thread): counting is locked, and
+``pcie_throughput_delay_s`` makes ``nvmlDeviceGetPcieThroughput`` block as NVML's does.
 """
 
 from __future__ import annotations
 
 import copy
 import ctypes
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -114,6 +118,9 @@ class FakeNvml:
         self.nvml_version = nvml_version
         self.cuda_driver_version = cuda_driver_version
         self.calls: Counter[str] = Counter()
+        self._calls_lock = threading.Lock()
+        #: Seconds each nvmlDeviceGetPcieThroughput call blocks (NVML: a 20 ms window).
+        self.pcie_throughput_delay_s = 0.0
         self.initialized = False
         self.generation = 0
         #: Per GPU index: handles from generations below this are dead (GPU was lost).
@@ -148,9 +155,13 @@ class FakeNvml:
     def _error(code: int) -> pynvml.NVMLError:
         return pynvml.NVMLError(code)
 
+    def _count(self, name: str) -> None:
+        with self._calls_lock:  # ``+=`` on a Counter is not atomic across threads
+            self.calls[name] += 1
+
     def _enter(self, name: str, handle: FakeHandle | None = None) -> dict[str, Any] | None:
         """Count the call and raise what NVML would; return the GPU dict for ``handle``."""
-        self.calls[name] += 1
+        self._count(name)
         if not self.initialized:
             raise self._error(pynvml.NVML_ERROR_UNINITIALIZED)
         queued = self.fail_next.get(name)
@@ -177,7 +188,7 @@ class FakeNvml:
     # --- init / system --------------------------------------------------------------------
 
     def nvmlInit(self) -> None:
-        self.calls["nvmlInit"] += 1
+        self._count("nvmlInit")
         if self.library_missing:
             raise self._error(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
         if self.init_error is not None:
@@ -266,6 +277,8 @@ class FakeNvml:
 
     def nvmlDeviceGetPcieThroughput(self, handle: FakeHandle, counter: int) -> int:
         pcie = self._gpu("nvmlDeviceGetPcieThroughput", handle)["pcie"]
+        if self.pcie_throughput_delay_s:
+            time.sleep(self.pcie_throughput_delay_s)
         if counter == pynvml.NVML_PCIE_UTIL_TX_BYTES:
             return int(pcie["tx_kb_per_s"])
         if counter == pynvml.NVML_PCIE_UTIL_RX_BYTES:
@@ -390,7 +403,7 @@ class FakeNvml:
         raise self._error(pynvml.NVML_ERROR_TIMEOUT)
 
     def nvmlEventSetFree(self, eventSet: FakeEventSet) -> None:
-        self.calls["nvmlEventSetFree"] += 1
+        self._count("nvmlEventSetFree")
         eventSet.freed = True
 
     # --- GPM ------------------------------------------------------------------------------
@@ -410,7 +423,7 @@ class FakeNvml:
         return pynvml.c_nvmlGpmSample_t(struct)
 
     def nvmlGpmSampleFree(self, gpmSample: Any) -> None:
-        self.calls["nvmlGpmSampleFree"] += 1
+        self._count("nvmlGpmSampleFree")
         self._gpm_buffers.pop(ctypes.addressof(gpmSample.contents), None)
 
     def nvmlGpmSampleGet(self, device: FakeHandle, gpmSample: Any) -> Any:
