@@ -13,9 +13,10 @@ What one run does:
 2. Runs ``mrc-agent run`` on them at ``--interval 1.0`` and then ``0.1``: the agent's own CPU
    (utime+stime from ``/proc/PID/stat``, cross-checked with ``schedstat`` nanoseconds) and
    memory (VmRSS / VmHWM) over an idle window with no scraping.
-3. At each interval, 50 keep-alive scrapers (separate processes, ``http.client``) load
-   ``/metrics`` in a tight loop, then at one scrape per second each: latency p50/p99/max, the
-   agent's CPU meanwhile, and whether sampling kept its pace (``mrc_agent_samples_total`` and
+3. At each interval, keep-alive scrapers (separate processes, ``http.client``) load
+   ``/metrics``: one back to back (the latency of a lone request), 50 back to back (the goal)
+   and 50 at one scrape per second each: latency p50/p99/max, the agent's CPU and run-queue
+   wait meanwhile, and whether sampling kept its pace (``mrc_agent_samples_total`` and
    ``mrc_agent_sample_overruns_total`` before and after).
 4. Accuracy at 1 s: ``mrc_process_cpu_user_ratio`` of every agent pass against ground truth
    from this script's own 100 Hz reads of ``/proc/PID/stat`` over the same windows.
@@ -33,6 +34,7 @@ import bisect
 import contextlib
 import http.client
 import json
+import math
 import os
 import platform
 import random
@@ -62,6 +64,9 @@ GOAL_P99_MS = 5.0
 GOAL_ACCURACY_CORES = 0.05
 GOAL_PACE = 0.95  # samples taken / samples expected while being scraped
 
+#: pidstat starts this long after an agent pass, so its 1 s windows trail the agent's slightly
+#: (its first read happens a few ms after exec).
+PIDSTAT_LAG = 0.005
 SCRAPERS = 50
 SCRAPER_PROCS = 5  # 50 scrapers as 5 processes x 10 threads: less client-side GIL queueing
 #: What Prometheus 2.x sends, so the agent's negotiation and gzip paths are the ones exercised.
@@ -130,9 +135,10 @@ def user_ticks(pid: int) -> int:
     return int(f[11]) - guest
 
 
-def schedstat_ns(pid: int) -> dict[int, int]:
-    """Nanoseconds on CPU per live thread (``/proc/PID/task/TID/schedstat``), or {} if absent."""
-    out: dict[int, int] = {}
+def schedstat_ns(pid: int) -> dict[int, tuple[int, int]]:
+    """(ns on CPU, ns runnable but waiting for a CPU) per live thread, from
+    ``/proc/PID/task/TID/schedstat``; {} where the kernel does not provide it."""
+    out: dict[int, tuple[int, int]] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -140,7 +146,8 @@ def schedstat_ns(pid: int) -> dict[int, int]:
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-                out[int(tid)] = int(f.read().split()[0])
+                cols = f.read().split()
+            out[int(tid)] = (int(cols[0]), int(cols[1]))
         except (OSError, ValueError, IndexError):
             continue
     return out
@@ -161,10 +168,12 @@ class CpuWindow:
     pid: int
     t0: float = 0.0
     ticks0: int = 0
-    ns0: dict[int, int] = field(default_factory=dict)
+    ns0: dict[int, tuple[int, int]] = field(default_factory=dict)
     seconds: float = 0.0
     pct_ticks: float = 0.0
     pct_sched: float | None = None  # None where schedstat is not available
+    wait_s: float | None = None  # summed run-queue wait of its threads, from schedstat
+    per_thread: dict[int, float] = field(default_factory=dict)  # tid -> % of a core
 
     def begin(self) -> CpuWindow:
         self.ns0 = schedstat_ns(self.pid)
@@ -180,8 +189,12 @@ class CpuWindow:
         if ns:
             # Threads born in the window count from zero; threads that died in it are lost, so
             # this is only exact for windows without thread churn (the idle windows).
-            used = sum(v - self.ns0.get(tid, 0) for tid, v in ns.items())
+            used = sum(v[0] - self.ns0.get(tid, (0, 0))[0] for tid, v in ns.items())
+            wait = sum(v[1] - self.ns0.get(tid, (0, 0))[1] for tid, v in ns.items())
             self.pct_sched = used / 1e9 / self.seconds * 100
+            self.wait_s = wait / 1e9
+            self.per_thread = {tid: (v[0] - self.ns0.get(tid, (0, 0))[0]) / 1e7 / self.seconds
+                               for tid, v in sorted(ns.items())}
         return self
 
     def text(self) -> str:
@@ -407,7 +420,7 @@ class Bench:
             subprocess.run([sys.executable, "-m", "agent.tracegen", "busy", "8", "20"],
                            stdout=f, check=True, cwd=REPO, timeout=60)
         p = self.plan
-        lifetime = 2 * (p.warmup + p.idle + 2 * p.load) + p.accuracy + 90
+        lifetime = 2 * (p.warmup + p.idle + 3 * (p.load + 3)) + p.accuracy + 90
         for name, code in TARGETS.items():
             proc = self.procs.start([sys.executable, "-c", code, str(lifetime)],
                                     stdin=subprocess.DEVNULL)
@@ -467,25 +480,28 @@ class Bench:
         return {"cpu": win, "others": others, "targets": targets, "machine": machine,
                 "rss_kb": rss_kb, "before": before, "after": after}
 
-    def load_window(self, agent_pid: int, port: int, interval: float,
-                    pace: float) -> dict[str, Any]:
-        per = SCRAPERS // SCRAPER_PROCS
+    def load_window(self, agent_pid: int, port: int, interval: float, pace: float,
+                    nprocs: int = SCRAPER_PROCS, per: int = SCRAPERS // SCRAPER_PROCS,
+                    duration: float | None = None) -> dict[str, Any]:
+        """``nprocs`` x ``per`` keep-alive scrapers for ``duration`` (the plan's load window)."""
+        duration = duration or self.plan.load
         start_at = time.time() + 2.0  # python start-up of the children on a busy machine
         outs = []
         children = []
-        for i in range(SCRAPER_PROCS):
-            out = os.path.join(self.workdir, f"scrape-{interval:g}-{pace:g}-{i}.json")
+        for i in range(nprocs):
+            out = os.path.join(self.workdir,
+                               f"scrape-{interval:g}-{pace:g}-{nprocs * per}-{i}.json")
             outs.append(out)
             children.append(self.procs.start(
                 [sys.executable, str(Path(__file__).resolve()), "--scraper-child",
                  "--port", str(port), "--threads", str(per), "--start-at", repr(start_at),
-                 "--duration", str(self.plan.load), "--pace", str(pace), "--child-out", out],
+                 "--duration", str(duration), "--pace", str(pace), "--child-out", out],
                 stdin=subprocess.DEVNULL))
         sleep_until(start_at - 0.3)
         before = scrape(port)
         sleep_until(start_at)
         win = CpuWindow(agent_pid).begin()
-        sleep_until(start_at + self.plan.load)
+        sleep_until(start_at + duration)
         win.end()
         after = scrape(port)
         hwm_kb = status_kb(agent_pid, "VmHWM")
@@ -508,7 +524,7 @@ class Bench:
             else:
                 errors += 1
         return {"lat": lat, "errors": errors, "body": body, "cpu": win, "before": before,
-                "after": after, "hwm_kb": hwm_kb}
+                "after": after, "hwm_kb": hwm_kb, "seconds": duration}
 
     def accuracy_window(self, port: int) -> tuple[list[Scrape], list[tuple[float, dict[int, int]]]]:
         """Scrape at 10 Hz (the agent samples at 1 Hz) while reading the targets' utime at
@@ -556,38 +572,50 @@ class Bench:
             self.rows.append(Row("pidstat comparison", "skipped: pidstat not found "
                                  "(Debian package sysstat)", "—", "SKIP"))
 
+    def start_pidstat(self, pidstat: str, port: int, count: int,
+                      lines: list[tuple[float, str]]) -> tuple[subprocess.Popen[str],
+                                                               threading.Thread]:
+        """Start ``pidstat -u -t -p PIDS 1`` in phase with the agent's 1 s passes, so that
+        both tools measure (nearly) the same windows and can be compared one by one."""
+        argv = [pidstat, "-u", "-t", "-p", ",".join(map(str, self.targets.values())), "1",
+                str(count)]
+        stdbuf = shutil.which("stdbuf")
+        if stdbuf:  # line-buffered, so that a line's arrival time is the end of its window
+            argv = [stdbuf, "-oL", *argv]
+        last = scrape(port).last_sample_ts
+        sleep_until(last + math.ceil(time.time() - last + 0.2) + PIDSTAT_LAG)
+        ps = self.procs.start(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              stdin=subprocess.DEVNULL, text=True,
+                              env={**os.environ, "LC_ALL": "C"})
+
+        def read(stream: Any = ps.stdout) -> None:
+            for line in stream:
+                lines.append((time.time(), line.rstrip("\n")))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        time.sleep(1.5)  # past pidstat's start-up and first report
+        return ps, reader
+
     def run_interval(self, interval: float, pidstat: str | None) -> None:
         agent, port, log = self.start_agent(interval)
         ps: subprocess.Popen[str] | None = None
         ps_lines: list[tuple[float, str]] = []
         reader: threading.Thread | None = None
-        tag = f"{interval:g} s"
         passes: list[Scrape] = []
         polls: list[tuple[float, dict[int, int]]] = []
         try:
             if pidstat is not None:
-                count = int(self.plan.idle + self.plan.accuracy + 2 * self.plan.load + 20)
-                argv = [pidstat, "-u", "-t", "-p", ",".join(map(str, self.targets.values())),
-                        "1", str(count)]
-                stdbuf = shutil.which("stdbuf")
-                if stdbuf:  # line-buffered, so that arrival time = end of pidstat's window
-                    argv = [stdbuf, "-oL", *argv]
-                ps = self.procs.start(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                      stdin=subprocess.DEVNULL, text=True,
-                                      env={**os.environ, "LC_ALL": "C"})
-
-                def read(stream: Any = ps.stdout) -> None:
-                    for line in stream:
-                        ps_lines.append((time.time(), line.rstrip("\n")))
-
-                reader = threading.Thread(target=read, daemon=True)
-                reader.start()
-                time.sleep(1.5)  # past pidstat's start-up and first report
-
+                count = int(self.plan.idle + self.plan.accuracy + 30)
+                ps, reader = self.start_pidstat(pidstat, port, count, ps_lines)
             extra = [("pidstat", ps.pid)] if ps is not None else []
             idle = self.idle_window(agent.pid, port, interval, extra)
             if interval == 1.0:
                 passes, polls = self.accuracy_window(port)
+            if ps is not None:
+                Procs.stop(ps)  # pidstat is compared at rest, not while the machine is flooded
+            one = self.load_window(agent.pid, port, interval, pace=0.0, nprocs=1, per=1,
+                                   duration=min(self.plan.load, 5.0))
             tight = self.load_window(agent.pid, port, interval, pace=0.0)
             paced = self.load_window(agent.pid, port, interval, pace=1.0)
             hwm_kb = status_kb(agent.pid, "VmHWM")
@@ -598,13 +626,35 @@ class Bench:
                     reader.join(5)
             rc = Procs.stop(agent)
         if rc not in (0, None):
-            self.notes.append(f"agent at {tag} exited with {rc} on SIGTERM:\n" + tail(log))
+            self.notes.append(f"agent at {interval:g} s exited with {rc} on SIGTERM:\n"
+                              + tail(log))
+        self.cost_rows(interval, idle, hwm_kb)
+        self.load_rows(interval, [("1 keep-alive scraper back to back (no concurrency)", one,
+                                   False),
+                                  (f"{SCRAPERS} keep-alive scrapers back to back", tight, True),
+                                  (f"{SCRAPERS} keep-alive scrapers at 1 scrape/s each "
+                                   "(Prometheus-like)", paced, False)])
+        if interval == 1.0:
+            self.accuracy_rows(passes, polls)
+            if ps is not None:
+                self.pidstat_rows(idle, passes, polls, parse_pidstat(ps_lines))
 
-        # -- rows: cost while idle --
+    # -- rows --
+    def cost_rows(self, interval: float, idle: dict[str, Any], hwm_kb: int) -> None:
+        tag = f"{interval:g} s"
         cpu: CpuWindow = idle["cpu"]
         goal = GOAL_CPU[interval]
-        self.rows.append(Row(f"agent CPU, idle (not scraped), interval {tag}", cpu.text(),
-                             f"≤ {goal} % of a core", verdict(cpu.pct_ticks <= goal)))
+        text = cpu.text()
+        if len(cpu.per_thread) == 3:
+            # cmd_run starts the sampler thread before the HTTP thread: tids come in that order.
+            names = dict(zip(sorted(cpu.per_thread), ("main", "sampler", "http"), strict=True))
+            text += " (" + ", ".join(f"{names[t]} {v:.3f}" for t, v in
+                                     cpu.per_thread.items()) + ")"
+        # The kernel scales utime+stime to the scheduler's exact runtime and prints it in
+        # ticks, so schedstat is the same quantity without the ±1 tick: judge on it if there.
+        judged = cpu.pct_sched if cpu.pct_sched is not None else cpu.pct_ticks
+        self.rows.append(Row(f"agent CPU, idle (not scraped), interval {tag}", text,
+                             f"≤ {goal} % of a core", verdict(judged <= goal)))
         self.rows.append(pace_row(f"sampling pace, idle, interval {tag}", idle["before"],
                                   idle["after"], interval))
         m: MachineWindow = idle["machine"]
@@ -622,31 +672,36 @@ class Bench:
         self.rows.append(Row(f"agent peak RSS (VmHWM) over the run incl. scrape load, "
                              f"interval {tag}", f"{hwm:.1f} MB", f"≤ {GOAL_RSS_MB:g} MB",
                              verdict(hwm <= GOAL_RSS_MB)))
-        # -- rows: under scrape load --
-        for name, res, has_goal in (("back to back", tight, True),
-                                    ("1 scrape/s each (Prometheus-like)", paced, False)):
+
+    def load_rows(self, interval: float, runs: list[tuple[str, dict[str, Any], bool]]) -> None:
+        tag = f"{interval:g} s"
+        for name, res, has_goal in runs:
             lat = res["lat"]
             n = len(lat)
             if n:
                 measured = (f"p50 {pct(lat, 0.5):.2f} / p99 {pct(lat, 0.99):.2f} / max "
-                            f"{max(lat):.1f} ms; {n} scrapes, {n / self.plan.load:.0f}/s, "
+                            f"{max(lat):.1f} ms; {n} scrapes, {n / res['seconds']:.0f}/s, "
                             f"{res['errors']} errors, body {res['body']} B")
                 ok = pct(lat, 0.99) <= GOAL_P99_MS and res["errors"] == 0
             else:
                 measured, ok = f"no successful scrape ({res['errors']} errors)", False
-            self.rows.append(Row(
-                f"scrape latency, {SCRAPERS} keep-alive scrapers {name}, interval {tag}",
-                measured, f"p99 ≤ {GOAL_P99_MS:g} ms" if has_goal else "—",
-                verdict(ok) if has_goal else "info"))
+            self.rows.append(Row(f"scrape latency, {name}, interval {tag}", measured,
+                                 f"p99 ≤ {GOAL_P99_MS:g} ms" if has_goal else "—",
+                                 verdict(ok) if has_goal else "info"))
             w: CpuWindow = res["cpu"]
-            self.rows.append(Row(f"agent CPU while scraped {name}, interval {tag}",
-                                 f"{w.pct_ticks:.1f} % of a core ({w.seconds:.1f} s)"))
-            self.rows.append(pace_row(f"sampling pace while scraped {name}, interval {tag}",
+            cpu_text = f"{w.pct_ticks:.1f} % of a core over {w.seconds:.1f} s"
+            if n:
+                cpu_text += (f", {w.pct_ticks / 100 * w.seconds / n * 1000:.2f} ms CPU "
+                             "per scrape")
+            if w.wait_s is not None:
+                cpu_text += (f"; its threads waited {w.wait_s:.2f} s in the run queue"
+                             + (f" ({w.wait_s / n * 1000:.2f} ms per scrape)" if n else ""))
+            self.rows.append(Row(f"agent CPU while scraped, {name}, interval {tag}", cpu_text))
+            self.rows.append(pace_row(f"sampling pace while scraped, {name}, interval {tag}",
                                       res["before"], res["after"], interval))
-        if interval != 1.0:
-            return
-        # -- rows: accuracy against /proc ground truth --
-        by_pid = {pid: name for name, pid in self.targets.items()}
+
+    def accuracy_rows(self, passes: list[Scrape],
+                      polls: list[tuple[float, dict[int, int]]]) -> None:
         errs = agent_errors(passes, polls)
         for name in BUSY_TARGETS:
             e = errs.get(self.targets[name], [])
@@ -654,73 +709,73 @@ class Bench:
                 worst = max(abs(x) for x in e)
                 mean = statistics.fmean(abs(x) for x in e)
                 self.rows.append(Row(
-                    f"accuracy of mrc_process_cpu_user_ratio, {name}, interval 1 s",
+                    f"accuracy of mrc_process_cpu_user_ratio vs /proc truth, {name}, "
+                    "interval 1 s",
                     f"max {worst:.4f} / mean {mean:.4f} cores abs error ({len(e)} windows)",
                     f"max ≤ {GOAL_ACCURACY_CORES} cores",
                     verdict(worst <= GOAL_ACCURACY_CORES)))
             else:
-                self.rows.append(Row(f"accuracy, {name}", "no window measured", "—", "FAIL"))
-        # -- rows: pidstat side by side --
-        if ps is None:
-            return
+                self.rows.append(Row(f"accuracy vs /proc truth, {name}", "no window measured",
+                                     f"max ≤ {GOAL_ACCURACY_CORES} cores", "FAIL"))
+
+    def pidstat_rows(self, idle: dict[str, Any], passes: list[Scrape],
+                     polls: list[tuple[float, dict[int, int]]],
+                     reports: list[tuple[float, dict[int, float]]]) -> None:
+        cpu: CpuWindow = idle["cpu"]
         pcpu: CpuWindow = idle["others"]["pidstat"]
         self.rows.append(Row("pidstat -u -t -p PIDS 1: own CPU, same idle window",
                              pcpu.text()))
         a_cost = cpu.pct_sched if cpu.pct_sched is not None else cpu.pct_ticks
         p_cost = pcpu.pct_sched if pcpu.pct_sched is not None else pcpu.pct_ticks
         basis = "schedstat" if cpu.pct_sched is not None else "ticks"
-        self.rows.append(Row("agent cost / pidstat cost (interval 1 s, idle window)",
+        self.rows.append(Row("agent cost / pidstat cost (both at 1 s, same idle window)",
                              f"{a_cost / p_cost:.1f}x ({basis}: {a_cost:.3f} % vs "
-                             f"{p_cost:.3f} %)" if p_cost > 0 else "pidstat cost below "
-                             "resolution"))
-        reports = parse_pidstat(ps_lines)
-        if not reports:
-            self.rows.append(Row("pidstat comparison", "no pidstat report parsed", "—",
-                                 "SKIP"))
+                             f"{p_cost:.3f} % of a core)" if p_cost > 0
+                             else "pidstat's cost is below the resolution"))
+        if not reports or len(passes) < 2:
+            self.rows.append(Row("pidstat comparison", "no pidstat report or agent pass to "
+                                 "compare", "—", "SKIP"))
             return
-        # Only reports inside the accuracy window, where the agent's passes are known.
-        lo, hi = passes[0].last_sample_ts, passes[-1].last_sample_ts
-        reports = [r for r in reports if lo <= r[0] - 1.0 and r[0] <= hi + 0.5]
-        diffs: dict[int, list[float]] = {}
-        pid_truth: dict[int, list[float]] = {}
+        by_pid = {pid: name for name, pid in self.targets.items()}
         ends = [p.last_sample_ts for p in passes]
-        prev_end: float | None = None
-        for end, usr in reports:
-            j = bisect.bisect_left(ends, end)
-            cands = [k for k in (j - 1, j) if 0 <= k < len(ends)]
-            k = min(cands, key=lambda c: abs(ends[c] - end))
-            for pid, ratio in usr.items():
-                if abs(ends[k] - end) <= 0.5 and pid in passes[k].user_ratio:
-                    diffs.setdefault(pid, []).append(passes[k].user_ratio[pid] - ratio)
-                if prev_end is not None and end - prev_end < 1.5:
-                    truth = truth_ratio(polls, pid, prev_end, end)
+        diffs: dict[int, list[float]] = {}
+        pairs: dict[int, list[tuple[float, float]]] = {}
+        offsets: list[float] = []
+        truth_err: list[float] = []
+        for i, (end, usr) in enumerate(reports):
+            k = min(range(len(ends)), key=lambda c: abs(ends[c] - end))
+            if abs(ends[k] - end) <= 0.25 and k > 0:
+                offsets.append(end - ends[k])
+                for pid, ratio in usr.items():
+                    if pid in passes[k].user_ratio:
+                        diffs.setdefault(pid, []).append(passes[k].user_ratio[pid] - ratio)
+                        pairs.setdefault(pid, []).append((passes[k].user_ratio[pid], ratio))
+            if i > 0 and end - reports[i - 1][0] < 1.5:
+                for pid, ratio in usr.items():
+                    truth = truth_ratio(polls, pid, reports[i - 1][0], end)
                     if truth is not None:
-                        pid_truth.setdefault(pid, []).append(ratio - truth)
-            prev_end = end
+                        truth_err.append(abs(ratio - truth))
         all_d = [abs(x) for xs in diffs.values() for x in xs]
-        if all_d:
-            self.rows.append(Row(
-                "agent vs pidstat %usr/100, matched 1 s windows (ends ≤ 0.5 s apart)",
-                f"max {max(all_d):.4f} / mean {statistics.fmean(all_d):.4f} cores abs diff "
-                f"({len(all_d)} pairs)"))
-            per = "; ".join(
-                f"{by_pid[pid]} {statistics.fmean(abs(x) for x in xs):.3f}"
-                for pid, xs in sorted(diffs.items(), key=lambda kv: by_pid[kv[0]]))
-            self.rows.append(Row("agent vs pidstat, mean abs diff per target (cores)", per))
-        means = []
-        for name, pid in self.targets.items():
-            a_vals = [p.user_ratio[pid] for p in passes if pid in p.user_ratio]
-            p_vals = [u[pid] for _, u in reports if pid in u]
-            if a_vals and p_vals:
-                means.append(f"{name} {statistics.fmean(a_vals):.3f} vs "
-                             f"{statistics.fmean(p_vals):.3f}")
-        self.rows.append(Row("mean user CPU over the window, agent vs pidstat (cores)",
-                             "; ".join(means)))
-        all_t = [abs(x) for xs in pid_truth.values() for x in xs]
-        if all_t:
-            self.rows.append(Row("pidstat %usr/100 vs /proc ground truth (its own windows)",
-                                 f"max {max(all_t):.4f} / mean {statistics.fmean(all_t):.4f} "
-                                 f"cores abs error ({len(all_t)} windows)"))
+        if not all_d:
+            self.rows.append(Row("agent vs pidstat", "no matching windows", "—", "SKIP"))
+            return
+        self.rows.append(Row(
+            "agent ratio vs pidstat %usr/100, same 1 s windows, all targets",
+            f"max {max(all_d):.4f} / mean {statistics.fmean(all_d):.4f} cores abs diff "
+            f"({len(all_d)} pairs; pidstat's windows end a median "
+            f"{statistics.median(offsets) * 1000:+.0f} ms after the agent's)"))
+        per = "; ".join(
+            f"{by_pid[pid]} {statistics.fmean(a for a, _ in xs):.3f} vs "
+            f"{statistics.fmean(p for _, p in xs):.3f} (max diff "
+            f"{max(abs(a - p) for a, p in xs):.3f})"
+            for pid, xs in sorted(pairs.items(), key=lambda kv: by_pid[kv[0]]))
+        self.rows.append(Row("mean user CPU per target over the matched windows, agent vs "
+                             "pidstat (cores)", per))
+        if truth_err:
+            self.rows.append(Row("pidstat %usr/100 vs /proc truth (its own windows)",
+                                 f"max {max(truth_err):.4f} / mean "
+                                 f"{statistics.fmean(truth_err):.4f} cores abs error "
+                                 f"({len(truth_err)} windows)"))
 
 
 def pace_row(metric: str, before: Scrape, after: Scrape, interval: float) -> Row:
@@ -835,8 +890,8 @@ def render(rows: list[Row], facts: list[str], notes: list[str], quick: bool,
     out += ["", "Machine:", ""] + [f"- {f}" for f in facts]
     out += ["", f"Windows: idle {plan.idle:g} s per interval, accuracy {plan.accuracy:g} s, "
             f"each scrape-load window {plan.load:g} s. CPU is utime+stime from /proc/PID/stat "
-            f"(± one tick over the window), cross-checked with the sum of "
-            f"/proc/PID/task/*/schedstat. The {SCRAPERS} scrapers run as {SCRAPER_PROCS} "
+            f"(± one tick over the window) and the sum of /proc/PID/task/*/schedstat (exact; "
+            f"the idle-CPU verdict uses it). The {SCRAPERS} scrapers run as {SCRAPER_PROCS} "
             f"processes on the same machine as the agent and the targets."]
     if notes:
         out += ["", "Notes:", ""] + [f"- {n}" for n in notes]

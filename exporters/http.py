@@ -69,6 +69,9 @@ class ExpositionServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"  # keep-alive for Prometheus' connection reuse
+            # Headers and body go out in two writes; with Nagle on, the body waits for the
+            # client's delayed ACK of the headers (~40 ms per scrape on a kept-alive socket).
+            disable_nagle_algorithm = True
             server_version = "mrc-agent"
 
             def log_message(self, format: str, *args: object) -> None:  # noqa: A002
@@ -127,7 +130,7 @@ class ExpositionServer:
 
     def start(self) -> None:
         self._thread = threading.Thread(
-            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.5},
             name="mrc-agent-http", daemon=True)
         self._thread.start()
 

@@ -91,6 +91,23 @@ def test_exited_target_disappears_and_first_pass_has_no_ratio(procs: Procs) -> N
     assert after == {}
 
 
+def test_kept_files_are_reread_fresh_and_released(procs: Procs) -> None:
+    fs = ProcFS()
+    p = procs.spawn(THREADED)
+    time.sleep(0.3)
+    first = fs.stat(p.pid).user_ticks
+    assert len(fs.thread_user_ticks(p.pid)) == 5
+    time.sleep(0.5)
+    assert fs.stat(p.pid).user_ticks > first  # the kept file answers with fresh content
+    kept = [path for path in fs._fds if f"/{p.pid}/" in path]
+    assert len(kept) == 6  # the process's stat plus five threads' stat
+    p.kill()
+    p.wait()
+    collector = ProcessCollector(procfs=fs)
+    _pass(collector, [Target(p.pid, "pid")])
+    assert not [path for path in fs._fds if f"/{p.pid}/" in path]
+
+
 def test_pidfile_follows_a_restarted_service(procs: Procs, tmp_path) -> None:
     pidfile = tmp_path / "svc.pid"
     first = procs.spawn(IDLE)

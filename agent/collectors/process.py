@@ -54,8 +54,10 @@ class ProcessCollector:
                 seen.add(target.pid)
             except ProcessGone as exc:
                 log.debug("target %d gone: %s", target.pid, exc)
+                self._procfs.release(target.pid)
         for pid in [p for p in self._prev if p not in seen]:
             del self._prev[pid]
+            self._procfs.release(pid)
         return out
 
     def _one(self, ctx: SampleContext, pid: int) -> list[Sample]:
