@@ -83,6 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--trace", metavar="PATH", help="replay this trace instead of the "
                       "embedded one")
 
+    serve = sub.add_parser("serve", help="run the reference MRC service (needs the 'service' "
+                           "extra); flags as python -m reference_service", add_help=False)
+    serve.add_argument("args", nargs=argparse.REMAINDER)
+
+    load = sub.add_parser("loadgen", help="send a realistic MRC request mix and print "
+                          "P50/P90/P99 per prompt-length x resolution bucket")
+    load.add_argument("--url", required=True, help="the service's base URL")
+    load.add_argument("--rate", type=float, default=2.0, help="requests per second")
+    load.add_argument("--duration", type=float, default=30.0, metavar="SECONDS")
+    load.add_argument("--max-new-tokens", type=int, default=16)
+    load.add_argument("--max-in-flight", type=int, default=64)
+    load.add_argument("--seed", type=int, default=1)
+
     cat = sub.add_parser("catalog", help="print the metric catalogue as Markdown")
     cat.add_argument("--out", metavar="FILE")
     return parser
@@ -159,6 +172,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        # Everything after "serve" belongs to the service's own parser (--help included).
+        from reference_service.__main__ import main as serve_main
+
+        return serve_main(argv[1:], prog="mrc-agent serve")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -180,6 +199,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.duration <= 0 or not 0.01 <= args.interval <= 60:
                 raise ConfigError("--duration must be > 0 and --interval 0.01-60 seconds")
             return run_record(args.out, args.duration, args.interval, args.profiling)
+        if args.command == "loadgen":
+            if args.rate <= 0 or args.duration <= 0 or args.max_in_flight < 1:
+                raise ConfigError("--rate and --duration must be > 0, --max-in-flight >= 1")
+            if not args.url.startswith(("http://", "https://")):
+                raise ConfigError(f"--url {args.url!r} is not an http(s) URL")
+            from reference_service.loadgen import run_loadgen
+
+            return run_loadgen(args.url, args.rate, args.duration, args.max_new_tokens,
+                               args.max_in_flight, args.seed)
         if args.command == "demo":
             from agent.demo import run_demo
 

@@ -1,0 +1,106 @@
+"""``python -m reference_service --host H --port P`` (also ``mrc-agent serve``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from reference_service.settings import Settings, settings_to_json
+
+ENV_SETTINGS = "MRC_SERVICE_SETTINGS"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser(prog: str = "python -m reference_service") -> argparse.ArgumentParser:
+    d = Settings()
+    p = _Parser(prog=prog, description="The instrumented reference MRC service.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--workers", type=int, default=1,
+                   help="uvicorn worker processes (metrics use prometheus-client's "
+                   "multiprocess mode when > 1)")
+    p.add_argument("--model", metavar="PATH", help="local checkpoint (default: the embedded "
+                   "tiny model, random weights)")
+    p.add_argument("--quantize", choices=["nf4"])
+    p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default=d.dtype,
+                   choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--cache-dir", type=Path, default=d.cache_dir)
+    p.add_argument("--ocr", choices=["auto", "on", "off"], default=d.ocr)
+    p.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
+    p.add_argument("--max-queue", type=int, default=d.max_queue)
+    p.add_argument("--max-image-bytes", type=int, default=d.max_image_bytes)
+    p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars)
+    p.add_argument("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit)
+    p.add_argument("--allowed-host", dest="allowed_hosts", action="append", default=[],
+                   help="image_url hosts to allow (repeatable; default: any public host)")
+    p.add_argument("--json-logs", action="store_true")
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    for name in ("port", "workers", "max_concurrency", "max_queue", "max_image_bytes",
+                 "max_prompt_chars", "max_new_tokens_limit"):
+        value = getattr(args, name)
+        if value < (0 if name == "port" else 1) or (name == "port" and value > 65535):
+            raise ValueError(f"--{name.replace('_', '-')} {value} is out of range")
+    return Settings(model=args.model, quantize=args.quantize, device=args.device,
+                    dtype=args.dtype, trust_remote_code=args.trust_remote_code,
+                    cache_dir=args.cache_dir, ocr=args.ocr,
+                    max_concurrency=args.max_concurrency, max_queue=args.max_queue,
+                    max_image_bytes=args.max_image_bytes,
+                    max_prompt_chars=args.max_prompt_chars,
+                    max_new_tokens_limit=args.max_new_tokens_limit,
+                    allowed_hosts=tuple(args.allowed_hosts), json_logs=args.json_logs)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m reference_service") -> int:
+    args = build_parser(prog).parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    if args.model and not Path(args.model).exists():
+        print(f"{prog}: error: --model {args.model}: no such file or directory",
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    if args.workers > 1:
+        # Must be in the environment before the workers import prometheus-client.
+        import tempfile
+
+        from exporters.mrc_metrics import prepare_multiproc_dir
+
+        path = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or tempfile.mkdtemp(
+            prefix="mrc-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(prepare_multiproc_dir(path))
+        os.environ[ENV_SETTINGS] = settings_to_json(settings)
+        uvicorn.run("reference_service.main:app_from_env", factory=True, host=args.host,
+                    port=args.port, workers=args.workers, log_level=args.log_level,
+                    access_log=False)
+        return 0
+    from reference_service.main import create_app
+
+    uvicorn.run(create_app(settings), host=args.host, port=args.port,
+                log_level=args.log_level, access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

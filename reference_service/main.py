@@ -1,0 +1,162 @@
+"""Wires the reference MRC service: state, routers, error handlers, the model's lifespan.
+
+The model loads once, in the lifespan, on a worker thread — so ``/health`` answers while it
+loads and ``/ready`` says 503 until it is loaded and warmed. Every error leaves as
+``{"error": {"code": …, "message": …}}``; 429 and 503 carry ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from exporters.asgi import metrics_endpoint
+from exporters.mrc_metrics import MRCMetrics, mark_process_dead
+from reference_service.cache import AnswerCache
+from reference_service.errors import ServiceError
+from reference_service.limiter import Admission, Overloaded
+from reference_service.middleware import BodyLimit
+from reference_service.ocr import OCR
+from reference_service.preprocess import DecodePool, max_encoded_len
+from reference_service.routers import health, mrc
+from reference_service.settings import Settings
+from reference_service.state import ServiceState
+
+log = logging.getLogger("reference_service")
+
+#: Loads the model: ``(settings, progress) -> VLM``. Tests may pass their own.
+Loader = Callable[[Settings, Callable[[str], None]], Any]
+
+
+def _default_loader(settings: Settings, progress: Callable[[str], None]) -> Any:
+    from reference_service.model import load_vlm
+
+    return load_vlm(settings, progress=progress)
+
+
+def build_state(settings: Settings) -> ServiceState:
+    ocr: OCR | None = None
+    if settings.ocr != "off":
+        candidate = OCR()
+        if candidate.available:
+            ocr = candidate
+        elif settings.ocr == "on":
+            raise RuntimeError(f"--ocr on, but OCR is unavailable: {candidate.unavailable_reason}")
+        else:
+            log.warning("OCR step off: %s", candidate.unavailable_reason)
+    return ServiceState(
+        settings=settings,
+        metrics=MRCMetrics(),
+        cache=AnswerCache(settings.cache_max_entries, settings.cache_max_bytes,
+                          settings.cache_ttl_s),
+        admission=Admission(settings.max_concurrency, settings.max_queue,
+                            settings.retry_after_s),
+        decode_pool=DecodePool(settings.preprocess_workers),
+        model_pool=ThreadPoolExecutor(settings.max_concurrency, thread_name_prefix="mrc-model"),
+        ocr_pool=ThreadPoolExecutor(settings.max_concurrency, thread_name_prefix="mrc-ocr"),
+        ocr=ocr,
+    )
+
+
+async def _load_model(state: ServiceState, loader: Loader) -> None:
+    def progress(step: str) -> None:
+        state.loading = step
+        log.info("model: %s", step)
+
+    try:
+        vlm = await asyncio.to_thread(loader, state.settings, progress)
+        progress("warming up")
+        await asyncio.to_thread(vlm.warmup)
+    except Exception as exc:  # reported on /health; the service stays up and says why
+        state.loading, state.load_error = "failed", f"{type(exc).__name__}: {exc}"
+        log.error("model failed to load: %s", state.load_error)
+        return
+    threads = getattr(vlm, "cpu_threads_hint", None)
+    if threads:
+        # For a model this small, intra-op threads only contend with each other and with the
+        # preprocessing pool; the model module measured what is best and says so.
+        import torch
+
+        torch.set_num_threads(threads)
+    info = vlm.info
+    state.metrics.set_model_info(model_id=info.model_id, revision=info.revision,
+                                 dtype=info.dtype, quantization=info.quantization,
+                                 device=info.device, attention_backend=info.attention_backend)
+    state.vlm = vlm
+    state.loading, state.ready = "ready", True
+    log.info("model ready: %s on %s (%s, quantization %s, attention %s)%s", info.model_id,
+             info.device, info.dtype, info.quantization, info.attention_backend,
+             "" if vlm.meaningful else " — embedded model with random weights: answers are "
+             "NOT meaningful")
+
+
+def create_app(settings: Settings | None = None, loader: Loader | None = None) -> FastAPI:
+    settings = settings or Settings()
+    state = build_state(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(_load_model(state, loader or _default_loader))
+        try:
+            yield
+        finally:
+            task.cancel()
+            state.model_pool.shutdown(wait=False, cancel_futures=True)
+            state.ocr_pool.shutdown(wait=False, cancel_futures=True)
+            state.decode_pool.shutdown()
+            mark_process_dead()  # multiprocess mode: this worker's live gauges stop counting
+
+    app = FastAPI(title="MRC reference service", version="0.1.0", lifespan=lifespan)
+    app.state.mrc = state
+    app.include_router(mrc.router)
+    app.include_router(health.router)
+    app.add_route("/metrics", metrics_endpoint(state.metrics.registry), methods=["GET"],
+                  include_in_schema=False)
+    app.add_middleware(BodyLimit, max_bytes=max_encoded_len(settings.max_image_bytes) + 65536)
+
+    @app.exception_handler(ServiceError)
+    async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        headers = {}
+        if isinstance(exc, Overloaded):
+            headers["Retry-After"] = str(exc.retry_after_s)
+        elif exc.status == 503:
+            headers["Retry-After"] = "5"
+        return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"error": {"code": "invalid_request", "message": str(exc)}},
+                            status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return JSONResponse({"error": {"code": code, "message": str(exc.detail)}},
+                            status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse({"error": {"code": "internal", "message": "internal error"}},
+                            status_code=500)
+
+    return app
+
+
+def app_from_env() -> FastAPI:
+    """Factory for uvicorn worker processes: settings come through the environment."""
+    import os
+
+    from reference_service.__main__ import ENV_SETTINGS
+    from reference_service.settings import settings_from_json
+
+    return create_app(settings_from_json(os.environ[ENV_SETTINGS]))

@@ -1,0 +1,142 @@
+"""The MRC chain for one request: fetch → decode → preprocess → OCR → VLM answer, measured.
+
+Each step is timed into ``mrc_stage_duration_seconds``; an intermediate step that gives nothing
+usable (no image behind the URL, no text found by OCR) is a chain break; the answer cache is
+consulted once the image is known, with a key over the whole prompt (never a prefix); the
+model runs only inside an admission slot, so overload is a fast 429 and not a growing backlog.
+Every request ends in exactly one structured log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from reference_service.cache import make_key
+from reference_service.errors import ServiceError
+from reference_service.fetch import fetch_image
+from reference_service.logs import log_request
+from reference_service.ocr import OCRError
+from reference_service.preprocess import preprocess_async, probe
+from reference_service.state import ServiceState
+
+#: OCR text is added to the prompt as context for the model; long page dumps are cut so the
+#: user's question is never truncated away by the OCR text.
+MAX_OCR_CHARS = 400
+#: Long side of the image handed to tesseract: text a phone photo shows stays legible, and the
+#: draft-mode decode can still skip most of a 12 MP JPEG.
+OCR_MAX_SIDE = 1600
+
+
+@dataclass
+class MRCRequest:
+    request_id: str
+    prompt: str
+    max_new_tokens: int
+    image: bytes | None = None
+    image_url: str | None = None
+
+
+def _chain_prompt(prompt: str, ocr_text: str) -> str:
+    if not ocr_text:
+        return prompt
+    return f"{prompt}\nText found in the image: {ocr_text[:MAX_OCR_CHARS]}"
+
+
+async def answer(state: ServiceState, req: MRCRequest) -> dict[str, Any]:
+    """Run the chain; returns the response body or raises ServiceError (logged either way)."""
+    settings, metrics = state.settings, state.metrics
+    t0 = time.perf_counter()
+    fields: dict[str, Any] = {}
+    try:
+        with metrics.request(prompt_chars=len(req.prompt)) as r:
+            try:
+                body = await _run(state, req, r, fields)
+            except ServiceError as exc:
+                r.set_status(exc.status)
+                raise
+    except ServiceError as exc:
+        log_request(False, settings.json_logs, latency=f"{time.perf_counter() - t0:.3f}",
+                    status=exc.status, code=exc.code, request_id=req.request_id, **fields)
+        raise
+    except Exception as exc:
+        log_request(False, settings.json_logs, latency=f"{time.perf_counter() - t0:.3f}",
+                    status=500, code="internal", request_id=req.request_id,
+                    error=type(exc).__name__, **fields)
+        raise
+    latency = time.perf_counter() - t0
+    body["latency_ms"] = round(latency * 1000, 1)
+    log_request(True, settings.json_logs, latency=f"{latency:.3f}",
+                input_len=body["input_tokens"], output_len=body["output_tokens"],
+                request_id=req.request_id, cached=body["cached"], **fields)
+    return body
+
+
+async def _run(state: ServiceState, req: MRCRequest, r: Any,
+               fields: dict[str, Any]) -> dict[str, Any]:
+    settings, metrics = state.settings, state.metrics
+    vlm = state.vlm
+    if not state.ready or vlm is None:
+        raise ServiceError.of("model_not_ready", f"the model is {state.loading}")
+    data = req.image
+    if req.image_url is not None:
+        with r.stage("fetch"):
+            try:
+                data = await fetch_image(req.image_url, settings)
+            except ServiceError as exc:
+                if exc.status >= 500:  # the step failed, not the client's URL
+                    metrics.chain_break("fetch")
+                raise
+    assert data is not None
+    fmt, width, height = probe(data, settings)
+    r.set_image(width, height)
+    key = make_key(data, req.prompt, vlm.info.model_id, vlm.info.revision,
+                   {"max_new_tokens": req.max_new_tokens, "ocr": state.ocr_on})
+    fields.update(prompt=key.prefix, image=f"{fmt}:{width}x{height}")
+    hit = state.cache.get(key)
+    metrics.cache_lookup(hit is not None)
+    if hit is not None:
+        with r.stage("postprocess"):
+            return {**hit, "cached": True, "ttft_ms": 0.0, "request_id": req.request_id}
+
+    async with state.admission.slot(waiting=r.queued()):
+        pre = await preprocess_async(
+            state.decode_pool, data, vlm.image_size, vlm.image_mean, vlm.image_std,
+            vlm.device, OCR_MAX_SIDE if state.ocr_on else None, settings)
+        r.observe_stage("decode", pre.decode_s)
+        r.observe_stage("preprocess", pre.preprocess_s)
+        ocr_text = ""
+        if state.ocr is not None and pre.ocr_image is not None:
+            with r.stage("ocr"):
+                try:
+                    ocr_text = await asyncio.get_running_loop().run_in_executor(
+                        state.ocr_pool, state.ocr.read, pre.ocr_image)
+                except OCRError as exc:
+                    fields["ocr_error"] = exc.reason
+            if not ocr_text:
+                metrics.chain_break("ocr")
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(
+            state.model_pool, lambda: vlm.generate(
+                pre.pixel_values, _chain_prompt(req.prompt, ocr_text), req.max_new_tokens,
+                on_first_token=r.first_token))
+        r.tokens(result.output_tokens)
+        r.observe_stage("prefill", result.prefill_s)
+        r.observe_stage("generate", result.generate_s)
+        if result.peak_gpu_memory_bytes is not None:
+            r.peak_gpu_memory(result.peak_gpu_memory_bytes)
+
+    with r.stage("postprocess"):
+        body = {
+            "answer": result.text.strip(),
+            "input_tokens": result.input_tokens,
+            "output_tokens": result.output_tokens,
+            "truncated": result.truncated,
+            "ocr_text": ocr_text,
+            "meaningful": vlm.meaningful,
+        }
+        state.cache.put(key, body, len(body["answer"].encode()) + len(ocr_text.encode()) + 128)
+    return {**body, "cached": False, "ttft_ms": round(result.ttft_s * 1000, 1),
+            "request_id": req.request_id}

@@ -1,0 +1,1 @@
+"""HTTP routers, one per concern: the MRC endpoints and the health/metrics endpoints."""

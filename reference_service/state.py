@@ -1,0 +1,37 @@
+"""What the service holds for its lifetime, built once in the lifespan: the model, the metrics,
+the cache, OCR, admission control and the worker pools."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from exporters.mrc_metrics import MRCMetrics
+from reference_service.cache import AnswerCache
+from reference_service.limiter import Admission
+from reference_service.ocr import OCR
+from reference_service.preprocess import DecodePool
+from reference_service.settings import Settings
+
+
+@dataclass
+class ServiceState:
+    settings: Settings
+    metrics: MRCMetrics
+    cache: AnswerCache[dict[str, Any]]
+    admission: Admission
+    decode_pool: DecodePool
+    #: Runs generate (the model serialises calls itself) and OCR off the event loop.
+    model_pool: ThreadPoolExecutor
+    ocr_pool: ThreadPoolExecutor
+    ocr: OCR | None
+    vlm: Any = None  # reference_service.model.VLM once loaded (imported lazily: torch)
+    loading: str = "starting"
+    ready: bool = False
+    load_error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ocr_on(self) -> bool:
+        return self.ocr is not None

@@ -1,0 +1,417 @@
+"""image_url fetching: a real HTTP server on loopback for the paths that connect, URL and IP
+literals plus a fake resolver for every refusal. Nothing here contacts a non-loopback address:
+each refused target is refused before any connection is attempted."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+import httpx
+import pytest
+
+from reference_service.errors import ServiceError
+from reference_service.fetch import (
+    address_refusal,
+    check_url,
+    fetch_image,
+    host_allowed,
+    ip_literal,
+)
+from reference_service.settings import Settings
+
+BODY = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8  # 2056 bytes; only the bytes matter here
+
+
+@dataclass
+class Seen:
+    requests: list[tuple[str, str]] = field(default_factory=list)  # (path, Host header)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+class Handler(BaseHTTPRequestHandler):
+    seen: Seen
+
+    def log_message(self, format: str, *args: object) -> None:  # keep test output quiet
+        pass
+
+    def do_GET(self) -> None:
+        self.seen.requests.append((self.path, self.headers.get("Host", "")))
+        url = urlparse(self.path)
+        q = parse_qs(url.query)
+        if url.path == "/img":
+            self._send(200, BODY)
+        elif url.path == "/host":
+            self._send(200, self.headers.get("Host", "").encode())
+        elif url.path == "/redirect":
+            self.send_response(int(q.get("code", ["302"])[0]))
+            self.send_header("Location", q["to"][0])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif url.path == "/loop":
+            self.send_response(302)
+            self.send_header("Location", "/loop")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif url.path == "/big":
+            self._send(200, b"x" * int(q["n"][0]))
+        elif url.path == "/chunked":
+            n = int(q["n"][0])
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for _ in range(n // 100):
+                if self.seen.stop.is_set():
+                    return
+                try:
+                    self.wfile.write(b"64\r\n" + b"y" * 100 + b"\r\n")
+                except OSError:  # the client hung up at its limit, as it should
+                    return
+            self.wfile.write(b"0\r\n\r\n")
+        elif url.path == "/slow":
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            for _ in range(100):  # 10 s of dribbling unless the test ends first
+                if self.seen.stop.wait(0.1):
+                    return
+                try:
+                    self.wfile.write(b"z" * 10)
+                    self.wfile.flush()
+                except OSError:
+                    return
+        elif url.path == "/gzip":
+            self.send_response(200)
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", "4")
+            self.end_headers()
+            self.wfile.write(b"abcd")
+        else:
+            self._send(int(url.path.strip("/") or 404) if url.path.strip("/").isdigit() else 404,
+                       b"nope")
+
+    def _send(self, code: int, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@dataclass
+class Server:
+    port: int
+    seen: Seen
+
+    def url(self, path: str, host: str = "127.0.0.1") -> str:
+        return f"http://{host}:{self.port}{path}"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    seen = Seen()
+    handler = type("H", (Handler,), {"seen": seen})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield Server(httpd.server_address[1], seen)
+    finally:
+        seen.stop.set()
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def loopback_settings(**kw: object) -> Settings:
+    base: dict[str, object] = {"allow_loopback_fetch_for_tests": True, "fetch_timeout_s": 5.0}
+    base.update(kw)
+    return Settings(**base)  # type: ignore[arg-type]
+
+
+
+class FakeResolver:
+    """Maps names to fixed answers and records every lookup."""
+
+    def __init__(self, answers: dict[str, Sequence[str]]) -> None:
+        self.answers = answers
+        self.calls: list[str] = []
+
+    async def __call__(self, host: str, port: int) -> Sequence[str]:
+        self.calls.append(host)
+        if host not in self.answers:
+            raise OSError(f"[Errno -2] Name or service not known: {host}")
+        return self.answers[host]
+
+
+async def no_dns(host: str, port: int) -> Sequence[str]:
+    raise AssertionError(f"resolver must not be called for {host!r}")
+
+
+def fetch(url: str, settings: Settings, resolver: object = no_dns) -> bytes:
+    return asyncio.run(fetch_image(url, settings, resolver=resolver))  # type: ignore[arg-type]
+
+
+def refused(url: str, settings: Settings, resolver: object = no_dns) -> ServiceError:
+    with pytest.raises(ServiceError) as ei:
+        fetch(url, settings, resolver)
+    return ei.value
+
+
+# ------------------------------------------------------------------------------- happy paths
+
+
+def test_fetches_from_the_loopback_test_server(server: Server) -> None:
+    assert fetch(server.url("/img"), loopback_settings()) == BODY
+
+
+def test_name_is_resolved_once_and_the_checked_ip_is_what_we_connect_to(server: Server) -> None:
+    # DNS rebinding: the first answer is the one checked; a second lookup would get a private
+    # address. The fetch must use the first and never ask again.
+    answers = iter([["127.0.0.1"], ["10.0.0.1"]])
+
+    class Rebinding(FakeResolver):
+        async def __call__(self, host: str, port: int) -> Sequence[str]:
+            self.calls.append(host)
+            return next(answers)
+
+    r = Rebinding({})
+    body = fetch(server.url("/host", host="images.test"), loopback_settings(), r)
+    assert r.calls == ["images.test"]
+    assert body == f"images.test:{server.port}".encode()  # Host header keeps the name
+
+
+def test_redirects_are_followed_and_rechecked(server: Server) -> None:
+    s = loopback_settings()
+    assert fetch(server.url("/redirect?to=/img"), s) == BODY
+    assert fetch(server.url(f"/redirect?code=301&to={server.url('/img')}"), s) == BODY
+    r = FakeResolver({"cdn.test": ["127.0.0.1"]})
+    to = server.url("/img", host="cdn.test")
+    assert fetch(server.url(f"/redirect?code=307&to={to}"), s, r) == BODY
+    assert r.calls == ["cdn.test"]  # the redirect target was resolved and checked
+
+
+def test_allowlisted_host_passes(server: Server) -> None:
+    s = loopback_settings(allowed_hosts=("images.test",))
+    r = FakeResolver({"images.test": ["127.0.0.1"]})
+    assert fetch(server.url("/img", host="images.test"), s, r) == BODY
+    s = loopback_settings(allowed_hosts=(".example.test",))
+    r = FakeResolver({"img.cdn.example.test": ["127.0.0.1"]})
+    assert fetch(server.url("/img", host="img.cdn.example.test"), s, r) == BODY
+
+
+# ------------------------------------------------------------------------------ URL refusals
+
+
+@pytest.mark.parametrize("url", [
+    "ftp://example.com/a.png",
+    "file:///etc/passwd",
+    "gopher://example.com/",
+    "data:image/png;base64,iVBORw0KGgo=",
+    "javascript:alert(1)",
+    "//example.com/a.png",
+    "http:///a.png",
+    "http://user:pw@example.com/a.png",
+    "not a url",
+    "http://" + "a" * 5000 + ".com/",
+])
+def test_bad_urls_are_400(url: str) -> None:
+    e = refused(url, loopback_settings())
+    assert (e.status, e.code) == (400, "url_not_allowed")
+
+
+@pytest.mark.parametrize("url", [
+    "http://127.0.0.1/",  # without the test flag
+    "http://127.0.0.2/",
+    "http://loopback-name.test/",  # a name, resolved (by the fake) to 127.0.0.1
+    "http://169.254.169.254/latest/meta-data/",
+    "http://10.0.0.1/",
+    "http://172.16.5.4/",
+    "http://192.168.1.1/",
+    "http://100.64.0.1/",
+    "http://0.0.0.0/",
+    "http://224.0.0.1/",
+    "http://255.255.255.255/",
+    "http://240.0.0.1/",
+    "http://[::1]/",
+    "http://[::]/",
+    "http://[fe80::1]/",
+    "http://[fc00::1]/",
+    "http://[fd12:3456::1]/",
+    "http://[ff02::1]/",
+    "http://[::ffff:127.0.0.1]/",
+    "http://[::ffff:169.254.169.254]/",
+    "http://[2002:a00:1::]/",  # 6to4 around 10.0.0.1
+    "http://[64:ff9b::a9fe:a9fe]/",  # NAT64 around 169.254.169.254
+    "http://2130706433/",  # 127.0.0.1 as one decimal number
+    "http://0x7f.1/",
+    "http://0177.0.0.1/",
+    "https://169.254.169.254/",
+])
+def test_internal_addresses_are_refused_before_connecting(url: str) -> None:
+    r = FakeResolver({"loopback-name.test": ["127.0.0.1"]})
+    e = refused(url, Settings(), r)
+    assert (e.status, e.code) == (400, "url_not_allowed")
+
+
+def test_test_flag_admits_127_0_0_1_only() -> None:
+    s = loopback_settings()
+    for url in ("http://127.0.0.2/", "http://[::1]/", "http://[::ffff:127.0.0.1]/",
+                "http://10.0.0.1/"):
+        assert refused(url, s).code == "url_not_allowed", url
+
+
+@pytest.mark.parametrize("answers", [
+    ["10.1.2.3"],
+    ["169.254.169.254"],
+    ["93.184.216.34", "127.0.0.1"],  # one bad answer among good ones is enough
+    ["2606:2800:220:1:248:1893:25c8:1946", "fd00::1"],
+    ["::ffff:192.168.0.1"],
+])
+def test_every_resolved_address_is_checked(answers: list[str]) -> None:
+    r = FakeResolver({"evil.test": answers})
+    e = refused("http://evil.test/a.png", Settings(), r)
+    assert (e.status, e.code) == (400, "url_not_allowed")
+    assert r.calls == ["evil.test"]
+
+
+def test_unresolvable_name_is_502() -> None:
+    e = refused("http://nowhere.test/a.png", Settings(), FakeResolver({}))
+    assert (e.status, e.code) == (502, "fetch_failed")
+
+
+def test_host_not_on_allowlist_is_400(server: Server) -> None:
+    s = loopback_settings(allowed_hosts=("images.test",))
+    e = refused(server.url("/img"), s)  # 127.0.0.1 is not "images.test"
+    assert (e.status, e.code) == (400, "url_not_allowed")
+    e = refused("http://images.test.evil.test/", s)
+    assert e.code == "url_not_allowed"
+
+
+@pytest.mark.parametrize("target", [
+    "http://10.0.0.1/x.png",
+    "http://169.254.169.254/latest/meta-data/",
+    "http://[::1]/",
+    "http://127.0.0.2/",
+    "file:///etc/passwd",
+    "http://internal.test/x.png",  # a name that resolves to a private address
+])
+def test_redirect_to_a_refused_target_is_refused(server: Server, target: str) -> None:
+    r = FakeResolver({"internal.test": ["192.168.0.10"]})
+    before = len(server.seen.requests)
+    e = refused(server.url(f"/redirect?to={target}"), loopback_settings(), r)
+    assert (e.status, e.code) == (400, "url_not_allowed")
+    assert len(server.seen.requests) == before + 1  # only the redirecting hop was contacted
+
+
+def test_redirect_to_allowlist_escape_is_refused(server: Server) -> None:
+    s = loopback_settings(allowed_hosts=("images.test",))
+    r = FakeResolver({"images.test": ["127.0.0.1"], "other.test": ["127.0.0.1"]})
+    to = server.url("/img", host="other.test")
+    e = refused(server.url(f"/redirect?to={to}", host="images.test"), s, r)
+    assert e.code == "url_not_allowed"
+
+
+def test_too_many_redirects_is_502(server: Server) -> None:
+    e = refused(server.url("/loop"), loopback_settings(max_redirects=3))
+    assert (e.status, e.code) == (502, "fetch_failed")
+    hops = [p for p, _ in server.seen.requests[-4:]]
+    assert hops == ["/loop"] * 4  # the first request + 3 redirects, then stop
+
+
+# ------------------------------------------------------------------------------------ limits
+
+
+def test_content_length_over_limit_is_413(server: Server) -> None:
+    e = refused(server.url("/big?n=5000"), loopback_settings(max_image_bytes=4096))
+    assert (e.status, e.code) == (413, "fetch_too_large")
+    assert fetch(server.url("/big?n=4096"), loopback_settings(max_image_bytes=4096)) == b"x" * 4096
+
+
+def test_streamed_body_over_limit_is_413_without_reading_it_all(server: Server) -> None:
+    s = loopback_settings(max_image_bytes=4096)
+    e = refused(server.url("/chunked?n=10000000"), s)  # 10 MB offered, no Content-Length
+    assert (e.status, e.code) == (413, "fetch_too_large")
+    assert fetch(server.url("/chunked?n=4000"), s) == b"y" * 4000
+
+
+def test_total_time_limit_is_504(server: Server) -> None:
+    s = loopback_settings(fetch_timeout_s=0.5)
+    t0 = time.monotonic()
+    e = refused(server.url("/slow"), s)
+    assert (e.status, e.code) == (504, "fetch_timeout")
+    assert time.monotonic() - t0 < 5.0  # the body would take 10 s
+
+
+def test_slow_dns_counts_against_the_time_limit() -> None:
+    async def slow(host: str, port: int) -> Sequence[str]:
+        await asyncio.sleep(10)
+        return ["127.0.0.1"]
+
+    e = refused("http://slow-dns.test/", loopback_settings(fetch_timeout_s=0.3), slow)
+    assert (e.status, e.code) == (504, "fetch_timeout")
+
+
+@pytest.mark.parametrize("path", ["/404", "/500", "/403"])
+def test_non_2xx_is_502(server: Server, path: str) -> None:
+    e = refused(server.url(path), loopback_settings())
+    assert (e.status, e.code) == (502, "fetch_failed")
+
+
+def test_compressed_response_is_refused(server: Server) -> None:
+    e = refused(server.url("/gzip"), loopback_settings())
+    assert (e.status, e.code) == (502, "fetch_failed")
+
+
+def test_connection_refused_is_502() -> None:
+    import socket
+
+    with socket.socket() as sock:  # a loopback port that nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    e = refused(f"http://127.0.0.1:{port}/", loopback_settings())
+    assert (e.status, e.code) == (502, "fetch_failed")
+
+
+# ------------------------------------------------------------------------------ pure helpers
+
+
+def test_ip_literal_reads_legacy_forms() -> None:
+    assert ip_literal("2130706433") == ipaddress.ip_address("127.0.0.1")
+    assert ip_literal("0x7f.1") == ipaddress.ip_address("127.0.0.1")
+    assert ip_literal("::1") == ipaddress.ip_address("::1")
+    assert ip_literal("example.com") is None
+    assert ip_literal("1.2.3.4.5") is None
+
+
+def test_address_refusal() -> None:
+    assert address_refusal(ipaddress.ip_address("93.184.216.34")) is None
+    assert address_refusal(ipaddress.ip_address("2606:4700:4700::1111")) is None
+    assert "link-local" in (address_refusal(ipaddress.ip_address("169.254.169.254")) or "")
+    assert address_refusal(ipaddress.ip_address("127.0.0.1"), allow_test_loopback=True) is None
+    assert address_refusal(ipaddress.ip_address("127.0.0.1")) is not None
+
+
+def test_host_allowed() -> None:
+    assert host_allowed("Images.Test.", ["images.test"])
+    assert not host_allowed("sub.images.test", ["images.test"])
+    assert host_allowed("sub.images.test", [".images.test"])
+    assert host_allowed("images.test", [".images.test"])
+    assert not host_allowed("evilimages.test", [".images.test"])
+
+
+def test_https_target_is_pinned_with_host_header_and_sni() -> None:
+    r = FakeResolver({"images.test": ["2606:2800:220:1:248:1893:25c8:1946", "93.184.216.34"]})
+    t = asyncio.run(check_url("https://images.test:8443/a.png?x=1", Settings(), r))
+    assert t.connect_url == httpx.URL("https://[2606:2800:220:1:248:1893:25c8:1946]:8443/a.png?x=1")
+    assert (t.host_header, t.sni) == ("images.test:8443", "images.test")
+    t = asyncio.run(check_url("http://93.184.216.34/a.png", Settings(), no_dns))
+    assert t.sni is None and t.connect_url == httpx.URL("http://93.184.216.34/a.png")
+    r = FakeResolver({"xn--fiqs8s.test": ["93.184.216.34"]})
+    t = asyncio.run(check_url("https://中国.test/a.png", Settings(), r))
+    assert t.sni == "xn--fiqs8s.test" and r.calls == ["xn--fiqs8s.test"]

@@ -1,0 +1,101 @@
+"""OCR over Debian's tesseract: text is found, a blank image gives "", failures are OCRError."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from PIL import Image, ImageDraw, ImageFont
+
+from reference_service import ocr as ocr_mod
+from reference_service.ocr import OCR, OCRError, clean_text
+
+DEJAVU = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans-Bold.ttf")
+
+needs_tesseract = pytest.mark.skipif(shutil.which("tesseract") is None,
+                                     reason="needs Debian's tesseract-ocr package")
+
+
+def font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
+    if DEJAVU.exists():
+        return ImageFont.truetype(str(DEJAVU), size)
+    return ImageFont.load_default(size=size)
+
+
+def label(lines: list[str], size: int = 64) -> Image.Image:
+    img = Image.new("RGB", (1400, 120 + len(lines) * size * 3 // 2), (250, 248, 240))
+    d = ImageDraw.Draw(img)
+    for i, line in enumerate(lines):
+        d.text((60, 60 + i * size * 3 // 2), line, fill=(15, 15, 15), font=font(size))
+    return img
+
+
+@needs_tesseract
+def test_available() -> None:
+    o = OCR()
+    assert o.available, o.unavailable_reason
+
+
+@needs_tesseract
+def test_reads_rendered_text() -> None:
+    text = OCR().read(label(["FRAGILE HANDLE WITH CARE", "PARCEL 48213"]))
+    assert "FRAGILE" in text.upper()
+    assert "48213" in text
+    assert "CARE" in text.upper()
+
+
+@needs_tesseract
+def test_reads_dark_text_on_an_unevenly_lit_background() -> None:
+    # A photo is lit unevenly: a global threshold splits the page into black and white blobs.
+    w, h = 1400, 500
+    ramp = Image.linear_gradient("L").rotate(90).resize((w, h))  # dark left, light right
+    img = Image.merge("RGB", [ramp.point(lambda v: 60 + v * 150 // 255)] * 3)
+    d = ImageDraw.Draw(img)
+    d.text((60, 80), "HANDLE WITH CARE", fill=(10, 10, 10), font=font(72))
+    d.text((60, 260), "PARCEL 90417 LONDON", fill=(10, 10, 10), font=font(56))
+    text = OCR().read(img).upper()
+    assert "CARE" in text and "90417" in text
+
+
+@needs_tesseract
+def test_reads_a_greyscale_image_too() -> None:
+    assert "DELIVERED" in OCR().read(label(["DELIVERED"]).convert("L")).upper()
+
+
+@needs_tesseract
+@pytest.mark.parametrize("colour", [(255, 255, 255), (0, 0, 0), (128, 140, 150)])
+def test_blank_image_reads_as_empty(colour: tuple[int, int, int]) -> None:
+    assert OCR().read(Image.new("RGB", (800, 600), colour)) == ""
+
+
+@needs_tesseract
+def test_timeout_is_an_ocr_error() -> None:
+    big = label(["TIMEOUT " * 8] * 12, size=48)
+    with pytest.raises(OCRError) as ei:
+        OCR(timeout_s=0.01).read(big)  # tesseract cannot even start in 10 ms
+    assert ei.value.reason == "timeout"
+
+
+def test_missing_binary_is_unavailable_and_read_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ocr_mod.shutil, "which", lambda cmd: None)
+    o = OCR()
+    assert not o.available
+    assert "not found" in o.unavailable_reason
+    with pytest.raises(OCRError) as ei:
+        o.read(Image.new("L", (10, 10)))
+    assert ei.value.reason == "missing"
+
+
+@needs_tesseract
+def test_missing_language_is_unavailable() -> None:
+    o = OCR(lang="xxx")
+    assert not o.available and "xxx" in o.unavailable_reason
+
+
+def test_clean_text() -> None:
+    raw = "  FRAGILE \t  HANDLE  \n\n|\n — \n PARCEL\u00a0 48213 \x0c"
+    assert clean_text(raw) == "FRAGILE HANDLE\nPARCEL 48213"
+    assert clean_text("\x0c") == ""
+    assert clean_text(" ~ | _ \n__") == ""
+    assert clean_text("包裹 ２") == "包裹 ２"
