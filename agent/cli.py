@@ -76,12 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     doc = sub.add_parser("doctor", help="show what this host can deliver")
     _agent_flags(doc)
 
-    demo = sub.add_parser("demo", help="run the agent on the embedded default and print the "
-                          "golden triangle live")
-    demo.add_argument("--duration", type=float, default=30.0, metavar="SECONDS")
-    demo.add_argument("--listen", default="127.0.0.1:9478", metavar="HOST:PORT")
-    demo.add_argument("--trace", metavar="PATH", help="replay this trace instead of the "
-                      "embedded one")
+    demo = sub.add_parser("demo", help="run the reference service, the agent beside it and the "
+                          "load generator; print the golden triangle and latencies live")
+    demo.add_argument("--duration", type=float, default=30.0, metavar="SECONDS",
+                      help="how long the load runs (30)")
+    demo.add_argument("--rate", type=float, default=2.0, help="requests per second (2)")
+    demo.add_argument("--port", type=int, default=8000, help="the service's port (8000)")
+    demo.add_argument("--listen", default="127.0.0.1:9478", metavar="HOST:PORT",
+                      help="the agent's address (127.0.0.1:9478)")
+    demo.add_argument("--trace", metavar="PATH", help="replay this GPU trace instead of NVML "
+                      "or the embedded synthetic one")
 
     serve = sub.add_parser("serve", help="run the reference MRC service (needs the 'service' "
                            "extra); flags as python -m reference_service", add_help=False)
@@ -211,9 +215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             from agent.demo import run_demo
 
-            if args.duration <= 0:
-                raise ConfigError("--duration must be > 0")
-            return run_demo(args.duration, args.listen, args.trace)
+            if args.duration <= 0 or args.rate <= 0 or not 0 < args.port < 65536:
+                raise ConfigError("--duration and --rate must be > 0, --port 1-65535")
+            return run_demo(args.duration, args.listen, args.trace, args.port, args.rate)
     except ConfigError as exc:
         print(f"mrc-agent {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

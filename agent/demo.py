@@ -1,41 +1,28 @@
-"""``mrc-agent demo``: the agent on an embedded default, printing the golden triangle live.
+"""``mrc-agent demo``: the whole thing on the embedded default, live in the terminal.
 
-It starts a stand-in MRC process (one Python thread decoding and resizing a synthetic photo in
-pure Python, as a CPU-bound preprocessing stage does, while the main thread waits), watches it
-with the real process collector, replays the embedded synthetic trace of a starved H200 (a 0.6 s
-GPU burst every 3 s) for the GPU side, serves ``/metrics`` and prints one line per second.
-On a GPU host, ``mrc-agent run --pid PID`` watches a real service with NVML instead.
+It starts the reference MRC service (embedded tiny Llava, built on first run with a progress
+display), the agent beside it watching the service's process, and the load generator; it prints
+the golden triangle once a second and the per-bucket latency table at the end. Where NVML
+answers, the GPU side is the real GPU; elsewhere it replays the embedded synthetic trace of a
+starved H200 and says so. The agent's ``/metrics`` and the service's stay up while it runs.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from importlib import resources
+from typing import Any
 
 from agent.app import build_runner, build_server, make_sources
 from agent.config import AgentConfig, validate
+from agent.hw.base import SourceUnavailable
 from exporters.snapshot import HistogramValue, Snapshot
-
-_WORKLOAD = """
-import threading, time
-def preprocess():
-    # Bilinear resize of a 1200x900 greyscale 'photo' in pure Python: GIL-bound, one core.
-    w, h, W, H = 1200, 900, 448, 336
-    src = [(x * 7 + y * 13) & 255 for y in range(h) for x in range(w)]
-    while True:
-        out = [0] * (W * H)
-        for Y in range(H):
-            sy = Y * h // H
-            row = sy * w
-            for X in range(W):
-                out[Y * W + X] = src[row + X * w // W]
-t = threading.Thread(target=preprocess, name="preprocess", daemon=True)
-t.start()
-time.sleep(float(__import__('sys').argv[1]))
-"""
 
 
 def embedded_trace() -> str:
@@ -43,7 +30,7 @@ def embedded_trace() -> str:
 
 
 def _value(snap: Snapshot, name: str) -> float | None:
-    """The first float sample of ``name`` (the demo has one target and one GPU)."""
+    """The first float sample of ``name`` (the demo has one target)."""
     for sample_name, _labels, value in snap.samples:
         if sample_name == name and isinstance(value, float):
             return value
@@ -51,76 +38,169 @@ def _value(snap: Snapshot, name: str) -> float | None:
 
 
 def _fmt_rate(bps: float | None) -> str:
-    return "-" if bps is None else f"{bps / 1e9:6.2f} GB/s"
+    return "      -   " if bps is None else f"{bps / 1e9:6.2f} GB/s"
 
 
-def _line(snap: Snapshot, prev: Snapshot | None, dt: float) -> str:
-    def v(name: str) -> float | None:
-        return _value(snap, name)
+def _pct(x: float | None) -> str:
+    return "   -" if x is None else f"{x * 100:3.0f}%"
 
+
+def golden_line(snap: Snapshot, prev: Snapshot | None, dt: float) -> str:
+    """One line of the golden triangle from two consecutive snapshots."""
     def rate(name: str) -> float | None:
-        now = v(name)
+        now = _value(snap, name)
         before = _value(prev, name) if prev else None
         if now is None or before is None or dt <= 0:
             return None
         return max(now - before, 0.0) / dt
 
-    user, hot, util = (v("mrc_process_cpu_user_ratio"),
-                       v("mrc_process_hottest_thread_cpu_user_ratio"),
-                       v("mrc_gpu_utilization_ratio"))
     inst, dram = rate("mrc_gpu_sm_instructions_executed_total"), rate(
         "mrc_gpu_dram_read_bytes_total")
-    ratio = f"{inst / dram:5.2f} inst/B" if inst is not None and dram else "     -     "
-    starved = v("mrc_gpu_starved")
+    proxy = _value(snap, "mrc_gpu_gpm_sm_to_dram_activity")
+    if inst is not None and dram:
+        ratio = f"{inst / dram:5.1f} inst/B"
+    elif proxy is not None:
+        ratio = f"{proxy:5.2f} SM/DRAM act"
+    else:
+        ratio = "     -      "
+    return (f"{time.strftime('%H:%M:%S')}  user {_pct(_value(snap, 'mrc_process_cpu_user_ratio'))}"
+            f"  hottest {_pct(_value(snap, 'mrc_process_hottest_thread_cpu_user_ratio'))}"
+            f"  GPU {_pct(_value(snap, 'mrc_gpu_utilization_ratio'))}"
+            f"  idle {_value(snap, 'mrc_gpu_idle_current_seconds') or 0:4.1f}s"
+            f"  PCIe rx {_fmt_rate(_value(snap, 'mrc_gpu_pcie_rx_bytes_per_second'))}"
+            f"  NVLink tx {_fmt_rate(rate('mrc_gpu_nvlink_tx_bytes_total'))}  {ratio}"
+            f"{'  STARVED' if _value(snap, 'mrc_gpu_starved') else ''}")
 
-    def pct(x: float | None) -> str:
-        return "   -" if x is None else f"{x * 100:3.0f}%"
 
-    return (f"{time.strftime('%H:%M:%S')}  user {pct(user)}  hottest {pct(hot)}  "
-            f"GPU {pct(util)}  idle {v('mrc_gpu_idle_current_seconds') or 0:4.1f}s  "
-            f"PCIe rx {_fmt_rate(v('mrc_gpu_pcie_rx_bytes_per_second'))}  "
-            f"NVLink tx {_fmt_rate(rate('mrc_gpu_nvlink_tx_bytes_total'))}  {ratio}  "
-            f"{'STARVED' if starved else ''}")
+def _gpu_backend() -> tuple[str, str]:
+    """NVML when it answers, else the embedded synthetic trace: (backend, what to tell)."""
+    from agent.hw.nvml import NvmlBackend
 
-
-def run_demo(duration: float, listen: str, trace: str | None) -> int:
-    workload = subprocess.Popen([sys.executable, "-c", _WORKLOAD, str(duration + 5)])
-    cfg = validate(AgentConfig(
-        pids=[workload.pid], listen=listen, interval=0.5,
-        gpu_backend=f"replay:{trace or embedded_trace()}",
-        collectors={"process": True, "gpu": True, "gpm": True, "profiling": True,
-                    "derived": True}))
-    sources = make_sources(cfg)
-    runner = build_runner(cfg, sources)
-    server = build_server(cfg, runner)
-    runner.start()
-    server.start()
-    host, _ = cfg.host_port
-    print(f"mrc-agent demo: watching stand-in MRC process {workload.pid} (CPU-bound "
-          f"preprocessing thread); GPU side replays the embedded synthetic trace of a starved "
-          f"H200.\nmetrics: http://{host}:{server.port}/metrics   (Ctrl-C stops; "
-          f"{duration:.0f} s)\n", flush=True)
-    stop = threading.Event()
-    prev: Snapshot | None = None
-    prev_t = time.monotonic()
-    end = prev_t + duration
+    nvml = NvmlBackend(pcie_thread=False)
     try:
-        while not stop.wait(1.0):
-            snap, now = runner.latest(), time.monotonic()
-            print(_line(snap, prev, now - prev_t), flush=True)
-            prev, prev_t = snap, now
-            if now >= end:
-                break
-    except KeyboardInterrupt:
-        pass
+        gpus = nvml.sample_devices()
+        return "nvml", f"GPU side: NVML, {len(gpus)} GPU(s)"
+    except SourceUnavailable as exc:
+        return (f"replay:{embedded_trace()}",
+                f"GPU side: no GPU here ({exc.reason}); replaying the embedded SYNTHETIC "
+                "trace of a starved H200")
     finally:
-        server.stop()
-        runner.stop()
-        workload.kill()
-        workload.wait()
-    last = runner.latest()
-    windows = next((v.total for n, _, v in last.samples
-                    if n == "mrc_gpu_idle_window_seconds" and isinstance(v, HistogramValue)), 0)
-    starved = _value(last, "mrc_gpu_starved_seconds_total") or 0.0
-    print(f"\ndone: {windows} GPU idle windows measured, target starved for {starved:.1f} s.")
-    return 0
+        nvml.close()
+
+
+def _start_service(port: int, log_path: str) -> subprocess.Popen[bytes]:
+    log = open(log_path, "wb")  # noqa: SIM115 - owned by the child for its lifetime
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.Popen([sys.executable, "-m", "reference_service", "--host", "127.0.0.1",
+                             "--port", str(port), "--log-level", "warning"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], log_path: str,
+                timeout: float = 600) -> bool:
+    import httpx
+
+    said = ""
+    spinner = "|/-\\"
+    deadline = time.monotonic() + timeout
+    i = 0
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            with open(log_path, errors="replace") as f:
+                print(f"\nthe service exited ({proc.returncode}); its log:\n{f.read()[-3000:]}")
+            return False
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                print(f"\r  model: ready{' ' * 60}", flush=True)
+                return True
+            step = httpx.get(url + "/health", timeout=2).json().get("model", "")
+        except (httpx.HTTPError, ValueError):
+            step = "starting the service"
+        if step != said:
+            if said:
+                print(f"\r  model: {said[:70]:<70} done", flush=True)
+            said = step
+        print(f"\r  {spinner[i % 4]} model: {step[:70]:<70}", end="", flush=True)
+        i += 1
+        time.sleep(0.25)
+    print("\nthe model did not get ready in time")
+    return False
+
+
+def run_demo(duration: float, listen: str, trace: str | None, port: int = 8000,
+             rate: float = 2.0) -> int:
+    from reference_service.loadgen import Outcome, percentile, run_load, table
+
+    url = f"http://127.0.0.1:{port}"
+    log_path = os.path.join(tempfile.mkdtemp(prefix="mrc-demo-"), "service.log")
+    print(f"mrc-agent demo: starting the reference MRC service on {url} (embedded tiny model, "
+          f"random weights: its answers are NOT meaningful; log {log_path})", flush=True)
+    service = _start_service(port, log_path)
+    runner = server = None
+    try:
+        if not _wait_ready(url, service, log_path):
+            return 1
+        backend, told = (f"replay:{trace}", f"GPU side: replaying {trace}") if trace \
+            else _gpu_backend()
+        cfg = validate(AgentConfig(
+            pids=[service.pid], listen=listen, interval=0.5, gpu_backend=backend,
+            collectors={"process": True, "gpu": True, "gpm": True,
+                        "profiling": backend.startswith("replay:"), "derived": True}))
+        sources = make_sources(cfg)
+        runner = build_runner(cfg, sources)
+        server = build_server(cfg, runner)
+        runner.start()
+        server.start()
+        host, _ = cfg.host_port
+        print(f"agent watching the service (pid {service.pid}); {told}.\n"
+              f"agent metrics: http://{host}:{server.port}/metrics   service metrics: "
+              f"{url}/metrics\nload: {rate:g} requests/s for {duration:g} s over all nine "
+              "prompt-length x resolution buckets (Ctrl-C stops)\n", flush=True)
+
+        live: dict[str, Outcome] = {}
+        result: dict[str, Any] = {}
+
+        def load() -> None:
+            result["outcome"] = asyncio.run(run_load(
+                url, rate, duration, max_new_tokens=16, max_in_flight=32,
+                on_progress=lambda o: live.setdefault("o", o)))
+
+        loader = threading.Thread(target=load, name="mrc-demo-load", daemon=True)
+        loader.start()
+        prev: Snapshot | None = None
+        prev_t = time.monotonic()
+        while loader.is_alive():
+            loader.join(1.0)
+            snap, now = runner.latest(), time.monotonic()
+            line = golden_line(snap, prev, now - prev_t)
+            o = live.get("o")
+            if o is not None:
+                done = [x for v in o.latencies.values() for x in v]
+                if done:
+                    line += (f"  | {len(done)} answered, p50 "
+                             f"{percentile(done, 50) * 1000:.0f} ms, p90 "
+                             f"{percentile(done, 90) * 1000:.0f} ms")
+            print(line, flush=True)
+            prev, prev_t = snap, now
+        outcome = result.get("outcome")
+        if outcome is not None:
+            print("\nlatency per bucket (client side):\n" + table(outcome))
+        last = runner.latest()
+        windows = next((v.total for n, _, v in last.samples
+                        if n == "mrc_gpu_idle_window_seconds" and isinstance(v, HistogramValue)),
+                       0)
+        print(f"GPU idle windows measured: {windows}; target starved for "
+              f"{_value(last, 'mrc_gpu_starved_seconds_total') or 0.0:.1f} s")
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if server is not None:
+            server.stop()
+        if runner is not None:
+            runner.stop()
+        service.terminate()
+        try:
+            service.wait(15)
+        except subprocess.TimeoutExpired:
+            service.kill()

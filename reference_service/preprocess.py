@@ -13,8 +13,9 @@ costs more than its header.
 CPU path ("pil" backend): a JPEG is decoded in draft mode — libjpeg scales by 1/2, 1/4 or 1/8
 inside the IDCT, so it never builds the full-resolution picture — at the smallest scale whose
 output still covers both the model's input size and the OCR size; then a Lanczos resize with
-``reducing_gap`` (a box ``reduce`` first, then Lanczos on the small remainder). Other formats are
-decoded in full and resized the same way. ``benchmarks/bench_preprocess.py`` measures this
+``reducing_gap`` (a box ``reduce`` first, then Lanczos on the small remainder) for the model,
+and a greyscale bilinear shrink for the OCR image. Other formats are decoded in full and resized
+the same way. ``benchmarks/bench_preprocess.py`` measures this
 against naive full decode + Lanczos (speed-up and PSNR).
 
 GPU path ("kornia" backend, the default on CUDA): decode on the CPU in draft mode as well, then
@@ -87,15 +88,19 @@ _MAGIC: tuple[tuple[bytes, str], ...] = (
     (b"MM\x00*", "TIFF"),
 )
 
-#: Pillow's ``reducing_gap``: a box ``reduce()`` brings the image to within this factor of the
-#: target, then Lanczos does the rest. 2.0 is Pillow's "indistinguishable from a plain Lanczos"
-#: setting; the benchmark measures it at well above 30 dB PSNR against plain Lanczos and several
-#: times faster from a half-scale draft.
-REDUCING_GAP = 2.0
+#: Pillow's ``reducing_gap``: a box ``reduce()`` by the largest integer factor that stays within
+#: this factor of the target, then Lanczos for the rest. Chosen by measurement as the fastest
+#: setting that keeps PSNR well above 30 dB against plain Lanczos from the full image
+#: (benchmarks/bench_preprocess.py, 4000x3000 photo, 2000x1500 half-scale draft -> 336x336):
+#: gap 1.0 ~5 ms at ~39 dB, 2.0 ~10 ms at ~52 dB, no gap ~27 ms at ~56 dB. From a 1/8 draft
+#: (500x375 -> 336x336) no reduce happens at any gap.
+REDUCING_GAP = 1.0
 
-#: Resampling for the greyscale OCR image. Bicubic on "L" keeps glyph edges sharp for
-#: tesseract at a fraction of Lanczos-on-RGB's cost (measured in the benchmark).
-OCR_RESAMPLE = Image.Resampling.BICUBIC
+#: Resampling for the greyscale OCR image, also measured: from a half-scale draft to 1600x1200,
+#: bilinear (Pillow's is a proper antialiasing triangle filter when shrinking) takes ~9 ms at
+#: ~40 dB against full-image Lanczos; bicubic ~13 ms at ~44 dB; Lanczos ~22 ms. Tesseract reads
+#: the bilinear result as well (it binarises anyway).
+OCR_RESAMPLE = Image.Resampling.BILINEAR
 
 #: ITU-R 601-2 luma, the weights Pillow's ``convert("L")`` uses: the GPU path's OCR image is the
 #: same greyscale the CPU path produces.

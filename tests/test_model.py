@@ -49,7 +49,7 @@ class NetworkUsed(AssertionError):
     pass
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def no_network() -> Iterator[None]:
     """Any attempt to open a network connection fails the test that made it."""
 
@@ -70,7 +70,7 @@ class Built:
     vlm: VLM
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory, no_network: None) -> Iterator[Built]:
     """The embedded model, built once for the whole session into a fresh cache directory.
 
@@ -89,7 +89,7 @@ def built(tmp_path_factory: pytest.TempPathFactory, no_network: None) -> Iterato
         torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def nf4(built: Built) -> VLM:
     return load_vlm(Settings(cache_dir=built.cache_dir, quantize="nf4"))
 
