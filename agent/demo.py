@@ -160,10 +160,12 @@ def run_demo(duration: float, listen: str, trace: str | None, port: int = 8000,
         live: dict[str, Outcome] = {}
         result: dict[str, Any] = {}
 
+        def keep(o: Outcome) -> None:
+            live["o"] = o
+
         def load() -> None:
             result["outcome"] = asyncio.run(run_load(
-                url, rate, duration, max_new_tokens=16, max_in_flight=32,
-                on_progress=lambda o: live.setdefault("o", o)))
+                url, rate, duration, max_new_tokens=16, max_in_flight=32, on_progress=keep))
 
         loader = threading.Thread(target=load, name="mrc-demo-load", daemon=True)
         loader.start()
