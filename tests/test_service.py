@@ -211,3 +211,44 @@ def test_service_keeps_serving_after_the_bad_corpus(service: Service) -> None:
     assert r.status_code == 200, r.text
     assert "Traceback" not in service.text_log()
     assert " 500 " not in service.text_log()
+
+
+def test_loadgen_prints_every_bucket(service: Service) -> None:
+    r = subprocess.run([sys.executable, "-m", "agent", "loadgen", "--url", service.url,
+                        "--rate", "6", "--duration", "4", "--max-new-tokens", "2"],
+                       capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [line.split() for line in r.stdout.splitlines()]
+    cells = {(row[0], row[1]) for row in rows if len(row) == 6 and row[0] in
+             ("<1MP", "1-4MP", ">4MP")}
+    assert len(cells) == 9, r.stdout
+    assert "statuses {200:" in r.stdout
+
+
+def test_overload_is_429_with_retry_after(cache_dir: Path) -> None:
+    import asyncio
+
+    svc = Service(cache_dir, "--max-concurrency", "1", "--max-queue", "1")
+    try:
+        photos = [_b64(_jpeg(1600, 1200, seed)) for seed in range(3)]
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(*(client.post(svc.url + "/mrc", json={
+                    "image": photos[i % 3], "text_prompt": f"Question {i}?",
+                    "max_new_tokens": 16}) for i in range(10)))
+
+        answers = asyncio.run(burst())
+        codes = [a.status_code for a in answers]
+        assert set(codes) <= {200, 429}, codes
+        assert codes.count(429) >= 1 and codes.count(200) >= 1, codes
+        refused = next(a for a in answers if a.status_code == 429)
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "overloaded"
+        m = parse_metrics(httpx.get(svc.url + "/metrics").text)
+        assert series(m, "mrc_requests_total", outcome="overloaded") == [codes.count(429)]
+        assert httpx.post(svc.url + "/mrc", json={"image": photos[0], "text_prompt": "again",
+                                                  "max_new_tokens": 2},
+                          timeout=60).status_code == 200
+    finally:
+        svc.stop()
