@@ -2,7 +2,8 @@
 
 Subcommands: ``run`` (the sidecar), ``record`` (write a replay trace from a real GPU),
 ``doctor`` (what this host can deliver), ``demo`` (the agent on an embedded default, printing
-the golden triangle live) and ``catalog`` (the metric catalogue as Markdown).
+the golden triangle live), ``diagnose`` (flame graph, samples and a verdict for one process)
+and ``catalog`` (the metric catalogue as Markdown).
 """
 
 from __future__ import annotations
@@ -65,6 +66,21 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--listen", metavar="HOST:PORT",
                      help=f"address to serve on ({DEFAULT_LISTEN})")
     run.add_argument("--interval", type=float, metavar="SECONDS", help="sampling period (1)")
+    cap = run.add_argument_group("on-alert captures (off unless a webhook token is given)")
+    cap.add_argument("--webhook-token-file", metavar="PATH", help="file holding the shared "
+                     "token that enables POST /hooks/alertmanager and GET /captures (or env "
+                     "MRC_AGENT_WEBHOOK_TOKEN)")
+    cap.add_argument("--capture-dir", metavar="DIR", help="where captures are kept")
+    cap.add_argument("--capture-duration", type=float, metavar="SECONDS",
+                     help="how long one capture samples (10)")
+    cap.add_argument("--capture-max-per-hour", type=int, metavar="N",
+                     help="captures started per rolling hour at most (6)")
+    cap.add_argument("--capture-max-count", type=int, metavar="N",
+                     help="captures kept at most, oldest deleted first (20)")
+    cap.add_argument("--capture-max-bytes", metavar="BYTES",
+                     help="bytes the captures may use, e.g. 100Mi (100Mi)")
+    cap.add_argument("--capture-retention", metavar="DURATION",
+                     help="delete captures older than this, e.g. 24h or 7d (7d)")
 
     rec = sub.add_parser("record", help="record a replay trace from the local GPUs")
     rec.add_argument("--out", required=True, metavar="FILE")
@@ -100,8 +116,44 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--max-in-flight", type=int, default=64)
     load.add_argument("--seed", type=int, default=1)
 
+    diag = sub.add_parser("diagnose", help="py-spy flame graph, golden-triangle samples and GPU "
+                          "idle windows of one process over one window, and a verdict")
+    diag.add_argument("--pid", type=int, required=True, help="the process to diagnose")
+    diag.add_argument("--duration", type=float, default=10.0, metavar="SECONDS",
+                      help="length of the window (10)")
+    diag.add_argument("--out", metavar="DIR", help="output directory "
+                      "(./mrc-diagnose-PID-TIMESTAMP)")
+    diag.add_argument("--gpu-backend", metavar="auto|nvml|replay:PATH|none")
+    diag.add_argument("--interval", type=float, default=0.2, metavar="SECONDS",
+                      help="collector sampling period (0.2)")
+    diag.add_argument("--starvation-cpu-threshold", type=float, metavar="RATIO",
+                      help="target user CPU (cores) at or above which it counts as hot (0.9)")
+    diag.add_argument("--idle-util-threshold", type=float, metavar="RATIO",
+                      help="GPU utilisation at or below which the GPU counts as idle (0.05)")
+    diag.add_argument("--py-spy", metavar="PATH", help="the py-spy executable (the one beside "
+                      "this Python, else PATH)")
+    diag.add_argument("--config", metavar="PATH", help="YAML config file (env MRC_AGENT_CONFIG)")
+
     cat = sub.add_parser("catalog", help="print the metric catalogue as Markdown")
     cat.add_argument("--out", metavar="FILE")
+
+    alerts = sub.add_parser("alerts", help="Prometheus rules and an Alertmanager example")
+    alerts_sub = alerts.add_subparsers(dest="alerts_command", required=True, parser_class=_Parser)
+    ab = alerts_sub.add_parser("build", help="write the rule file, the PrometheusRule and "
+                               "alertmanager.yaml")
+    ab.add_argument("--out", default="alerts/generated", metavar="DIR",
+                    help="output directory (alerts/generated)")
+    ab.add_argument("--selector", metavar="MATCHERS",
+                    help='label matchers added to every selector, e.g. namespace="mrc"')
+    ab.add_argument("--runbook-base", metavar="URL",
+                    help="base of the runbook links (docs/runbooks)")
+
+    dash = sub.add_parser("dashboards", help="Grafana dashboards as code")
+    dash_sub = dash.add_subparsers(dest="dashboards_command", required=True, parser_class=_Parser)
+    db = dash_sub.add_parser("build", help="write the dashboard JSON, the provisioning file and "
+                             "the ConfigMap")
+    db.add_argument("--out", default="dashboards/generated", metavar="DIR",
+                    help="output directory (dashboards/generated)")
     return parser
 
 
@@ -110,7 +162,9 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         key: getattr(args, key, None)
         for key in ("pids", "pidfile", "process_name", "listen", "interval", "gpu_backend",
                     "idle_util_threshold", "starvation_cpu_threshold",
-                    "starvation_gpu_threshold", "log_level")
+                    "starvation_gpu_threshold", "log_level", "webhook_token_file", "capture_dir",
+                    "capture_duration", "capture_max_per_hour", "capture_max_count",
+                    "capture_max_bytes", "capture_retention")
     }
     switches = [*args.enable, *(f"-{n}" for n in args.disable)]
     if switches:
@@ -127,7 +181,8 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from agent.app import build_runner, build_server, make_sources
+    from agent.app import build_runner, make_sources
+    from agent.capture import build_capture_api, build_server
     from agent.hw.replay import ReplayFormatError
     from agent.targets import PidfileError, read_pidfile
 
@@ -143,9 +198,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ReplayFormatError as exc:
         raise ConfigError(str(exc)) from exc
     runner = build_runner(cfg, sources)
+    captures = build_capture_api(cfg, runner)
     host, port = cfg.host_port
     try:
-        server = build_server(cfg, runner)
+        server = build_server(cfg, runner, captures)
     except OSError as exc:
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     if not runner.targets.configured:
@@ -168,6 +224,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     while not stop.wait(1.0):
         pass
     server.stop()
+    if captures.manager is not None:
+        captures.manager.stop()
     runner.stop()
     if sources.backend is not None and hasattr(sources.backend, "close"):
         sources.backend.close()
@@ -187,10 +245,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "run":
             return cmd_run(args)
+        if args.command == "diagnose":
+            from agent.diagnose import run_diagnose_command
+
+            return run_diagnose_command(args)
         if args.command == "catalog":
             from agent.docs import write_catalog
 
             return write_catalog(args.out)
+        if args.command == "alerts":
+            from alerts.build import BuildError, run_build
+
+            try:
+                return run_build(args.out, args.selector, args.runbook_base)
+            except BuildError as exc:
+                raise ConfigError(str(exc)) from exc
+        if args.command == "dashboards":
+            from dashboards.build import run_build as build_dashboards
+
+            return build_dashboards(args.out)
         if args.command == "doctor":
             from agent.doctor import run_doctor
 

@@ -49,6 +49,38 @@ class Thresholds:
     #: How long an agent, collector or target may be missing before anyone is told.
     absent_for: str = "5m"
 
+    # --- Windows (added with the alert rules; see alerts/README.md "Windows") -----------------
+    #: rate() window of the GPU counters (NVLink bytes, SM instructions, DRAM bytes) and the
+    #: averaging window of the gauges sampled next to them (utilisation, GPM activity). rate()
+    #: needs two samples in its window and should see >= 4 so one missed scrape does not blank
+    #: it: 1m suits 15 s scrapes; use 2m for 30 s scrapes. The e2e test (1 s scrapes) builds
+    #: with a shorter window so the alert reacts within its `for`. A longer window only delays:
+    #: a drop shows fully after one window, then `for` starts counting.
+    rate_window: str = "1m"
+    #: Window over which `mrc_gpu_starved` must read >= starved_fraction (80 % of 2 minutes =
+    #: 96 s starved); with starved_for on top, a page needs ~3.5 minutes of near-constant
+    #: starvation, so one slow batch or a short warm-up never pages.
+    starved_window: str = "2m"
+    #: rate() window of the request-side ratios and the latency P99: 5m holds enough requests
+    #: at a few requests per second for a P99 and a ratio to mean something.
+    request_rate_window: str = "5m"
+    #: Multi-window, multi-burn-rate TTFT alerts (Google SRE workbook, ch. 5, table 5-8):
+    #: (burn-rate factor, long window, short window). 14.4x for 1h spends 2 % of a 30-day budget,
+    #: 6x for 6h 5 %: page. 3x for 1d and 1x for 3d spend 10 %: ticket. The short window (1/12
+    #: of the long one) makes the alert stop soon after the burn stops.
+    slo_page_burn_rates: tuple[tuple[float, str, str], ...] = ((14.4, "1h", "5m"),
+                                                               (6.0, "6h", "30m"))
+    slo_ticket_burn_rates: tuple[tuple[float, str, str], ...] = ((3.0, "1d", "2h"),
+                                                                 (1.0, "3d", "6h"))
+    #: `for` of the burn-rate alerts: the windows already smooth; `for` only rides out one
+    #: evaluation glitch on the page and a day's noise on the ticket (as kubernetes-mixin).
+    slo_page_for: str = "2m"
+    slo_ticket_for: str = "1h"
+    #: How far back a scrape target counts as "was an agent" for MRCAgentDown when it first goes
+    #: down (its `mrc_agent_build_info` is looked up over this window). Once the alert fires it
+    #: holds itself through its own ALERTS series, so it does not resolve after this window.
+    agent_seen_window: str = "1h"
+
 
 @dataclass(frozen=True)
 class Config:
@@ -63,6 +95,19 @@ class Config:
     #: Labels that identify one pod / one GPU in aggregations.
     pod_labels: tuple[str, ...] = ("namespace", "pod")
     gpu_labels: tuple[str, ...] = ("gpu", "uuid")
+    #: Labels that tell replicas of one service apart. Request-side ratios and the SLO sum them
+    #: away (``sum without (...)``): an SLO is the service's, not one pod's, and a P99 per
+    #: prompt-length x resolution bucket needs every replica's requests to be worth anything.
+    replica_labels: tuple[str, ...] = ("instance", "pod")
+    #: Example Alertmanager receivers (alertmanager.yaml). Placeholders on a reserved domain:
+    #: point them at the pager's and the ticket system's webhooks (PagerDuty/Opsgenie have
+    #: their own *_configs; swap the receiver block). The e2e test points them at its receiver.
+    page_webhook_url: str = "https://oncall.example.com/hooks/mrc-page"
+    ticket_webhook_url: str = "https://tickets.example.com/hooks/mrc-ticket"
+    #: How long Alertmanager gathers a new page group before sending it: short, because every
+    #: second of it is added to the page's `for`; tickets wait 30 s to batch. The e2e test
+    #: (1 s scrapes) builds with 1s.
+    page_group_wait: str = "10s"
 
     def sel(self, extra: str = "") -> str:
         """A label-matcher block: ``{selector,extra}`` or ``""`` when both are empty."""

@@ -1,9 +1,15 @@
 """HTTP exposition server: ``/metrics`` (Prometheus text or OpenMetrics, gzip when asked),
-``/healthz`` (live) and ``/readyz`` (first sample taken).
+``/healthz`` (live) and ``/readyz`` (first sample taken), plus optional extra :class:`Routes`
+(the agent's Alertmanager webhook and captures).
 
 The rendered body is cached per snapshot version and format, so fifty scrapers of the same
 snapshot cost one render; a scrape never touches hardware. The socket is bound in the
 constructor so that "address in use" surfaces before the agent starts sampling.
+
+Extra routes see a plain :class:`Request` and answer a :class:`Response`; the server reads a
+request body only when it declares a ``Content-Length`` within the routes' ``max_body_bytes``
+(else 411/413 without reading it), with a read timeout, so a slow or huge body cannot hold a
+thread or memory.
 """
 
 from __future__ import annotations
@@ -12,13 +18,48 @@ import gzip
 import logging
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Protocol
 
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
 log = logging.getLogger(__name__)
+
+#: Seconds a client may take to send a request body.
+BODY_READ_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Request:
+    """What an extra route sees: method, path as sent (query removed), lower-cased headers."""
+
+    method: str
+    path: str
+    headers: Mapping[str, str]
+    body: bytes = b""
+
+
+@dataclass
+class Response:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class Routes(Protocol):
+    """Extra endpoints served beside ``/metrics``."""
+
+    #: Largest request body read; a bigger declared ``Content-Length`` gets 413 unread.
+    max_body_bytes: int
+
+    def handle(self, request: Request) -> Response | None:
+        """The response, or None when the path is not one of these routes (the server then
+        answers 404 to GET/HEAD and 405 to POST, as without routes)."""
+        ...
 
 _INDEX = b"""<html><head><title>mrc-agent</title></head><body><h1>mrc-agent</h1>
 <p><a href="/metrics">/metrics</a> &middot; <a href="/healthz">/healthz</a> &middot;
@@ -64,6 +105,7 @@ class ExpositionServer:
         port: int,
         version: Callable[[], int],
         ready: Callable[[], bool],
+        routes: Routes | None = None,
     ) -> None:
         cache = _RenderCache(registry, version)
 
@@ -103,7 +145,7 @@ class ExpositionServer:
                         self._send(503, b"no sample taken yet\n", "text/plain; charset=utf-8")
                 elif path == "/":
                     self._send(200, _INDEX, "text/html; charset=utf-8")
-                else:
+                elif not self._route(path, b""):
                     self._send(404, b"not found\n", "text/plain; charset=utf-8")
 
             do_HEAD = do_GET
@@ -112,7 +154,61 @@ class ExpositionServer:
                 self._send(405, b"method not allowed\n", "text/plain; charset=utf-8",
                            {"Allow": "GET, HEAD"})
 
-            do_POST = do_PUT = do_DELETE = do_PATCH = _not_allowed
+            do_PUT = do_DELETE = do_PATCH = _not_allowed
+
+            def do_POST(self) -> None:  # noqa: N802
+                if routes is None:
+                    self._not_allowed()
+                    return
+                body = self._read_body(routes.max_body_bytes)
+                if body is not None and not self._route(self.path.split("?", 1)[0], body):
+                    self._not_allowed()
+
+            def _route(self, path: str, body: bytes) -> bool:
+                """Let the extra routes answer; False when they do not know the path."""
+                if routes is None:
+                    return False
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                try:
+                    resp = routes.handle(Request(self.command, path, headers, body))
+                except Exception:  # a bug in a route must not kill the server thread
+                    log.exception("%s %s failed", self.command, path)
+                    resp = Response(500, b"internal error\n", "text/plain; charset=utf-8")
+                if resp is None:
+                    return False
+                self._send(resp.status, resp.body, resp.content_type, resp.headers)
+                return True
+
+            def _read_body(self, limit: int) -> bytes | None:
+                """The body, or None after answering 411/413/400 (and closing)."""
+                length = self.headers.get("Content-Length")
+                if length is None:
+                    if self.headers.get("Transfer-Encoding"):
+                        self.close_connection = True
+                        self._send(411, b"Content-Length required\n", "text/plain; charset=utf-8")
+                        return None
+                    return b""
+                if not length.strip().isdigit():
+                    self.close_connection = True
+                    self._send(400, b"bad Content-Length\n", "text/plain; charset=utf-8")
+                    return None
+                n = int(length)
+                if n > limit:
+                    self.close_connection = True  # the body stays unread
+                    self._send(413, b"request body too large\n", "text/plain; charset=utf-8")
+                    return None
+                self.connection.settimeout(BODY_READ_TIMEOUT_S)
+                try:
+                    body = self.rfile.read(n)
+                except OSError:
+                    self.close_connection = True
+                    return None
+                finally:
+                    self.connection.settimeout(None)
+                if len(body) != n:
+                    self.close_connection = True
+                    return None
+                return body
 
         class Server(ThreadingHTTPServer):
             daemon_threads = True

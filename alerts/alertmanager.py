@@ -1,0 +1,78 @@
+"""An example Alertmanager configuration for the MRC alerts, as a plain dict.
+
+``severity="page"`` goes to the on-call pager, ``severity="ticket"`` to the ticket queue, and
+anything else (an alert added without a severity) falls through to the ticket queue rather
+than being dropped. Alerts group per alert name and pod; a page inhibits the tickets of the same
+namespace and pod, so the pager does not also open tickets for the symptoms of the same cause.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from alerts.config import Config
+from alerts.queries import check_duration
+
+PAGE_RECEIVER = "mrc-page"
+TICKET_RECEIVER = "mrc-ticket"
+
+
+def alertmanager_config(cfg: Config) -> dict[str, Any]:
+    """The configuration; webhook URLs and the page group wait come from ``cfg``."""
+    group_by = ["alertname", *cfg.pod_labels]
+    return {
+        "global": {"resolve_timeout": "5m"},
+        "route": {
+            "receiver": TICKET_RECEIVER,
+            "group_by": group_by,
+            "group_wait": "30s",
+            "group_interval": "5m",
+            "repeat_interval": "24h",
+            "routes": [
+                {
+                    "receiver": PAGE_RECEIVER,
+                    "matchers": ['severity="page"'],
+                    "group_wait": check_duration(cfg.page_group_wait),
+                    "group_interval": "1m",
+                    "repeat_interval": "1h",
+                },
+                {
+                    "receiver": TICKET_RECEIVER,
+                    "matchers": ['severity="ticket"'],
+                },
+            ],
+        },
+        "inhibit_rules": [
+            {
+                "source_matchers": ['severity="page"'],
+                "target_matchers": ['severity="ticket"'],
+                # Alertmanager treats a label missing on both sides as equal: outside Kubernetes
+                # (no namespace/pod labels) a page inhibits every ticket without them.
+                "equal": list(cfg.pod_labels),
+            },
+        ],
+        "receivers": [
+            {
+                "name": PAGE_RECEIVER,
+                "webhook_configs": [{"url": cfg.page_webhook_url, "send_resolved": True}],
+            },
+            {
+                "name": TICKET_RECEIVER,
+                "webhook_configs": [{"url": cfg.ticket_webhook_url, "send_resolved": True}],
+            },
+        ],
+    }
+
+
+HEADER = """\
+# Example Alertmanager configuration for the MRC alerts.
+#
+# Routes severity="page" to the on-call receiver `mrc-page` and severity="ticket" (and anything
+# without a severity) to `mrc-ticket`; groups by alertname, namespace, pod; a page inhibits the
+# tickets of the same namespace/pod; every receiver is told when an alert resolves.
+#
+# The webhook URLs are placeholders on reserved example.com domains: replace them with your
+# pager's and ticket system's webhook endpoints (or swap the receivers for pagerduty_configs /
+# opsgenie_configs), or build with your own in alerts.config.Config(page_webhook_url=...,
+# ticket_webhook_url=...).
+"""

@@ -1,0 +1,166 @@
+"""Real Prometheus, real Alertmanager and a webhook receiver on loopback, for end-to-end tests.
+
+Everything binds to 127.0.0.1 on free ports, keeps its state in a temporary directory, and is
+stopped by the owner (the fixtures call ``stop()`` in their teardown).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def require(binary: str) -> str:
+    path = shutil.which(binary)
+    if path is None:
+        raise AssertionError(f"{binary} is required (Debian packages prometheus and "
+                             "prometheus-alertmanager; .ci/run installs them)")
+    return path
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.5,
+               what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        time.sleep(interval)
+    raise AssertionError(f"{what} not met within {timeout:g} s")
+
+
+class _Proc:
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.log_path = log
+        self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+    def text_log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+class Webhook:
+    """Collects Alertmanager webhook notifications."""
+
+    def __init__(self) -> None:
+        self.notifications: list[dict[str, Any]] = []
+        received = self.notifications
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                length = int(self.headers.get("Content-Length", "0"))
+                received.append(json.loads(self.rfile.read(length)))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def alerts(self, name: str, status: str = "firing") -> list[dict[str, Any]]:
+        return [a for n in self.notifications for a in n.get("alerts", [])
+                if a["labels"].get("alertname") == name and a["status"] == status]
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Alertmanager(_Proc):
+    def __init__(self, workdir: Path, config: dict[str, Any]) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = workdir / "alertmanager.yml"
+        cfg.write_text(yaml.safe_dump(config))
+        super().__init__([require("prometheus-alertmanager"), f"--config.file={cfg}",
+                          f"--storage.path={workdir / 'data'}",
+                          f"--web.listen-address=127.0.0.1:{self.port}",
+                          "--cluster.listen-address="], workdir / "alertmanager.log")
+        wait_until(self._ready, 30, 0.2, "Alertmanager ready")
+
+    def _ready(self) -> bool:
+        try:
+            return httpx.get(self.url + "/-/ready", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return self.proc.poll() is not None and _raise(self.text_log())
+
+
+class Prometheus(_Proc):
+    def __init__(self, workdir: Path, targets: dict[str, list[str]],
+                 rule_files: list[Path] | None = None, alertmanager: str | None = None,
+                 interval: str = "1s") -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config: dict[str, Any] = {
+            "global": {"scrape_interval": interval, "evaluation_interval": interval},
+            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": addrs}]}
+                               for job, addrs in targets.items()],
+        }
+        if rule_files:
+            config["rule_files"] = [str(p) for p in rule_files]
+        if alertmanager:
+            config["alerting"] = {"alertmanagers": [{"static_configs": [
+                {"targets": [alertmanager.removeprefix("http://")]}]}]}
+        cfg = workdir / "prometheus.yml"
+        cfg.write_text(yaml.safe_dump(config))
+        super().__init__([require("prometheus"), f"--config.file={cfg}",
+                          f"--storage.tsdb.path={workdir / 'data'}",
+                          f"--web.listen-address=127.0.0.1:{self.port}",
+                          "--storage.tsdb.retention.time=1h"], workdir / "prometheus.log")
+        wait_until(self._ready, 30, 0.2, "Prometheus ready")
+
+    def _ready(self) -> bool:
+        try:
+            return httpx.get(self.url + "/-/ready", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return self.proc.poll() is not None and _raise(self.text_log())
+
+    def query(self, expr: str) -> dict[str, Any]:
+        r = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10)
+        body: dict[str, Any] = r.json()
+        return body
+
+    def targets_up(self) -> bool:
+        data = self.query("up")["data"]["result"]
+        return bool(data) and all(s["value"][1] == "1" for s in data)
+
+    def alerts(self) -> list[dict[str, Any]]:
+        body = httpx.get(self.url + "/api/v1/alerts", timeout=10).json()
+        alerts: list[dict[str, Any]] = body["data"]["alerts"]
+        return alerts
+
+
+def _raise(log: str) -> bool:
+    raise AssertionError("process exited:\n" + log[-3000:])

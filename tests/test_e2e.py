@@ -1,0 +1,170 @@
+"""End to end on real parts: processes → agent / reference service → Prometheus (1 s scrape and
+evaluation) → Alertmanager → a webhook receiver standing in for the pager; and every dashboard
+query run against a real Prometheus scraping the agent and the service under load.
+
+The rules are the generated ones, built with the shipped config except for the GPU counter
+rate window (10 s instead of 1 m: enough samples at a 1 s scrape, and the NVLink rule's
+"counter existed one window ago" guard then costs 10 s, not 60) and the receivers' URLs and
+the page group wait (1 s). Every alert keeps its real threshold and `for`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from alerts.alertmanager import alertmanager_config
+from alerts.build import rule_file
+from alerts.config import DEFAULT, Config
+from dashboards.build import all_queries, template_queries
+from dashboards.queries import substitute_macros
+from tests.conftest import BUSY, REPO, AgentProcess, Procs
+from tests.e2e_harness import Alertmanager, Prometheus, Webhook, wait_until
+from tests.test_service import Service
+
+
+def _config(webhook: str) -> Config:
+    return replace(DEFAULT, thresholds=replace(DEFAULT.thresholds, rate_window="10s"),
+                   page_webhook_url=webhook, ticket_webhook_url=webhook, page_group_wait="1s")
+
+
+def _trace(tmp: Path, pattern: str, gpus: int = 1, duration: float = 20) -> Path:
+    path = tmp / f"{pattern}.jsonl"
+    out = subprocess.run([sys.executable, "-m", "agent.tracegen", pattern, str(gpus),
+                          str(duration)], capture_output=True, text=True, check=True, cwd=REPO)
+    path.write_text(out.stdout)
+    return path
+
+
+@dataclass
+class Paging:
+    prometheus: Prometheus
+    webhook: Webhook
+    spinner_pid: int
+    started: float  # when the agent's first sample of the spinner was scraped
+
+
+@pytest.fixture(scope="module")
+def paging(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Paging]:
+    """A busy-spinning target watched by an agent that also replays a low-NVLink trace."""
+    tmp = tmp_path_factory.mktemp("e2e-paging")
+    procs = Procs()
+    webhook = Webhook()
+    stack: list[Any] = []
+    try:
+        cfg = _config(webhook.url)
+        rules = tmp / "rules.yaml"
+        rules.write_text(yaml.safe_dump(rule_file(cfg)))
+        am = Alertmanager(tmp / "am", alertmanager_config(cfg))
+        stack.append(am)
+        spinner = procs.spawn(BUSY, 600.0)
+        agent = AgentProcess("--pid", str(spinner.pid), "--interval", "0.5", "--gpu-backend",
+                             f"replay:{_trace(tmp, 'low_nvlink')}")
+        stack.append(agent)
+        prom = Prometheus(tmp / "prom", {"whatever-the-job-is-called":
+                                         [f"127.0.0.1:{agent.port}"]}, [rules], am.url)
+        stack.append(prom)
+        wait_until(lambda: prom.query("mrc_process_cpu_user_ratio")["data"]["result"], 30,
+                   what="the spinner's CPU ratio in Prometheus")
+        yield Paging(prom, webhook, spinner.pid, time.monotonic())
+    finally:
+        for part in reversed(stack):
+            part.stop()
+        webhook.stop()
+        procs.close()
+
+
+def _fired(paging: Paging, name: str, timeout: float) -> tuple[dict[str, Any], float]:
+    alert = wait_until(lambda: (paging.webhook.alerts(name) or [None])[0], timeout, 0.5,
+                       f"{name} delivered to the webhook")
+    return alert, time.monotonic() - paging.started
+
+
+def test_cpu_saturated_target_pages_oncall(paging: Paging) -> None:
+    for_s = 30
+    alert, after = _fired(paging, "MRCProcessCPUUserSaturated", for_s + 30)
+    assert alert["labels"]["severity"] == "page"
+    assert alert["annotations"]["runbook_url"].endswith("/MRCProcessCPUUserSaturated.md")
+    # Not before its `for`; within `for` plus a few scrape/evaluation/group_wait intervals.
+    assert for_s - 2 <= after <= for_s + 20, after
+
+
+def test_low_nvlink_trace_pages_oncall(paging: Paging) -> None:
+    for_s, window_s = 60, 10
+    alert, after = _fired(paging, "MRCNVLinkBandwidthLow", for_s + 2 * window_s + 40)
+    assert alert["labels"]["severity"] == "page"
+    assert alert["labels"]["uuid"].startswith("GPU-synthetic")
+    assert after >= for_s - 2
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
+    """The reference service under the load generator, an agent watching it with every GPU
+    source (a replayed busy trace with NVML, GPM and profiling fields), both scraped."""
+    from reference_service.loadgen import run_load
+
+    tmp = tmp_path_factory.mktemp("e2e-dash")
+    stack: list[Any] = []
+    try:
+        service = Service(tmp, "--max-queue", "64")
+        stack.append(service)
+        agent = AgentProcess("--pid", str(service.proc.pid), "--interval", "0.5",
+                             "--gpu-backend", f"replay:{_trace(tmp, 'busy', 2)}",
+                             "--collector", "profiling")
+        stack.append(agent)
+        prom = Prometheus(tmp / "prom", {"agent": [f"127.0.0.1:{agent.port}"],
+                                         "service": [f"127.0.0.1:{service.port}"]})
+        stack.append(prom)
+        load = threading.Thread(target=lambda: asyncio.run(run_load(
+            service.url, rate=4.0, duration=40.0, max_new_tokens=4, seed=3)), daemon=True)
+        load.start()
+        load.join(120)
+        time.sleep(3)  # the last answers scraped
+        yield prom
+    finally:
+        for part in reversed(stack):
+            part.stop()
+
+
+#: Panels whose source cannot exist on this CPU-only test stack: the service measures peak
+#: GPU memory only on CUDA. Everything else must return data.
+NO_DATA_HERE = {"Peak GPU memory per request"}
+
+
+def test_every_dashboard_query_returns_data(loaded: Prometheus) -> None:
+    empty, failed = [], []
+    for dashboard, panel, expr in all_queries():
+        query = substitute_macros(expr, range_s=300, rate_interval_s=20, interval_s=5)
+        body = loaded.query(query)
+        if body.get("status") != "success":
+            failed.append((dashboard, panel, query, body.get("error")))
+        elif not body["data"]["result"] and panel not in NO_DATA_HERE:
+            empty.append((dashboard, panel, query))
+    assert not failed, failed
+    assert not empty, "\n".join(f"{d} / {p}: {q}" for d, p, q in empty)
+
+
+def test_template_variables_find_values(loaded: Prometheus) -> None:
+    import httpx
+
+    for dashboard, name, query in template_queries():
+        if not query.startswith("label_values("):
+            continue
+        inner = query[len("label_values("):-1]
+        metric, _, label = inner.rpartition(",")
+        metric = substitute_macros(metric.strip(), range_s=300, rate_interval_s=20)
+        r = httpx.get(loaded.url + f"/api/v1/label/{label.strip()}/values",
+                      params={"match[]": metric}, timeout=10).json()
+        assert r["status"] == "success", (dashboard, name, r)
+        if name == "gpu":
+            assert r["data"], (dashboard, name, query)
