@@ -143,10 +143,6 @@ def build_parser() -> argparse.ArgumentParser:
                                "alertmanager.yaml")
     ab.add_argument("--out", default="alerts/generated", metavar="DIR",
                     help="output directory (alerts/generated)")
-    ab.add_argument("--selector", metavar="MATCHERS",
-                    help='label matchers added to every selector, e.g. namespace="mrc"')
-    ab.add_argument("--runbook-base", metavar="URL",
-                    help="base of the runbook links (docs/runbooks)")
 
     dash = sub.add_parser("dashboards", help="Grafana dashboards as code")
     dash_sub = dash.add_subparsers(dest="dashboards_command", required=True, parser_class=_Parser)
@@ -154,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "the ConfigMap")
     db.add_argument("--out", default="dashboards/generated", metavar="DIR",
                     help="output directory (dashboards/generated)")
+    for build_parser_ in (ab, db):  # one config for rules and dashboards: same flags
+        build_parser_.add_argument(
+            "--selector", metavar="MATCHERS",
+            help='label matchers added to every selector, e.g. namespace="mrc"')
+        build_parser_.add_argument("--runbook-base", metavar="URL",
+                                   help="base of the runbook links (docs/runbooks)")
     return parser
 
 
@@ -253,17 +255,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             from agent.docs import write_catalog
 
             return write_catalog(args.out)
-        if args.command == "alerts":
-            from alerts.build import BuildError, run_build
+        if args.command in ("alerts", "dashboards"):
+            from alerts.build import BuildError, config_for, run_build
 
             try:
-                return run_build(args.out, args.selector, args.runbook_base)
+                if args.command == "alerts":
+                    return run_build(args.out, args.selector, args.runbook_base)
+                from dashboards.build import run_build as build_dashboards
+
+                return build_dashboards(args.out, config_for(args.selector, args.runbook_base))
             except BuildError as exc:
                 raise ConfigError(str(exc)) from exc
-        if args.command == "dashboards":
-            from dashboards.build import run_build as build_dashboards
-
-            return build_dashboards(args.out)
         if args.command == "doctor":
             from agent.doctor import run_doctor
 
