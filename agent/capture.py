@@ -332,7 +332,7 @@ def _size(path: str) -> int:
             if entry.is_file(follow_symlinks=False):
                 total += entry.stat(follow_symlinks=False).st_size
     except OSError:
-        pass  # deleted meanwhile: counts as empty
+        return total  # deleted meanwhile: what was counted stands
     return total
 
 
@@ -382,7 +382,8 @@ class CaptureManager:
         return max(targets, key=lambda p: cpu.get(p, -1.0))
 
     def request(self, alert: str, pid: int) -> tuple[str, str]:
-        """("accepted", capture id) or ("rate-limited", why)."""
+        """("accepted", capture id), ("rate-limited", why) or ("error", why) when the
+        captures directory cannot take it."""
         with self._lock:
             now = self._clock()
             while self._started and now - self._started[0] >= 3600:
@@ -394,8 +395,14 @@ class CaptureManager:
                 self.counts["rate_limited"] += 1
                 return ("rate-limited", f"{len(self._started)} captures started in the last "
                                         f"hour (limit {self.max_per_hour})")
-            self.store.prune(room_for=1)
-            cid = self.store.create(alert, pid)
+            try:
+                self.store.prune(room_for=1)
+                cid = self.store.create(alert, pid)
+            except OSError as exc:
+                self.counts["failed"] += 1
+                log.warning("cannot start a capture in %s: %s", self.store.root, exc)
+                return ("error", f"cannot write to the captures directory: "
+                                 f"{exc.strerror or exc}")
             self._started.append(now)
             self._running = cid
             self.counts["accepted"] += 1
@@ -536,14 +543,16 @@ class CaptureAPI:
                 row["capture"] = detail
             else:
                 row["reason"] = detail
-                status = "rate-limited" if status == "ignored" else status
+                if status == "ignored":
+                    status = result
         if status == "ignored":
             m.count("ignored")
         reply: dict[str, Any] = {"status": status, "alerts": outcomes}
         if capture is not None:
             reply["capture"] = capture
             reply["url"] = f"/captures/{capture}"
-        return _json(200 if status == "ignored" else 202, reply)
+        code = {"ignored": 200, "error": 503}.get(status, 202)
+        return _json(code, reply)
 
     def _captures(self, path: str) -> Response:
         assert self.manager is not None

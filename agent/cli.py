@@ -134,6 +134,24 @@ def build_parser() -> argparse.ArgumentParser:
                       "this Python, else PATH)")
     diag.add_argument("--config", metavar="PATH", help="YAML config file (env MRC_AGENT_CONFIG)")
 
+    rep = sub.add_parser("report", help="render the golden triangle and the latency heatmap "
+                         "from a live Prometheus as one self-contained HTML file (or PNG)")
+    rep.add_argument("--prometheus", required=True, metavar="URL",
+                     help="Prometheus base URL, e.g. http://prometheus:9090")
+    rep.add_argument("--out", required=True, metavar="FILE", help="report.html or report.png")
+    rep.add_argument("--range", default="1h", metavar="DURATION",
+                     help="how far back from now, e.g. 5m, 1h, 1d (1h)")
+    rep.add_argument("--step", default="15s", metavar="DURATION",
+                     help="resolution of the charts (15s)")
+    rep.add_argument("--selector", metavar="MATCHERS",
+                     help='label matchers added to every query, e.g. namespace="mrc"')
+    rep.add_argument("--format", choices=["html", "png"],
+                     help="html, or png via headless Chromium (from --out's suffix)")
+    rep.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                     help="per request to Prometheus (10)")
+    rep.add_argument("--chromium", metavar="PATH", help="Chromium for --format png "
+                     "(chromium on PATH)")
+
     cat = sub.add_parser("catalog", help="print the metric catalogue as Markdown")
     cat.add_argument("--out", metavar="FILE")
 
@@ -251,6 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from agent.diagnose import run_diagnose_command
 
             return run_diagnose_command(args)
+        if args.command == "report":
+            from agent.report import run_report_command
+
+            return run_report_command(args)
         if args.command == "catalog":
             from agent.docs import write_catalog
 

@@ -44,6 +44,7 @@ from agent.collectors.base import Collector, SampleContext
 from agent.collectors.derived import IdleTracker, Thresholds
 from agent.config import AgentConfig, ConfigError
 from agent.hw.base import GPUIdentity, SourceUnavailable
+from agent.hw.procfs import ProcFS
 from agent.runner import Runner
 from agent.targets import TargetResolver
 from exporters.snapshot import HistogramValue, Sample, Snapshot
@@ -137,10 +138,9 @@ def find_py_spy(explicit: str | None = None) -> str:
 
 def _ptrace_hint(pid: int) -> str:
     try:
-        from agent.doctor import _ptrace_ok
-        from agent.hw.procfs import ProcFS
+        from agent.doctor import ptrace_ok
 
-        return _ptrace_ok(pid, ProcFS())[1]
+        return ptrace_ok(pid, ProcFS())[1]
     except Exception as exc:  # the hint is best effort; the error itself stands
         log.debug("ptrace check failed: %s", exc)
         return "ptrace permission unknown"
@@ -439,6 +439,27 @@ class Borrowed:
         return out
 
 
+def runnable(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]],
+             seconds: float) -> dict[str, float] | None:
+    """The hottest thread's share of the window spent running or ready to run.
+
+    User CPU alone undercounts a thread on a node short of CPU: it wants a whole core but is
+    granted less. Time on the run queue is demand too, so a thread runnable ~100 % of the
+    window is CPU-bound whatever the node gave it. A thread born in the window counts from
+    zero."""
+    if not after or seconds <= 0:
+        return None
+    best = (0.0, 0.0)
+    for tid, (cpu, wait) in after.items():
+        cpu0, wait0 = before.get(tid, (0, 0))
+        d_cpu, d_wait = max(cpu - cpu0, 0) / 1e9, max(wait - wait0, 0) / 1e9
+        if d_cpu + d_wait > sum(best):
+            best = (d_cpu, d_wait)
+    return {"runnable_ratio": min((best[0] + best[1]) / seconds, 1.0),
+            "on_cpu_ratio": min(best[0] / seconds, 1.0),
+            "waiting_ratio": min(best[1] / seconds, 1.0)}
+
+
 # -- analysis ----------------------------------------------------------------------------------
 _LABELS = {s.name: s.labels for s in CATALOG}
 
@@ -597,7 +618,11 @@ def analyse_gpu(snaps: Sequence[Snapshot], pid: int, idle: IdleWindows | None,
     }
 
 
-def analyse_cpu(snaps: Sequence[Snapshot], pid: int, threshold: float) -> dict[str, Any]:
+def analyse_cpu(snaps: Sequence[Snapshot], pid: int, threshold: float,
+                hottest_runnable: dict[str, float] | None = None) -> dict[str, Any]:
+    """Mean user CPU of the process and of its hottest thread over the window; hot when either,
+    or the hottest thread's runnable share (see :func:`runnable`), reaches ``threshold``."""
+
     def mine(ls: tuple[str, ...]) -> bool:
         return ls[0] == str(pid)
 
@@ -607,10 +632,13 @@ def analyse_cpu(snaps: Sequence[Snapshot], pid: int, threshold: float) -> dict[s
     names = [ls[1] for _, ls, _ in _values(snaps, "mrc_process_threads", mine)]
     u, h = _mean(user), _mean(hottest)
     peak = max(u or 0.0, h or 0.0)
+    run = hottest_runnable or {}
+    hot = (bool(user) and peak >= threshold) or run.get("runnable_ratio", 0.0) >= threshold
     return {"process": names[-1] if names else "", "user_ratio_mean": _r(u),
             "system_ratio_mean": _r(_mean(system)), "hottest_thread_user_ratio_mean": _r(h),
-            "threshold": threshold, "hot": bool(user) and peak >= threshold,
-            "windows": len(user)}
+            "hottest_thread_runnable_ratio": _r(run.get("runnable_ratio")),
+            "hottest_thread_waiting_ratio": _r(run.get("waiting_ratio")),
+            "threshold": threshold, "hot": hot, "windows": len(user)}
 
 
 @dataclass
@@ -628,7 +656,8 @@ def decide(cpu: dict[str, Any], gpu: dict[str, Any], stacks: dict[str, Any],
            rules: Rules = Rules()) -> Verdict:
     """The verdict, first match wins:
 
-    1. ``preprocessing-bound``: target CPU hot (process or hottest thread at or above the
+    1. ``preprocessing-bound``: target CPU hot (user CPU of the process or of its hottest
+       thread, or the hottest thread's runnable share of the window, at or above the
        starvation CPU threshold), the GPU mostly idle or not measured, and image code
        (decode/resize/convert…) on the busy thread's stack in most samples;
     2. ``cpu-bound``: the same, but the stacks are not image code;
@@ -640,7 +669,11 @@ def decide(cpu: dict[str, Any], gpu: dict[str, Any], stacks: dict[str, Any],
     """
     ev: list[str] = []
     cpu_line = (f"target CPU: user {cpu['user_ratio_mean']} cores, hottest thread "
-                f"{cpu['hottest_thread_user_ratio_mean']} (hot at >= {cpu['threshold']})")
+                f"{cpu['hottest_thread_user_ratio_mean']}")
+    if cpu.get("hottest_thread_runnable_ratio") is not None:
+        cpu_line += (f", hottest thread runnable {cpu['hottest_thread_runnable_ratio']} of the "
+                     f"window (waiting for a CPU {cpu['hottest_thread_waiting_ratio']})")
+    cpu_line += f" (hot at >= {cpu['threshold']})"
     ev.append(cpu_line + (" -> hot" if cpu["hot"] else " -> not hot"))
     share = stacks.get("image_share", 0.0)
     top = stacks["top_self"][0]["frame"] if stacks.get("top_self") else "none"
@@ -873,6 +906,7 @@ def diagnose(
         runner = Runner([*watched, *(_Watched(c) for c in extra), *tail, idle],
                         TargetResolver([pid]), interval)
         spy = PySpy(exe, pid, paths["flamegraph"], paths["stacks"], duration)
+        sched_before, sched_t0 = ProcFS().thread_schedstat(pid), time.monotonic()
         snaps: list[Snapshot] = []
         try:
             tick = start
@@ -889,6 +923,8 @@ def diagnose(
         except BaseException:
             spy.kill()
             raise
+        hottest_runnable = runnable(sched_before, ProcFS().thread_schedstat(pid),
+                                    time.monotonic() - sched_t0)
         spy.stop()
     finally:
         if sources.backend is not None and hasattr(sources.backend, "close"):
@@ -910,7 +946,7 @@ def diagnose(
         "image_share": round(share, 4), "image_frames": image_frames,
         "top_self": top["self"],
     }
-    cpu = analyse_cpu(snaps, pid, cfg.starvation_cpu_threshold)
+    cpu = analyse_cpu(snaps, pid, cfg.starvation_cpu_threshold, hottest_runnable)
     gpu = analyse_gpu(snaps, pid, idle, reasons, start)
     verdict = decide(cpu, gpu, stack_info, rules)
     write_samples(paths["samples"], snaps, start_wall)

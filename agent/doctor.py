@@ -31,7 +31,7 @@ class Check:
     collector: str = ""
 
 
-def _ptrace_ok(pid: int, procfs: ProcFS) -> tuple[bool, str]:
+def ptrace_ok(pid: int, procfs: ProcFS) -> tuple[bool, str]:
     """Whether py-spy could attach to ``pid`` from here (root/CAP_SYS_PTRACE or same UID
     under a permissive Yama scope)."""
     try:
@@ -145,7 +145,7 @@ def _target_checks(cfg: AgentConfig, procfs: ProcFS) -> list[Check]:
         except ProcessGone as exc:
             out.append(Check(f"target {t.pid}", False, str(exc), "process"))
             continue
-        ok, why = _ptrace_ok(t.pid, procfs)
+        ok, why = ptrace_ok(t.pid, procfs)
         out.append(Check(f"ptrace {t.pid} (py-spy)", ok, why))
     return out
 

@@ -17,10 +17,12 @@ import pytest
 
 from agent.diagnose import (
     Rules,
+    analyse_cpu,
     decide,
     explain_failure,
     image_share,
     parse_collapsed,
+    runnable,
     top_functions,
 )
 from tests.conftest import BUSY, IDLE, REPO, Procs
@@ -322,3 +324,15 @@ def test_py_spy_errors_become_reasons() -> None:
     e = explain_failure(1, "Error: Failed to find python version from target process")
     assert e.reason == "not_python"
     assert explain_failure(1, "Error: something else\nmore").reason == "failed"
+
+
+def test_a_thread_waiting_for_a_cpu_still_counts_as_hot() -> None:
+    # Thread 1: 0.4 s on a CPU and 0.58 s on the run queue in 1 s; thread 2 born in the window.
+    before = {1: (10_000_000_000, 5_000_000_000)}
+    after = {1: (10_400_000_000, 5_580_000_000), 2: (100_000_000, 0)}
+    run = runnable(before, after, 1.0)
+    assert run == pytest.approx({"runnable_ratio": 0.98, "on_cpu_ratio": 0.4,
+                                 "waiting_ratio": 0.58})
+    assert runnable(before, {}, 1.0) is None
+    assert analyse_cpu([], 7, 0.9, run)["hot"]
+    assert not analyse_cpu([], 7, 0.9, {**run, "runnable_ratio": 0.5})["hot"]

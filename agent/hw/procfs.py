@@ -153,6 +153,22 @@ class ProcFS:
             self._close(path)
         return out
 
+    def thread_schedstat(self, pid: int) -> dict[int, tuple[int, int]]:
+        """Per thread: (nanoseconds on a CPU, nanoseconds runnable but waiting for one), from
+        ``/proc/PID/task/TID/schedstat``; empty when the kernel does not keep them."""
+        out: dict[int, tuple[int, int]] = {}
+        try:
+            tids = os.listdir(f"{self.root}/{pid}/task")
+        except OSError:
+            return out
+        for tid in tids:
+            try:
+                fields = _read(f"{self.root}/{pid}/task/{tid}/schedstat").split()
+                out[int(tid)] = (int(fields[0]), int(fields[1]))
+            except (ProcessGone, ValueError, IndexError):
+                continue  # the thread ended meanwhile
+        return out
+
     def context_switches(self, pid: int) -> tuple[int, int]:
         """(voluntary, involuntary) context switches of the whole process."""
         voluntary = involuntary = 0
