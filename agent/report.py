@@ -45,7 +45,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from agent import __version__
 from agent.config import ConfigError
@@ -206,6 +206,7 @@ class PromClient:
     def __init__(self, base_url: str, timeout_s: float = 10.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.reached = False
 
     def get(self, path: str, params: dict[str, str] | None = None) -> Any:
         """``data`` of a successful answer; raises :class:`QueryError` or :class:`Unreachable`."""
@@ -223,8 +224,12 @@ class PromClient:
                                  f"{payload.get('error', exc.reason)}") from None
             raise Unreachable(f"HTTP {exc.code} {exc.reason} from {self.base_url}{path}") from None
         except urllib.error.URLError as exc:
+            if isinstance(exc.reason, TimeoutError):
+                self._timed_out()
             raise Unreachable(str(exc.reason)) from None
-        except (TimeoutError, OSError, http.client.HTTPException) as exc:
+        except TimeoutError:
+            self._timed_out()
+        except (OSError, http.client.HTTPException) as exc:
             raise Unreachable(str(exc) or type(exc).__name__) from None
         if len(body) > MAX_BODY_BYTES:
             raise QueryError(f"answer larger than {MAX_BODY_BYTES >> 20} MiB: narrow --selector "
@@ -234,7 +239,16 @@ class PromClient:
             raise Unreachable(f"{self.base_url}{path} did not answer like the Prometheus HTTP API")
         if payload["status"] != "success":
             raise QueryError(f"{payload.get('errorType', 'error')}: {payload.get('error')}")
+        self.reached = True
         return payload.get("data")
+
+    def _timed_out(self) -> NoReturn:
+        # Once Prometheus has answered, a timeout is one slow query (a failed panel in the
+        # report); before that, nothing answers at that address.
+        if self.reached:
+            raise QueryError(f"no answer within {self.timeout_s:g} s (raise --timeout or "
+                             "narrow --selector)") from None
+        raise Unreachable(f"no answer within {self.timeout_s:g} s") from None
 
     def query(self, expr: str, at: float) -> list[dict[str, Any]]:
         data = self.get("/api/v1/query", {"query": expr, "time": f"{at:.3f}"})
@@ -738,7 +752,8 @@ def render_chart(chart: ChartData, x0: float, x1: float) -> str:
                    f'y1="{y:.1f}" y2="{y:.1f}" stroke="{THRESHOLD_COLOUR}" stroke-width="1.5" '
                    'stroke-dasharray="6 4"/>')
         out.append(f'<text class="threshold-label" x="{axes.right - 4}" y="{y - 4:.1f}" '
-                   f'text-anchor="end" fill="{THRESHOLD_COLOUR}">'
+                   f'text-anchor="end" fill="{THRESHOLD_COLOUR}" stroke="#fcfcfd" '
+                   'stroke-width="3" paint-order="stroke">'
                    f'{_attr(spec.threshold.label)}</text>')
     if chart.status != "ok":
         word = "query failed" if chart.status == "error" else "no data"
@@ -877,7 +892,7 @@ h1{font-size:20px;margin:0 0 8px}h2{font-size:16px;margin:18px 0 8px;
 header dl{display:grid;grid-template-columns:190px 1fr;gap:2px 12px;margin:0}
 header dt{color:#58606b}header dd{margin:0}
 ul.inline{margin:0;padding:0;list-style:none}ul.inline li{display:inline}
-ul.inline li+li:before{content:" \\00b7 "}
+ul.inline li+li:before{content:"\\00a0\\00b7\\00a0";color:#58606b}
 .grid{display:grid;grid-template-columns:600px 600px;gap:14px 16px}
 .panel{margin:0;padding:10px;border:1px solid #d6d9de;border-radius:4px;background:#fff}
 .desc{margin:2px 0 6px;color:#58606b;font-size:12px;min-height:34px}
