@@ -99,6 +99,12 @@ class Config:
     #: away (``sum without (...)``): an SLO is the service's, not one pod's, and a P99 per
     #: prompt-length x resolution bucket needs every replica's requests to be worth anything.
     replica_labels: tuple[str, ...] = ("instance", "pod")
+    #: Labels of ``mrc_model_info`` that the fleet group's per-model aggregates (``mrc_model:``)
+    #: copy onto the request and GPU series of a pod and keep. ``model_id`` alone: at 1000 pods
+    #: a model is the unit people compare and federate; add ``quantization`` or ``dtype`` to
+    #: tell an nf4 deployment of a model from its fp16 one (each adds series per model, not
+    #: per pod). Pods whose service exports no ``mrc_model_info`` are left out of them.
+    model_labels: tuple[str, ...] = ("model_id",)
     #: Example Alertmanager receivers (alertmanager.yaml). Placeholders on a reserved domain:
     #: point them at the pager's and the ticket system's webhooks (PagerDuty/Opsgenie have
     #: their own *_configs; swap the receiver block). The e2e test points them at its receiver.

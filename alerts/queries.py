@@ -11,6 +11,10 @@ Recording-rule names follow ``level:metric:operations``:
   …), per GPU for GPU series and per process name for process series (``pid`` aggregated away,
   so a restarted worker keeps its alert state).
 * ``mrc_service:`` — one service: the replica labels (``Config.replica_labels``) summed away.
+* ``mrc_pod:`` — one pod (``Config.pod_labels``), every target, GPU and link of it aggregated:
+  the fleet view and what leaves the cluster (docs/fleet.md).
+* ``mrc_model:`` — one model (``Config.model_labels``, taken from the pod's ``mrc_model_info``),
+  every pod serving it summed.
 
 The window is part of the name (``rate1m``), so a build with other windows makes other names
 instead of silently changing what a name means.
@@ -214,6 +218,167 @@ class Queries:
         return (f"sum {self._without()} (rate({breaks}[{w}]))\n"
                 f"/ ignoring (step) group_left\n"
                 f"sum {self._without('outcome')} (rate({total}[{w}]))")
+
+    # --- fleet -------------------------------------------------------------------------------
+    # Pre-aggregations for fleet-wide dashboards and for federation / remote_write: one series
+    # per pod (``mrc_pod:``) or per model (``mrc_model:``) whatever the number of target PIDs,
+    # GPUs, NVLink links, histogram buckets or replicas behind it. See docs/fleet.md.
+
+    def _pod_by(self) -> str:
+        return f"by ({_labels(self.cfg.pod_labels)})"
+
+    def _per_pod(self, op: str, metric: str) -> str:
+        return f"{op} {self._pod_by()} ({self.m(metric)})"
+
+    @property
+    def pod_cpu_user_max(self) -> str:
+        return "mrc_pod:process_cpu_user_ratio:max"
+
+    def pod_cpu_user_max_expr(self) -> str:
+        # The hottest target process of the pod: the one that starves its GPU.
+        return self._per_pod("max", "mrc_process_cpu_user_ratio")
+
+    @property
+    def pod_hottest_thread_max(self) -> str:
+        return "mrc_pod:process_hottest_thread_cpu_user_ratio:max"
+
+    def pod_hottest_thread_max_expr(self) -> str:
+        # A GIL-bound preprocessing thread reads ~1.0 here while the process total is spread.
+        return self._per_pod("max", "mrc_process_hottest_thread_cpu_user_ratio")
+
+    @property
+    def pod_gpu_util_avg(self) -> str:
+        return "mrc_pod:gpu_utilization_ratio:avg"
+
+    def pod_gpu_util_avg_expr(self) -> str:
+        return self._per_pod("avg", "mrc_gpu_utilization_ratio")
+
+    @property
+    def pod_gpu_memory_used_max(self) -> str:
+        return "mrc_pod:gpu_memory_used_ratio:max"
+
+    def pod_gpu_memory_used_max_expr(self) -> str:
+        # The fullest GPU of the pod: headroom is decided by the fullest, not the average.
+        return (f"max {self._pod_by()} (\n"
+                f"  {self.m('mrc_gpu_memory_used_bytes')}\n"
+                f"  / {self.m('mrc_gpu_memory_total_bytes')}\n"
+                f")")
+
+    @property
+    def pod_nvlink_rate(self) -> str:
+        return f"mrc_pod:gpu_nvlink_bytes:sum_rate{self._t.rate_window}"
+
+    def pod_nvlink_rate_expr(self) -> str:
+        # TX + RX over all GPUs of the pod, from the all-links counters (the per-link series
+        # never need to leave the cluster's Prometheus).
+        w = self._t.rate_window
+        return (f"sum {self._pod_by()} (rate({self.m('mrc_gpu_nvlink_tx_bytes_total')}[{w}]))\n"
+                f"+\n"
+                f"sum {self._pod_by()} (rate({self.m('mrc_gpu_nvlink_rx_bytes_total')}[{w}]))")
+
+    @property
+    def pod_pcie_sum(self) -> str:
+        return "mrc_pod:gpu_pcie_bytes_per_second:sum"
+
+    def pod_pcie_sum_expr(self) -> str:
+        return (f"{self._per_pod('sum', 'mrc_gpu_pcie_tx_bytes_per_second')}\n"
+                f"+\n"
+                f"{self._per_pod('sum', 'mrc_gpu_pcie_rx_bytes_per_second')}")
+
+    @property
+    def pod_starved_rate(self) -> str:
+        return f"mrc_pod:gpu_starved_seconds:max_rate{self._t.request_rate_window}"
+
+    def pod_starved_rate_expr(self) -> str:
+        # Share of the window the pod's most starved target spent starved, from the counter:
+        # exact whatever the scrape interval, unlike averaging the 0/1 gauge.
+        w = self._t.request_rate_window
+        return (f"max {self._pod_by()} "
+                f"(rate({self.m('mrc_gpu_starved_seconds_total')}[{w}]))")
+
+    def _check_model_labels(self) -> None:
+        overlap = set(self.cfg.model_labels) & set(self.cfg.pod_labels)
+        if not self.cfg.model_labels or overlap:
+            raise ValueError(f"model_labels {self.cfg.model_labels} must be labels of "
+                             f"mrc_model_info other than the pod labels {self.cfg.pod_labels}")
+
+    def model_join(self) -> str:
+        """``* on (namespace, pod) group_left (model_id) <the pod's live model>``: puts the
+        model labels of the pod's service on any series of that pod (the agent's too).
+
+        ``topk by (pod) (1, …)`` keeps one live description per pod, so a pod that ever shows
+        two at 1 cannot make the join many-to-many — that would fail the whole rule, for every
+        model of the fleet, at every evaluation."""
+        self._check_model_labels()
+        pod = _labels(self.cfg.pod_labels)
+        return (f"* on ({pod}) group_left ({_labels(self.cfg.model_labels)})\n"
+                f"  topk by ({pod}) (1, {self.m('mrc_model_info')} == 1)")
+
+    def _per_model(self, op: str, inner: str, *keep: str) -> str:
+        by = _labels((*self.cfg.model_labels, *keep))
+        return f"{op} by ({by}) (\n  {inner}\n  {self.model_join()}\n)"
+
+    @property
+    def model_pods(self) -> str:
+        return "mrc_model:model_info:count"
+
+    def model_pods_expr(self) -> str:
+        """Pods serving each model."""
+        self._check_model_labels()
+        pod = _labels(self.cfg.pod_labels)
+        return (f"count by ({_labels(self.cfg.model_labels)}) (\n"
+                f"  topk by ({pod}) (1, {self.m('mrc_model_info')} == 1)\n"
+                f")")
+
+    @property
+    def model_requests_rate(self) -> str:
+        return f"mrc_model:requests:rate{self._t.request_rate_window}"
+
+    def model_requests_rate_expr(self) -> str:
+        w = self._t.request_rate_window
+        return self._per_model("sum", f"rate({self.m('mrc_requests_total')}[{w}])", "outcome")
+
+    @property
+    def model_latency_buckets(self) -> str:
+        return f"mrc_model:request_duration_seconds_bucket:rate{self._t.request_rate_window}"
+
+    def model_latency_buckets_expr(self) -> str:
+        # Per-bucket rates per model and prompt-length x resolution cell: any quantile or
+        # heatmap of a model is then a query over (buckets x 9 cells) series, not x pods.
+        w = self._t.request_rate_window
+        return self._per_model("sum", f"rate({self.m('mrc_request_duration_seconds_bucket')}"
+                               f"[{w}])", "prompt_length", "resolution", "le")
+
+    @property
+    def model_latency_p99(self) -> str:
+        return f"mrc_model:request_duration_seconds:p99_rate{self._t.request_rate_window}"
+
+    def model_latency_p99_expr(self) -> str:
+        # From the bucket rates recorded just before it in the same group and evaluation.
+        return f"histogram_quantile(0.99, {self.model_latency_buckets})"
+
+    @property
+    def model_ttft_errors(self) -> str:
+        return (f"mrc_model:time_to_first_token_slo_errors:"
+                f"ratio_rate{self._t.request_rate_window}")
+
+    def model_ttft_errors_expr(self) -> str:
+        """Share of a model's first tokens later than the SLO bound, fleet-wide."""
+        w = self._t.request_rate_window
+        good = self.m("mrc_time_to_first_token_seconds_bucket", f'le="{le(self._t.ttft_seconds)}"')
+        total = self.m("mrc_time_to_first_token_seconds_count")
+        ratio = (f"{self._per_model('sum', f'rate({good}[{w}])')}\n"
+                 f"/\n"
+                 f"{self._per_model('sum', f'rate({total}[{w}])')}")
+        return "1 - (\n" + "\n".join(f"  {line}" for line in ratio.splitlines()) + "\n)"
+
+    @property
+    def model_gpu_util_avg(self) -> str:
+        return "mrc_model:gpu_utilization_ratio:avg"
+
+    def model_gpu_util_avg_expr(self) -> str:
+        # The agent's GPU series take the model of the service in the same pod.
+        return self._per_model("avg", self.m("mrc_gpu_utilization_ratio"))
 
     # --- agent health ------------------------------------------------------------------------
 

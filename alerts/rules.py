@@ -230,9 +230,34 @@ def agent_health(cfg: Config) -> Group:
     return {"name": "mrc-agent-health", "rules": rules}
 
 
+def fleet(cfg: Config) -> Group:
+    """Recording rules only: one series per pod or per model, so fleet dashboards and a
+    global view (federation, remote_write to Thanos or Mimir) read a few series per pod
+    instead of every PID, GPU, link and histogram bucket (docs/fleet.md). No alert reads
+    them: alerts stay on the per-target rules above, next to the raw data."""
+    q = Queries(cfg)
+    rules: list[Rule] = [
+        record(q.pod_cpu_user_max, q.pod_cpu_user_max_expr()),
+        record(q.pod_hottest_thread_max, q.pod_hottest_thread_max_expr()),
+        record(q.pod_gpu_util_avg, q.pod_gpu_util_avg_expr()),
+        record(q.pod_gpu_memory_used_max, q.pod_gpu_memory_used_max_expr()),
+        record(q.pod_nvlink_rate, q.pod_nvlink_rate_expr()),
+        record(q.pod_pcie_sum, q.pod_pcie_sum_expr()),
+        record(q.pod_starved_rate, q.pod_starved_rate_expr()),
+        record(q.model_pods, q.model_pods_expr()),
+        record(q.model_requests_rate, q.model_requests_rate_expr()),
+        # The bucket rates first: the P99 below reads them in the same evaluation.
+        record(q.model_latency_buckets, q.model_latency_buckets_expr()),
+        record(q.model_latency_p99, q.model_latency_p99_expr()),
+        record(q.model_ttft_errors, q.model_ttft_errors_expr()),
+        record(q.model_gpu_util_avg, q.model_gpu_util_avg_expr()),
+    ]
+    return {"name": "mrc-fleet", "rules": rules}
+
+
 def groups(cfg: Config) -> list[Group]:
     """All rule groups, in a fixed order."""
-    return [golden_triangle(cfg), service_slo(cfg), service(cfg), agent_health(cfg)]
+    return [golden_triangle(cfg), service_slo(cfg), service(cfg), agent_health(cfg), fleet(cfg)]
 
 
 def alerts(cfg: Config) -> list[Rule]:

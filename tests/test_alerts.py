@@ -113,7 +113,8 @@ def test_alerts_carry_what_on_call_needs() -> None:
 def test_recording_rules_follow_level_metric_operations() -> None:
     for r in rules.recording_rules(DEFAULT):
         level, metric, ops = r["record"].split(":")
-        assert level in ("mrc", "mrc_service") and metric and ops, r["record"]
+        assert level in ("mrc", "mrc_service", "mrc_pod", "mrc_model") and metric and ops, \
+            r["record"]
 
 
 def test_no_rule_depends_on_the_job_name() -> None:
@@ -554,6 +555,151 @@ def test_nvlink_long_window_does_not_page_at_startup(tmp_path: Path) -> None:
                                         tmp_path / "naive.yaml", cfg), tmp_path / "n.yaml")
     out = res.stdout + res.stderr
     assert res.returncode != 0 and "alertname: MRCNVLinkBandwidthLow, time: 1m20s" in out, out
+
+
+# --- fleet recording rules ---------------------------------------------------------------------
+# Three pods: mrc-0 and mrc-1 serve model "a", mrc-2 model "b". mrc-0 has two target PIDs, two
+# GPUs and a replaced model description (at 0); every rule must give one series per pod or per
+# model whatever is behind it. Rates are whole numbers per second (60 per 1m step = 1/s).
+
+def _svc(pod: str) -> dict[str, str]:
+    return {"job": "mrc", "namespace": "mrc", "pod": pod, "instance": f"{pod}:8000",
+            "container": "service"}
+
+
+def _agent(pod: str) -> dict[str, str]:
+    return {"job": "mrc-agent", "namespace": "mrc", "pod": pod, "instance": f"{pod}:9478",
+            "container": "mrc-agent"}
+
+
+def _gpu_of(pod: str, n: int) -> dict[str, str]:
+    return {**_agent(pod), "gpu": str(n), "uuid": f"GPU-{pod}-{n}", "gpu_model": "NVIDIA H200"}
+
+
+def _info(pod: str, model: str) -> dict[str, str]:
+    return {**_svc(pod), "model_id": model, "revision": "main", "dtype": "bfloat16",
+            "quantization": "none", "device": "cuda:0", "attention_backend": "flash"}
+
+
+def _per_s(rate: float, steps: int = 20) -> str:
+    return f"0+{rate * 60:g}x{steps}"
+
+
+FLEET_SERIES: dict[str, str] = {
+    # agent, mrc-0: two PIDs, two GPUs
+    s("mrc_process_cpu_user_ratio", _agent("mrc-0"), process="python3", pid="7"): "0.4x20",
+    s("mrc_process_cpu_user_ratio", _agent("mrc-0"), process="python3", pid="9"): "0.99x20",
+    s("mrc_process_hottest_thread_cpu_user_ratio", _agent("mrc-0"), process="python3",
+      pid="7"): "0.4x20",
+    s("mrc_process_hottest_thread_cpu_user_ratio", _agent("mrc-0"), process="python3",
+      pid="9"): "0.98x20",
+    s("mrc_gpu_starved_seconds_total", _agent("mrc-0"), process="python3", pid="7"): "0x20",
+    s("mrc_gpu_starved_seconds_total", _agent("mrc-0"), process="python3", pid="9"):
+        _per_s(0.5),
+    **{s(m, _gpu_of("mrc-0", n)): v for n, util, used in ((0, "0.25", 40), (1, "0.75", 60))
+       for m, v in (("mrc_gpu_utilization_ratio", f"{util}x20"),
+                    ("mrc_gpu_memory_used_bytes", f"{used}e9x20"),
+                    ("mrc_gpu_memory_total_bytes", "80e9x20"),
+                    ("mrc_gpu_nvlink_tx_bytes_total", _per_s(1e8)),
+                    ("mrc_gpu_nvlink_rx_bytes_total", _per_s(5e7)),
+                    ("mrc_gpu_pcie_tx_bytes_per_second", "1e9x20"),
+                    ("mrc_gpu_pcie_rx_bytes_per_second", "2e9x20"))},
+    # agents of mrc-1 and mrc-2: one GPU each
+    s("mrc_gpu_utilization_ratio", _gpu_of("mrc-1", 0)): "0.5x20",
+    s("mrc_gpu_utilization_ratio", _gpu_of("mrc-2", 0)): "0.1x20",
+    # services
+    s("mrc_model_info", _info("mrc-0", "a")): "1x20",
+    s("mrc_model_info", _info("mrc-0", "old")): "0x20",
+    s("mrc_model_info", _info("mrc-1", "a")): "1x20",
+    s("mrc_model_info", _info("mrc-2", "b")): "1x20",
+    s("mrc_requests_total", _svc("mrc-0"), outcome="ok"): _per_s(4),
+    s("mrc_requests_total", _svc("mrc-0"), outcome="error"): _per_s(1),
+    s("mrc_requests_total", _svc("mrc-1"), outcome="ok"): _per_s(5),
+    s("mrc_requests_total", _svc("mrc-2"), outcome="ok"): _per_s(2),
+    **{s("mrc_request_duration_seconds_bucket", _svc(pod), **FAST, le=le): _per_s(r)
+       for pod, per_le in (("mrc-0", (("1.0", 0), ("10.0", 1), ("+Inf", 1))),
+                           ("mrc-1", (("1.0", 0), ("10.0", 3), ("+Inf", 3))))
+       for le, r in per_le},
+    **{s(f"mrc_time_to_first_token_seconds_{m}", _svc(pod), **FAST, **le): _per_s(r)
+       for pod, good, count in (("mrc-0", 1, 2), ("mrc-1", 2, 2))
+       for m, le, r in (("bucket", {"le": "0.5"}, good), ("count", {}, count))},
+}
+
+POD0 = {"namespace": "mrc", "pod": "mrc-0"}
+FLEET_EXPECTED: dict[str, list[tuple[dict[str, str], float]]] = {
+    "mrc_pod:process_cpu_user_ratio:max": [(POD0, 0.99)],
+    "mrc_pod:process_hottest_thread_cpu_user_ratio:max": [(POD0, 0.98)],
+    "mrc_pod:gpu_utilization_ratio:avg": [(POD0, 0.5), ({**POD0, "pod": "mrc-1"}, 0.5),
+                                          ({**POD0, "pod": "mrc-2"}, 0.1)],
+    "mrc_pod:gpu_memory_used_ratio:max": [(POD0, 0.75)],
+    "mrc_pod:gpu_nvlink_bytes:sum_rate1m": [(POD0, 3e8)],
+    "mrc_pod:gpu_pcie_bytes_per_second:sum": [(POD0, 6e9)],
+    "mrc_pod:gpu_starved_seconds:max_rate5m": [(POD0, 0.5)],
+    "mrc_model:model_info:count": [({"model_id": "a"}, 2), ({"model_id": "b"}, 1)],
+    "mrc_model:requests:rate5m": [({"model_id": "a", "outcome": "ok"}, 9),
+                                  ({"model_id": "a", "outcome": "error"}, 1),
+                                  ({"model_id": "b", "outcome": "ok"}, 2)],
+    "mrc_model:request_duration_seconds_bucket:rate5m": [
+        ({"model_id": "a", **FAST, "le": le}, r) for le, r in (("1.0", 0), ("10.0", 4),
+                                                               ("+Inf", 4))],
+    # all 4/s between 1 and 10 s: 1 + 9 * 0.99
+    "mrc_model:request_duration_seconds:p99_rate5m": [({"model_id": "a", **FAST}, 9.91)],
+    # first tokens within 0.5 s: (1 + 2) of (2 + 2) per second
+    "mrc_model:time_to_first_token_slo_errors:ratio_rate5m": [({"model_id": "a"}, 0.25)],
+    "mrc_model:gpu_utilization_ratio:avg": [({"model_id": "a"}, 0.5), ({"model_id": "b"}, 0.1)],
+}
+
+
+def _sample(name: str, labels: dict[str, str], value: float) -> dict[str, Any]:
+    return {"labels": s(name, labels), "value": value}
+
+
+def test_fleet_recording_rules_promtool(built: Path, tmp_path: Path) -> None:
+    """Every fleet rule on one data set: the values, and exactly one series per pod or model."""
+    fleet = [r["record"] for r in rules.fleet(DEFAULT)["rules"]]
+    assert sorted(FLEET_EXPECTED) == sorted(fleet), "every fleet rule needs an expectation"
+    tests = {"rule_files": [str(built / build.RULES_FILE)], "evaluation_interval": "1m",
+             "tests": [{
+                 "name": "fleet: per pod and per model",
+                 "interval": "1m",
+                 "input_series": [{"series": k, "values": v} for k, v in FLEET_SERIES.items()],
+                 "promql_expr_test": [
+                     {"expr": name, "eval_time": "10m",
+                      "exp_samples": [_sample(name, labels, value) for labels, value in want]}
+                     for name, want in FLEET_EXPECTED.items()],
+             }]}
+    res = _promtool_test(tests, tmp_path / "fleet.yaml")
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_fleet_model_join_survives_a_pod_with_two_live_models(built: Path,
+                                                              tmp_path: Path) -> None:
+    """A pod that shows two descriptions at 1 must not make the join many-to-many (which
+    would fail the rule for the whole fleet): its requests count once, under one model."""
+    series = {
+        s("mrc_model_info", _info("mrc-0", "a")): "1x20",
+        s("mrc_model_info", _info("mrc-0", "a2")): "1x20",
+        s("mrc_model_info", _info("mrc-1", "b")): "1x20",
+        s("mrc_requests_total", _svc("mrc-0"), outcome="ok"): _per_s(4),
+        s("mrc_requests_total", _svc("mrc-1"), outcome="ok"): _per_s(2),
+    }
+    tests = {"rule_files": [str(built / build.RULES_FILE)], "evaluation_interval": "1m",
+             "tests": [{
+                 "name": "fleet: two live descriptions on one pod",
+                 "interval": "1m",
+                 "input_series": [{"series": k, "values": v} for k, v in series.items()],
+                 "promql_expr_test": [
+                     {"expr": "sum(mrc_model:requests:rate5m)", "eval_time": "10m",
+                      "exp_samples": [{"labels": "{}", "value": 6}]},
+                     {"expr": 'mrc_model:requests:rate5m{model_id="b"}', "eval_time": "10m",
+                      "exp_samples": [_sample("mrc_model:requests:rate5m",
+                                              {"model_id": "b", "outcome": "ok"}, 2)]},
+                     {"expr": "sum(mrc_model:model_info:count)", "eval_time": "10m",
+                      "exp_samples": [{"labels": "{}", "value": 2}]},
+                 ],
+             }]}
+    res = _promtool_test(tests, tmp_path / "fleet2.yaml")
+    assert res.returncode == 0, res.stdout + res.stderr
 
 
 # --- Alertmanager ------------------------------------------------------------------------------
