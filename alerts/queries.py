@@ -373,6 +373,17 @@ class Queries:
         return "1 - (\n" + "\n".join(f"  {line}" for line in ratio.splitlines()) + "\n)"
 
     @property
+    def model_ttft_count(self) -> str:
+        return f"mrc_model:time_to_first_token_seconds_count:rate{self._t.request_rate_window}"
+
+    def model_ttft_count_expr(self) -> str:
+        # The ratio's denominator on its own: a global view (several clusters, several
+        # Prometheus servers) weights each cluster's ratio by it — ratios do not add up.
+        w = self._t.request_rate_window
+        total = self.m("mrc_time_to_first_token_seconds_count")
+        return self._per_model("sum", f"rate({total}[{w}])")
+
+    @property
     def model_gpu_util_avg(self) -> str:
         return "mrc_model:gpu_utilization_ratio:avg"
 

@@ -250,6 +250,7 @@ def fleet(cfg: Config) -> Group:
         record(q.model_latency_buckets, q.model_latency_buckets_expr()),
         record(q.model_latency_p99, q.model_latency_p99_expr()),
         record(q.model_ttft_errors, q.model_ttft_errors_expr()),
+        record(q.model_ttft_count, q.model_ttft_count_expr()),
         record(q.model_gpu_util_avg, q.model_gpu_util_avg_expr()),
     ]
     return {"name": "mrc-fleet", "rules": rules}

@@ -646,6 +646,7 @@ FLEET_EXPECTED: dict[str, list[tuple[dict[str, str], float]]] = {
     "mrc_model:request_duration_seconds:p99_rate5m": [({"model_id": "a", **FAST}, 9.91)],
     # first tokens within 0.5 s: (1 + 2) of (2 + 2) per second
     "mrc_model:time_to_first_token_slo_errors:ratio_rate5m": [({"model_id": "a"}, 0.25)],
+    "mrc_model:time_to_first_token_seconds_count:rate5m": [({"model_id": "a"}, 4)],
     "mrc_model:gpu_utilization_ratio:avg": [({"model_id": "a"}, 0.5), ({"model_id": "b"}, 0.1)],
 }
 
