@@ -135,7 +135,9 @@ def test_resizing_process_is_preprocessing_bound(tmp_path: Path, procs: Procs) -
     assert csv_rows[0].startswith("time,elapsed_seconds,pid,cpu_user_ratio")
     assert len(csv_rows) == len(lines) + 1
     stacks = (out / "stacks.txt").read_text()
-    assert "resize_image" in stacks and "MainThread" in stacks
+    # py-spy names the thread when it can read the name from the interpreter, else by id.
+    assert "resize_image" in stacks
+    assert "MainThread" in stacks or stacks.startswith("thread (")
 
 
 def test_idle_process_is_not_preprocessing_bound(tmp_path: Path, procs: Procs) -> None:
