@@ -35,6 +35,37 @@ class Sources:
     profiling: Any = None
     backend: Any = None  # the object to close()
 
+    def close(self) -> None:
+        """Close the backend and, when it is a separate object, the profiling source."""
+        for part in {id(p): p for p in (self.backend, self.profiling) if p is not None}.values():
+            if hasattr(part, "close"):
+                part.close()
+
+
+class LazyProfiling:
+    """A ProfilingSource over CUPTI PM sampling, built on first use: it needs NVML's GPU list,
+    and opens the GPU's performance monitors only when the profiling collector runs. A failed
+    build is retried on the next call (the GPU may appear later)."""
+
+    def __init__(self, nvml: Any, interval_s: float = 0.1) -> None:
+        self._nvml = nvml
+        self._interval_s = interval_s
+        self._sampler: Any = None
+
+    def sample_profiling(self) -> Any:
+        if self._sampler is None:
+            # CUPTI takes CUDA device indices; PCI order makes them agree with NVML's.
+            os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+            from agent.hw.cupti_pm import CuptiPmSampler
+
+            self._sampler = CuptiPmSampler([s.gpu for s in self._nvml.sample_devices()],
+                                           interval_s=self._interval_s)
+        return self._sampler.sample_profiling()
+
+    def close(self) -> None:
+        if self._sampler is not None:
+            self._sampler.close()
+
 
 def make_sources(cfg: AgentConfig, nvml_lib: Any | None = None) -> Sources:
     """Build the GPU sources for ``--gpu-backend``. A replay trace is parsed here, so a
@@ -50,16 +81,7 @@ def make_sources(cfg: AgentConfig, nvml_lib: Any | None = None) -> Sources:
     from agent.hw.nvml import NvmlBackend
 
     nvml = NvmlBackend(lib=nvml_lib)
-
-    def profiling_factory() -> Any:
-        # Built on first use: it needs the GPU list, and only runs when asked for. CUPTI takes
-        # CUDA device indices; PCI order makes them agree with NVML's indices.
-        os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-        from agent.hw.cupti_pm import CuptiPmSampler
-
-        return CuptiPmSampler([s.gpu for s in nvml.sample_devices()])
-
-    return Sources(nvml, nvml, profiling_factory, nvml)
+    return Sources(nvml, nvml, LazyProfiling(nvml), nvml)
 
 
 COLLECTOR_FACTORIES: dict[str, Callable[[AgentConfig, Sources], Collector]] = {

@@ -247,8 +247,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if captures.manager is not None:
         captures.manager.stop()
     runner.stop()
-    if sources.backend is not None and hasattr(sources.backend, "close"):
-        sources.backend.close()
+    sources.close()
     log.info("stopped")
     return 0
 

@@ -136,7 +136,7 @@ def run_demo(duration: float, listen: str, trace: str | None, port: int = 8000,
     print(f"mrc-agent demo: starting the reference MRC service on {url} (embedded tiny model, "
           f"random weights: its answers are NOT meaningful; log {log_path})", flush=True)
     service = _start_service(port, log_path)
-    runner = server = None
+    runner = server = sources = None
     try:
         if not _wait_ready(url, service, log_path):
             return 1
@@ -201,6 +201,8 @@ def run_demo(duration: float, listen: str, trace: str | None, port: int = 8000,
             server.stop()
         if runner is not None:
             runner.stop()
+        if sources is not None:
+            sources.close()
         service.terminate()
         try:
             service.wait(15)

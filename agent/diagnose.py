@@ -927,8 +927,7 @@ def diagnose(
                                     time.monotonic() - sched_t0)
         spy.stop()
     finally:
-        if sources.backend is not None and hasattr(sources.backend, "close"):
-            sources.backend.close()
+        sources.close()
     elapsed = time.monotonic() - start
     reasons = {w.name: w.reason for w in runner.collectors if isinstance(w, _Watched)}
 

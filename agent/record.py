@@ -12,9 +12,9 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TextIO
 
+from agent.app import Sources
 from agent.hw.base import HardwareError, SourceUnavailable
 from agent.hw.replay import TRACE_FIELDS
 
@@ -22,13 +22,6 @@ from agent.hw.replay import TRACE_FIELDS
 _FIELD_OF = {(kind, attr): key for key, (kind, attr, _) in TRACE_FIELDS.items()}
 
 EXIT_NO_GPU = 1
-
-
-@dataclass
-class RecordSources:
-    device: Any
-    gpm: Any = None
-    profiling: Any = None
 
 
 def _merge(rows: dict[int, dict[str, Any]], kind: str, samples: list[Any]) -> None:
@@ -42,7 +35,7 @@ def _merge(rows: dict[int, dict[str, Any]], kind: str, samples: list[Any]) -> No
                     row[key] = value
 
 
-def record(sources: RecordSources, out: TextIO, duration: float, interval: float,
+def record(sources: Sources, out: TextIO, duration: float, interval: float,
            clock: Callable[[], float] = time.monotonic,
            sleep: Callable[[float], None] = time.sleep, err: TextIO = sys.stderr) -> int:
     """Sample every ``interval`` for ``duration`` seconds; returns the number of lines."""
@@ -78,16 +71,13 @@ def record(sources: RecordSources, out: TextIO, duration: float, interval: float
 
 
 def run_record(path: str, duration: float, interval: float, profiling: bool) -> int:
+    from agent.app import LazyProfiling
     from agent.hw.nvml import NvmlBackend
 
     nvml = NvmlBackend()
-    sources = RecordSources(device=nvml, gpm=nvml)
+    sources = Sources(device=nvml, gpm=nvml, backend=nvml,
+                      profiling=LazyProfiling(nvml, min(interval, 0.1)) if profiling else None)
     try:
-        if profiling:
-            from agent.hw.cupti_pm import CuptiPmSampler
-
-            sources.profiling = CuptiPmSampler([s.gpu for s in nvml.sample_devices()],
-                                               interval_s=min(interval, 0.1))
         with open(path, "w", encoding="utf-8") as out:
             lines = record(sources, out, duration, interval)
     except SourceUnavailable as exc:
@@ -97,8 +87,6 @@ def run_record(path: str, duration: float, interval: float, profiling: bool) -> 
         print(f"mrc-agent record: error: cannot write {path}: {exc.strerror}", file=sys.stderr)
         return EXIT_NO_GPU
     finally:
-        if sources.profiling is not None:
-            sources.profiling.close()
-        nvml.close()
+        sources.close()
     print(f"mrc-agent record: wrote {lines} samples to {path}", file=sys.stderr)
     return 0

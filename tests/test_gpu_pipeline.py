@@ -13,7 +13,7 @@ from agent.config import AgentConfig
 from agent.doctor import run_doctor
 from agent.hw.nvml import NvmlBackend
 from agent.hw.replay import ReplayBackend, load_trace
-from agent.record import RecordSources, record
+from agent.record import record
 from agent.runner import Runner
 from agent.targets import TargetResolver
 from tests.conftest import DATA
@@ -70,7 +70,7 @@ def test_record_writes_a_trace_that_replays(tmp_path) -> None:
         clock[0] += max(seconds, 0.05)
 
     out = io.StringIO()
-    lines = record(RecordSources(src, src, src), out, duration=1.0, interval=0.25,
+    lines = record(Sources(src, src, src), out, duration=1.0, interval=0.25,
                    clock=lambda: clock[0], sleep=sleep)
     assert lines == 10  # 5 ticks x 2 GPUs
     path = tmp_path / "rec.jsonl"

@@ -9,7 +9,7 @@ an absent series, never a zero.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from typing import TypeVar
 
 from agent.collectors.base import SampleContext
 from agent.hw.base import DeviceSource, GpmSource, ProfilingSource, SourceUnavailable
@@ -51,6 +51,16 @@ _PROFILING_FIELDS = {
     "dram_read_bytes_total": "mrc_gpu_dram_read_bytes_total",
 }
 
+S = TypeVar("S")
+
+
+def _require(source: S | None) -> S:
+    """The source, or "not available here" when the GPU backend is 'none'."""
+    if source is None:
+        raise SourceUnavailable("gpu_backend_none", "the GPU backend is 'none'")
+    return source
+
+
 #: Below this DRAM utilisation the SM/DRAM activity quotient is noise, so it is not exported.
 MIN_DRAM_UTIL_FOR_PROXY = 0.01
 
@@ -71,12 +81,10 @@ class GpuCollector:
         self._source = source
 
     def update(self, ctx: SampleContext) -> list[Sample]:
-        if self._source is None:
-            raise SourceUnavailable("gpu_backend_none", "the GPU backend is 'none'")
         out: list[Sample] = []
         names = {pid: st.process for pid, st in ctx.processes.items()}
         target_pids = {t.pid for t in ctx.targets}
-        for s in self._source.sample_devices():
+        for s in _require(self._source).sample_devices():
             labels = s.gpu.labels
             out.extend(_fields(s, _DEVICE_FIELDS, labels))
             for link, (tx, rx) in sorted(s.nvlink_links.items()):
@@ -108,10 +116,8 @@ class GpmCollector:
         self._source = source
 
     def update(self, ctx: SampleContext) -> list[Sample]:
-        if self._source is None:
-            raise SourceUnavailable("gpu_backend_none", "the GPU backend is 'none'")
         out: list[Sample] = []
-        for s in self._source.sample_gpm():
+        for s in _require(self._source).sample_gpm():
             labels = s.gpu.labels
             out.extend(_fields(s, _GPM_FIELDS, labels))
             if (s.sm_util is not None and s.dram_bw_util is not None
@@ -122,23 +128,18 @@ class GpmCollector:
 
 
 class ProfilingCollector:
-    """True instruction and DRAM-read counters. The source may be built lazily (it needs the
-    GPU list); ``status`` reports which signal feeds the compute-to-memory panel and why."""
+    """True instruction and DRAM-read counters; ``status`` reports which signal feeds the
+    compute-to-memory panel and why."""
 
     name = "profiling"
 
-    def __init__(self, source: ProfilingSource | Callable[[], ProfilingSource] | None) -> None:
+    def __init__(self, source: ProfilingSource | None) -> None:
         self._source = source
         self.status: tuple[str, str] = ("not_requested", "")
 
     def update(self, ctx: SampleContext) -> list[Sample]:
-        if self._source is None:
-            self.status = ("gpu_backend_none", "")
-            raise SourceUnavailable("gpu_backend_none", "the GPU backend is 'none'")
         try:
-            if not hasattr(self._source, "sample_profiling"):
-                self._source = self._source()  # type: ignore[operator]
-            samples = self._source.sample_profiling()  # type: ignore[union-attr]
+            samples = _require(self._source).sample_profiling()
         except SourceUnavailable as exc:
             self.status = (exc.reason, exc.detail)
             raise
