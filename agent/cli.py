@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from agent import __version__
-from agent.catalog import COLLECTORS
-from agent.config import DEFAULT_LISTEN, AgentConfig, ConfigError, load
+from agent.core.catalog import COLLECTORS
+from agent.core.config import DEFAULT_LISTEN, AgentConfig, ConfigError, load
 
 log = logging.getLogger("agent")
 
@@ -201,10 +201,10 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from agent.app import build_runner, make_sources
-    from agent.capture import build_capture_api, build_server
-    from agent.hw.replay import ReplayFormatError
-    from agent.targets import PidfileError, read_pidfile
+    from agent.core.hw.replay import ReplayFormatError
+    from agent.core.targets import PidfileError, read_pidfile
+    from agent.core.wiring import build_runner, make_sources
+    from agent.tools.capture import build_capture_api, build_server
 
     cfg = config_from_args(args)
     _setup_logging(cfg.log_level)
@@ -265,15 +265,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "run":
             return cmd_run(args)
         if args.command == "diagnose":
-            from agent.diagnose import run_diagnose_command
+            from agent.tools.diagnose import run_diagnose_command
 
             return run_diagnose_command(args)
         if args.command == "report":
-            from agent.report import run_report_command
+            from agent.tools.report import run_report_command
 
             return run_report_command(args)
         if args.command == "catalog":
-            from agent.docs import write_catalog
+            from agent.tools.metrics_doc import write_catalog
 
             return write_catalog(args.out)
         if args.command in ("alerts", "dashboards"):
@@ -288,13 +288,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             except BuildError as exc:
                 raise ConfigError(str(exc)) from exc
         if args.command == "doctor":
-            from agent.doctor import run_doctor
+            from agent.tools.doctor import run_doctor
 
             cfg = config_from_args(args)
             return run_doctor(cfg, explicit_collectors=set(args.enable),
                               explicit_backend=args.gpu_backend is not None)
         if args.command == "record":
-            from agent.record import run_record
+            from agent.tools.record import run_record
 
             if args.duration <= 0 or not 0.01 <= args.interval <= 60:
                 raise ConfigError("--duration must be > 0 and --interval 0.01-60 seconds")
@@ -309,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_loadgen(args.url, args.rate, args.duration, args.max_new_tokens,
                                args.max_in_flight, args.seed)
         if args.command == "demo":
-            from agent.demo import run_demo
+            from agent.tools.demo import run_demo
 
             if args.duration <= 0 or args.rate <= 0 or not 0 < args.port < 65536:
                 raise ConfigError("--duration and --rate must be > 0, --port 1-65535")

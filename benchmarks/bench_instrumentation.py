@@ -11,7 +11,7 @@ What one run does:
 
 1. Builds the same minimal FastAPI app (``POST /mrc`` with a small JSON body, answered at once)
    four times: (a) uninstrumented; (a') uninstrumented again, a control whose "overhead" shows
-   the measurement's noise floor; (b) with :class:`exporters.mrc_metrics.MRCMetrics` tracking
+   the measurement's noise floor; (b) with :class:`exporters.instrumentation.metrics.MRCMetrics` tracking
    the request completely — in flight, a pass through the queue, a cache lookup, all seven
    stages, image size, first token, 16 tokens, peak GPU memory, outcome; (c) with
    prometheus-fastapi-instrumentator's default instrumentation (``Instrumentator().instrument``,
@@ -80,7 +80,7 @@ def make_app(kind: str) -> Any:
     from fastapi import FastAPI
     from prometheus_client import CollectorRegistry
 
-    from exporters.mrc_metrics import MRCMetrics
+    from exporters.instrumentation.metrics import MRCMetrics
 
     app = FastAPI()
     metrics = MRCMetrics() if kind == "mrc" else None
@@ -137,7 +137,7 @@ async def bench_http(requests: int, repeats: int) -> dict[str, list[float]]:
 
 
 def bench_tracker(iterations: int, repeats: int) -> list[float]:
-    from exporters.mrc_metrics import MRCMetrics
+    from exporters.instrumentation.metrics import MRCMetrics
 
     m = MRCMetrics()
     prompt, width, height = BODY["prompt"], BODY["width"], BODY["height"]

@@ -27,9 +27,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from agent.app import build_runner, make_sources  # noqa: E402
-from agent.config import AgentConfig, validate  # noqa: E402
-from agent.tracegen import write_trace  # noqa: E402
+from agent.core.config import AgentConfig, validate  # noqa: E402
+from agent.core.wiring import build_runner, make_sources  # noqa: E402
+from agent.tools.tracegen import write_trace  # noqa: E402
 
 _DATA = [{"a": i, "b": str(i)} for i in range(20000)]
 

@@ -11,7 +11,7 @@ over the selected time range). :func:`substitute_macros` replaces both, and the 
 expression can be sent to a real Prometheus as it is in a test.
 
 The order of the prompt-length and resolution buckets is the instrumentation library's
-(``exporters.buckets``), smallest first; the heatmap keeps it fixed.
+(``exporters.instrumentation.buckets``), smallest first; the heatmap keeps it fixed.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from prometheus_client.utils import floatToGoString
 
 from alerts.config import Config
-from exporters.buckets import prompt_length_values, resolution_values
+from exporters.instrumentation.buckets import prompt_length_values, resolution_values
 
 #: Template variables every dashboard has (besides ``datasource``), and their label.
 POD_VARS: tuple[str, ...] = ("namespace", "pod")

@@ -1,5 +1,10 @@
-"""Prometheus exposition for the agent and the instrumentation library for MRC services.
+"""Prometheus exposition, in two halves that share one renderer (:mod:`exporters.render`):
 
-Depends only on prometheus-client (and starlette for the service middleware), never on the
+* :mod:`exporters.exposition` — the sidecar agent's exposition: the snapshot collector and the
+  HTTP server behind ``mrc-agent run``'s ``/metrics``, ``/healthz`` and ``/readyz``;
+* :mod:`exporters.instrumentation` — the library an MRC service imports for its request
+  metrics and its own ``/metrics`` endpoint.
+
+Depends only on prometheus-client (and starlette for the service endpoint), never on the
 agent's internals or on torch.
 """

@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m reference_ser
         # Must be in the environment before the workers import prometheus-client.
         import tempfile
 
-        from exporters.mrc_metrics import prepare_multiproc_dir
+        from exporters.instrumentation.metrics import prepare_multiproc_dir
 
         path = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or tempfile.mkdtemp(
             prefix="mrc-metrics-")

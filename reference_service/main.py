@@ -19,8 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from exporters.asgi import metrics_endpoint
-from exporters.mrc_metrics import MRCMetrics, mark_process_dead
+from exporters.instrumentation.asgi import metrics_endpoint
+from exporters.instrumentation.metrics import MRCMetrics, mark_process_dead
 from reference_service.cache import AnswerCache
 from reference_service.errors import ServiceError
 from reference_service.limiter import Admission, Overloaded

@@ -16,16 +16,16 @@ from typing import Any
 import httpx
 import pytest
 
-from agent.capture import (
+from agent.core.config import AgentConfig, ConfigError
+from agent.core.runner import Runner
+from agent.core.targets import TargetResolver
+from agent.tools.capture import (
     CaptureManager,
     CaptureStore,
     Token,
     WebhookError,
     parse_webhook,
 )
-from agent.config import AgentConfig, ConfigError
-from agent.runner import Runner
-from agent.targets import TargetResolver
 from tests.conftest import IDLE, REPO, Procs
 from tests.test_diagnose import PTRACER_ANY, spawn_preprocess, starved_trace
 

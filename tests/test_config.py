@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.config import ConfigError, load, parse_listen
+from agent.core.config import ConfigError, load, parse_listen
 
 
 def test_precedence_file_then_env_then_cli(tmp_path) -> None:

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from agent.hw import cupti_pm
-from agent.hw.base import GPUIdentity, HardwareError, SourceUnavailable
-from agent.hw.cupti_pm import (
+from agent.core.hw import cupti_pm
+from agent.core.hw.base import GPUIdentity, HardwareError, SourceUnavailable
+from agent.core.hw.cupti_pm import (
     DRAM_READ_METRICS,
     HARDWARE_BUFFER_BYTES,
     PROFILING_METRICS,
@@ -276,7 +276,7 @@ def test_reason_is_logged_once_not_per_sample(caplog: pytest.LogCaptureFixture) 
     device = FakeDevice(errors={"enable": [PermissionError("ERR_NVGPUCTRPERM")]})
     sampler, _ = sampler_for(device)
 
-    with caplog.at_level(logging.INFO, logger="agent.hw.cupti_pm"):
+    with caplog.at_level(logging.INFO, logger="agent.core.hw.cupti_pm"):
         for _ in range(5):
             with pytest.raises(SourceUnavailable):
                 sampler.sample_profiling()
@@ -298,7 +298,7 @@ def test_failure_after_start_is_hardware_error_and_recovers_keeping_totals(
     sampler, lib = sampler_for(device)
 
     assert totals(sampler) == [(10.0, 100.0)]
-    with caplog.at_level(logging.WARNING, logger="agent.hw.cupti_pm"):
+    with caplog.at_level(logging.WARNING, logger="agent.core.hw.cupti_pm"):
         with pytest.raises(HardwareError) as first:
             sampler.sample_profiling()
         assert not isinstance(first.value, SourceUnavailable)
@@ -361,7 +361,7 @@ def test_nothing_touches_cupti_before_the_first_sample() -> None:
 
 
 def test_module_import_does_not_import_cupti() -> None:
-    code = "import sys, agent.hw.cupti_pm; print('cupti' in sys.modules)"
+    code = "import sys, agent.core.hw.cupti_pm; print('cupti' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from agent.collectors.base import SampleContext, TargetState
-from agent.collectors.derived import DerivedCollector, IdleTracker, Thresholds
-from agent.hw.base import GPUIdentity
-from agent.targets import Target
+from agent.core.collectors.base import SampleContext, TargetState
+from agent.core.collectors.derived import DerivedCollector, IdleTracker, Thresholds
+from agent.core.hw.base import GPUIdentity
+from agent.core.targets import Target
 
 GPU0 = GPUIdentity(0, "GPU-a", "NVIDIA H200")
 GPU1 = GPUIdentity(1, "GPU-b", "NVIDIA H200")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.diagnose import (
+from agent.tools.diagnose import (
     Rules,
     analyse_cpu,
     decide,
@@ -88,7 +88,7 @@ def wait_running(pid: int) -> None:
 def starved_trace(directory: Path) -> Path:
     """The synthetic starved GPU: a 0.6 s burst every 3 s, idle in between."""
     out = directory / "starved.jsonl"
-    r = subprocess.run([sys.executable, "-m", "agent.tracegen", "starved", "1", "12"],
+    r = subprocess.run([sys.executable, "-m", "agent.tools.tracegen", "starved", "1", "12"],
                        capture_output=True, text=True, check=True, cwd=REPO)
     out.write_text(r.stdout)
     return out
@@ -171,7 +171,7 @@ def test_busy_gpu_with_few_instructions_per_byte_is_memory_bound(tmp_path: Path,
                                                                  procs: Procs) -> None:
     p = procs.spawn(PTRACER_ANY + IDLE)
     trace = tmp_path / "busy.jsonl"
-    trace.write_text(subprocess.run([sys.executable, "-m", "agent.tracegen", "busy", "1", "12"],
+    trace.write_text(subprocess.run([sys.executable, "-m", "agent.tools.tracegen", "busy", "1", "12"],
                                     capture_output=True, text=True, check=True,
                                     cwd=REPO).stdout)
     out = tmp_path / "diag"
@@ -224,7 +224,7 @@ def test_non_python_target_exits_1_and_says_why(tmp_path: Path) -> None:
                     reason="needs root to drop to another user with setpriv")
 def test_no_ptrace_permission_exits_1_and_names_the_capability(tmp_path: Path,
                                                                 procs: Procs) -> None:
-    from agent.diagnose import find_py_spy
+    from agent.tools.diagnose import find_py_spy
 
     # py-spy run as nobody against our process: what a sidecar without CAP_SYS_PTRACE sees.
     bindir = Path(tempfile.mkdtemp(prefix="mrc-pyspy-"))

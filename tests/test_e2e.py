@@ -40,7 +40,7 @@ def _config(webhook: str) -> Config:
 
 def _trace(tmp: Path, pattern: str, gpus: int = 1, duration: float = 20) -> Path:
     path = tmp / f"{pattern}.jsonl"
-    out = subprocess.run([sys.executable, "-m", "agent.tracegen", pattern, str(gpus),
+    out = subprocess.run([sys.executable, "-m", "agent.tools.tracegen", pattern, str(gpus),
                           str(duration)], capture_output=True, text=True, check=True, cwd=REPO)
     path.write_text(out.stdout)
     return path

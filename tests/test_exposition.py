@@ -13,14 +13,14 @@ from prometheus_client import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.registry import CollectorRegistry
 
-from agent.catalog import CATALOG
-from agent.collectors.base import SampleContext, TargetState
-from agent.collectors.derived import DerivedCollector
-from agent.collectors.gpu import GpmCollector, GpuCollector, ProfilingCollector
-from agent.docs import render
-from agent.hw.replay import ReplayBackend
-from agent.targets import Target
-from exporters.snapshot import MetricSpec, Snapshot, SnapshotCollector
+from agent.core.catalog import CATALOG
+from agent.core.collectors.base import SampleContext, TargetState
+from agent.core.collectors.derived import DerivedCollector
+from agent.core.collectors.gpu import GpmCollector, GpuCollector, ProfilingCollector
+from agent.core.hw.replay import ReplayBackend
+from agent.core.targets import Target
+from agent.tools.metrics_doc import render
+from exporters.exposition.snapshot import MetricSpec, Snapshot, SnapshotCollector
 from tests.conftest import BUSY, DATA, REPO, Procs, parse_metrics, series
 
 GOLDEN = DATA / "golden_gpu_metrics.txt"

@@ -8,14 +8,14 @@ import json
 
 import pynvml
 
-from agent.app import COLLECTOR_FACTORIES, Sources
-from agent.config import AgentConfig
-from agent.doctor import run_doctor
-from agent.hw.nvml import NvmlBackend
-from agent.hw.replay import ReplayBackend, load_trace
-from agent.record import record
-from agent.runner import Runner
-from agent.targets import TargetResolver
+from agent.core.config import AgentConfig
+from agent.core.hw.nvml import NvmlBackend
+from agent.core.hw.replay import ReplayBackend, load_trace
+from agent.core.runner import Runner
+from agent.core.targets import TargetResolver
+from agent.core.wiring import COLLECTOR_FACTORIES, Sources
+from agent.tools.doctor import run_doctor
+from agent.tools.record import record
 from tests.conftest import DATA
 from tests.fakes.fake_cupti import FakeCupti, FakeDevice
 from tests.fakes.fake_pynvml import FakeNvml, gpu, nvlink
@@ -115,8 +115,8 @@ REASONS = {"nvml_missing", "driver_not_loaded", "no_gpu", "no_permission", "cupt
 def test_real_libraries_on_this_host_answer_or_say_why() -> None:
     """The real pynvml and cupti modules, not fakes: on a host without a GPU they must map to
     a bounded reason; on a GPU host they must sample."""
-    from agent.hw.base import GPUIdentity, SourceUnavailable
-    from agent.hw.cupti_pm import CuptiPmSampler
+    from agent.core.hw.base import GPUIdentity, SourceUnavailable
+    from agent.core.hw.cupti_pm import CuptiPmSampler
 
     nvml = NvmlBackend(pcie_thread=False)
     try:

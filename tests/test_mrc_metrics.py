@@ -13,9 +13,9 @@ import pytest
 from prometheus_client.registry import CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
-from exporters import buckets
-from exporters.asgi import metrics_app, metrics_endpoint, metrics_route
-from exporters.mrc_metrics import (
+from exporters.instrumentation import buckets
+from exporters.instrumentation.asgi import metrics_app, metrics_endpoint, metrics_route
+from exporters.instrumentation.metrics import (
     CHAIN_BREAK_STEPS,
     OUTCOMES,
     STAGES,
@@ -156,7 +156,7 @@ def test_tracker_observes_duration_ttft_tpot_stages_and_outcome(m: MRCMetrics) -
 
 def test_tpot_is_time_after_first_token_per_remaining_token(
         m: MRCMetrics, monkeypatch: pytest.MonkeyPatch) -> None:
-    import exporters.mrc_metrics as mm
+    import exporters.instrumentation.metrics as mm
 
     clock = iter([10.0, 10.2, 11.2, 11.5])  # enter, first token, 11 tokens done, exit
     monkeypatch.setattr(mm, "perf_counter", lambda: next(clock))
@@ -398,7 +398,7 @@ def test_metrics_endpoint_refuses_to_serve_the_global_registry_implicitly() -> N
 
 
 def test_exporters_import_neither_torch_nor_agent() -> None:
-    code = ("import sys, exporters, exporters.buckets, exporters.mrc_metrics, exporters.asgi\n"
+    code = ("import sys, exporters, exporters.instrumentation.buckets, exporters.instrumentation.metrics, exporters.instrumentation.asgi\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'agent'))\n"
             "print(','.join(bad))\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

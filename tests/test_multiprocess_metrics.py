@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from exporters.mrc_metrics import prepare_multiproc_dir
+from exporters.instrumentation.metrics import prepare_multiproc_dir
 from tests.conftest import REPO, parse_metrics, series
 
 N = 40
@@ -30,8 +30,8 @@ APP = textwrap.dedent('''
 
     from fastapi import FastAPI, Request
 
-    from exporters.asgi import metrics_endpoint
-    from exporters.mrc_metrics import MRCMetrics, mark_process_dead
+    from exporters.instrumentation.asgi import metrics_endpoint
+    from exporters.instrumentation.metrics import MRCMetrics, mark_process_dead
 
     metrics = MRCMetrics()
 
@@ -199,8 +199,8 @@ SCRIPT = textwrap.dedent("""
     import itertools, json, sys
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
-    import exporters.mrc_metrics as mm
-    from exporters.asgi import exposition_registry
+    import exporters.instrumentation.metrics as mm
+    from exporters.instrumentation.asgi import exposition_registry
 
     ticks = itertools.count()
     mm.perf_counter = lambda: next(ticks) * 0.037  # a fake clock: the same values in both runs
@@ -263,7 +263,7 @@ def test_env_var_set_after_import_is_refused(tmp_path: Path) -> None:
         import os
         import prometheus_client
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = {str(tmp_path)!r}
-        from exporters.mrc_metrics import MRCMetrics
+        from exporters.instrumentation.metrics import MRCMetrics
         try:
             MRCMetrics()
         except RuntimeError as e:
@@ -279,7 +279,7 @@ def test_env_var_set_after_import_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize("missing", [True, False])
 def test_multiprocess_dir_must_exist(tmp_path: Path, missing: bool) -> None:
     d = tmp_path / "nope" if missing else tmp_path
-    code = ("from exporters.mrc_metrics import MRCMetrics\n"
+    code = ("from exporters.instrumentation.metrics import MRCMetrics\n"
             "m = MRCMetrics()\nprint(m.multiprocess)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                          env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(d)}, timeout=60)

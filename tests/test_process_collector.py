@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import time
 
-from agent.collectors.base import SampleContext
-from agent.collectors.process import ProcessCollector
-from agent.hw.procfs import CLK_TCK, ProcFS, parse_stat
-from agent.targets import Target, TargetResolver
+from agent.core.collectors.base import SampleContext
+from agent.core.collectors.process import ProcessCollector
+from agent.core.hw.procfs import CLK_TCK, ProcFS, parse_stat
+from agent.core.targets import Target, TargetResolver
 from tests.conftest import BUSY, IDLE, THREADED, Procs
 
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from agent.hw.base import SourceUnavailable
-from agent.hw.replay import ReplayBackend, ReplayFormatError, load_trace
+from agent.core.hw.base import SourceUnavailable
+from agent.core.hw.replay import ReplayBackend, ReplayFormatError, load_trace
 
 
 class Clock:

@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import pytest
 
-from agent.report import (
+from agent.tools.report import (
     heat_colour,
     legend_for,
     nice_step,
@@ -173,7 +173,7 @@ class Stack:
 
 
 def _trace(tmp: Path) -> Path:
-    out = subprocess.run([sys.executable, "-m", "agent.tracegen", "starved", "1", "20"],
+    out = subprocess.run([sys.executable, "-m", "agent.tools.tracegen", "starved", "1", "20"],
                          capture_output=True, text=True, check=True, cwd=REPO, timeout=30)
     path = tmp / "starved.jsonl"
     path.write_text(out.stdout)
@@ -444,7 +444,7 @@ def test_bad_url_and_out_exit_2(tmp_path: Path) -> None:
 
 def test_report_runs_the_dashboards_queries() -> None:
     pytest.importorskip("grafanalib")
-    from agent.report import chart_specs, heatmap_query
+    from agent.tools.report import chart_specs, heatmap_query
     from dashboards.build import all_queries
 
     panels = {(panel, expr) for _, panel, expr in all_queries()}

@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 import time
 
-from agent.collectors.base import SampleContext
-from agent.hw.base import HardwareError, SourceUnavailable
-from agent.runner import Runner
-from agent.targets import TargetResolver
-from exporters.snapshot import Sample
+from agent.core.collectors.base import SampleContext
+from agent.core.hw.base import HardwareError, SourceUnavailable
+from agent.core.runner import Runner
+from agent.core.targets import TargetResolver
+from exporters.exposition.snapshot import Sample
 
 
 class Scripted:
@@ -35,7 +35,7 @@ def test_one_failing_collector_never_breaks_the_others(caplog) -> None:
     broken = Scripted("gpm", [HardwareError("GPU is lost")] * 3 + [5.0])
     absent = Scripted("profiling", [SourceUnavailable("no_permission", "admin only")])
     runner = Runner([ok, broken, absent], TargetResolver(), interval=1.0)
-    with caplog.at_level(logging.INFO, logger="agent.runner"):
+    with caplog.at_level(logging.INFO, logger="agent.core.runner"):
         for _ in range(3):
             snap = runner.sample_once()
     assert _health(snap, "mrc_agent_collector_success") == {
@@ -49,7 +49,7 @@ def test_one_failing_collector_never_breaks_the_others(caplog) -> None:
     assert sum("GPU is lost" in r.message for r in caplog.records) == 1
     assert sum("no_permission" in r.message for r in caplog.records) == 1
     # The broken collector recovers when its source answers again.
-    with caplog.at_level(logging.INFO, logger="agent.runner"):
+    with caplog.at_level(logging.INFO, logger="agent.core.runner"):
         snap = runner.sample_once()
     assert _health(snap, "mrc_agent_collector_success")["gpm"] == 1.0
     assert any("gpm recovered" in r.message for r in caplog.records)

@@ -41,12 +41,12 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.app import COLLECTOR_FACTORIES, Sources, build_registry
-from agent.config import AgentConfig
-from agent.hw.nvml import NvmlBackend
-from agent.runner import Runner
-from agent.targets import TargetResolver
-from agent.tracegen import write_trace
+from agent.core.config import AgentConfig
+from agent.core.hw.nvml import NvmlBackend
+from agent.core.runner import Runner
+from agent.core.targets import TargetResolver
+from agent.core.wiring import COLLECTOR_FACTORIES, Sources, build_registry
+from agent.tools.tracegen import write_trace
 from alerts import rules
 from alerts.build import rule_file
 from alerts.config import DEFAULT

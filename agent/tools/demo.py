@@ -19,14 +19,14 @@ import time
 from importlib import resources
 from typing import Any
 
-from agent.app import build_runner, build_server, make_sources
-from agent.config import AgentConfig, validate
-from agent.hw.base import SourceUnavailable
-from exporters.snapshot import HistogramValue, Snapshot
+from agent.core.config import AgentConfig, validate
+from agent.core.hw.base import SourceUnavailable
+from agent.core.wiring import build_runner, build_server, make_sources
+from exporters.exposition.snapshot import HistogramValue, Snapshot
 
 
 def embedded_trace() -> str:
-    return str(resources.files("agent") / "data" / "demo_starved.jsonl")
+    return str(resources.files("agent.tools") / "data" / "demo_starved.jsonl")
 
 
 def _value(snap: Snapshot, name: str) -> float | None:
@@ -74,7 +74,7 @@ def golden_line(snap: Snapshot, prev: Snapshot | None, dt: float) -> str:
 
 def _gpu_backend() -> tuple[str, str]:
     """NVML when it answers, else the embedded synthetic trace: (backend, what to tell)."""
-    from agent.hw.nvml import NvmlBackend
+    from agent.core.hw.nvml import NvmlBackend
 
     nvml = NvmlBackend(pcie_thread=False)
     try:

@@ -16,11 +16,11 @@ import time
 from collections.abc import Callable, Sequence
 
 from agent import __version__
-from agent.collectors.base import Collector, SampleContext
-from agent.collectors.gpu import ProfilingCollector
-from agent.hw.base import SourceUnavailable
-from agent.targets import TargetResolver
-from exporters.snapshot import EMPTY, Sample, Snapshot
+from agent.core.collectors.base import Collector, SampleContext
+from agent.core.collectors.gpu import ProfilingCollector
+from agent.core.hw.base import SourceUnavailable
+from agent.core.targets import TargetResolver
+from exporters.exposition.snapshot import EMPTY, Sample, Snapshot
 
 log = logging.getLogger(__name__)
 

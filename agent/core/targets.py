@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from agent.hw.procfs import ProcessGone, ProcFS
+from agent.core.hw.procfs import ProcessGone, ProcFS
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from agent.catalog import COLLECTORS, DEFAULT_ON
-from agent.collectors.derived import Thresholds
+from agent.core.catalog import COLLECTORS, DEFAULT_ON
+from agent.core.collectors.derived import Thresholds
 
 #: 9478: clear of dcgm-exporter (9400), node_exporter (9100), the OpenTelemetry Prometheus
 #: exporter (9464) and the Prometheus stack's own 9090-9094.

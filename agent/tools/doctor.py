@@ -14,10 +14,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from agent.config import AgentConfig, ConfigError
-from agent.hw.base import HardwareError, SourceUnavailable
-from agent.hw.procfs import ProcessGone, ProcFS
-from agent.targets import TargetResolver
+from agent.core.config import AgentConfig, ConfigError
+from agent.core.hw.base import HardwareError, SourceUnavailable
+from agent.core.hw.procfs import ProcessGone, ProcFS
+from agent.core.targets import TargetResolver
 
 CAP_SYS_PTRACE = 19
 EXIT_MISSING = 1
@@ -63,7 +63,7 @@ def gather(cfg: AgentConfig, nvml_lib: Any | None = None, cupti_lib: Any | None 
     checks: list[Check] = []
     replay = cfg.replay_path
     if replay is not None:
-        from agent.hw.replay import ReplayBackend, ReplayFormatError
+        from agent.core.hw.replay import ReplayBackend, ReplayFormatError
 
         try:
             backend = ReplayBackend(replay)
@@ -81,7 +81,7 @@ def gather(cfg: AgentConfig, nvml_lib: Any | None = None, cupti_lib: Any | None 
     elif cfg.gpu_backend == "none":
         checks.append(Check("GPU backend", None, "none: GPU collectors are off"))
     else:
-        from agent.hw.nvml import NvmlBackend
+        from agent.core.hw.nvml import NvmlBackend
 
         nvml = NvmlBackend(lib=nvml_lib)
         info = nvml.info()
@@ -113,7 +113,7 @@ def gather(cfg: AgentConfig, nvml_lib: Any | None = None, cupti_lib: Any | None 
 
 
 def _profiling_check(nvml: Any, cupti_lib: Any | None) -> Check:
-    from agent.hw.cupti_pm import CuptiPmSampler
+    from agent.core.hw.cupti_pm import CuptiPmSampler
 
     try:
         devices = [s.gpu for s in nvml.sample_devices()]

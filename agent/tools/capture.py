@@ -1,7 +1,7 @@
 """On-alert capture: Alertmanager webhooks start a diagnosis of the alerting target in the
 background, and the agent lists and serves the results.
 
-Endpoints (served beside ``/metrics`` by :class:`exporters.http.ExpositionServer`):
+Endpoints (served beside ``/metrics`` by :class:`exporters.exposition.http.ExpositionServer`):
 
 * ``POST /hooks/alertmanager`` — Alertmanager webhook payload, version 4;
 * ``GET /captures`` — the captures as JSON, newest first, with the limits and counters;
@@ -16,7 +16,7 @@ hence the token on the read side too.
 For firing ``MRCGPUStarved`` and ``MRCProcessCPUUserSaturated`` alerts whose ``pid`` label
 names a target of this agent (or, without a ``pid`` label, the agent's hottest target) and
 whose ``pod`` label, if any, is this host's name, one capture runs
-:func:`agent.diagnose.diagnose` in a thread. At most one runs at a time and at most
+:func:`agent.tools.diagnose.diagnose` in a thread. At most one runs at a time and at most
 ``capture_max_per_hour`` start per rolling hour; more requests are answered 202
 ``rate-limited`` and counted. The captures directory is bounded by count, bytes and age, the
 oldest captures going first.
@@ -40,12 +40,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agent.catalog import COLLECTORS
-from agent.collectors.base import Collector
-from agent.config import AgentConfig, ConfigError, read_token_file
-from agent.diagnose import FILES, Borrowed, PySpyError, diagnose, find_py_spy
-from agent.runner import Runner
-from exporters.http import ExpositionServer, Request, Response
+from agent.core.catalog import COLLECTORS
+from agent.core.collectors.base import Collector
+from agent.core.config import AgentConfig, ConfigError, read_token_file
+from agent.core.runner import Runner
+from agent.tools.diagnose import FILES, Borrowed, PySpyError, diagnose, find_py_spy
+from exporters.exposition.http import ExpositionServer, Request, Response
 
 log = logging.getLogger(__name__)
 
@@ -469,7 +469,7 @@ def _json(status: int, obj: Any, headers: dict[str, str] | None = None) -> Respo
 
 
 class CaptureAPI:
-    """The webhook and captures endpoints (an :class:`exporters.http.Routes`). With
+    """The webhook and captures endpoints (an :class:`exporters.exposition.http.Routes`). With
     ``manager`` None the feature is off and every one of its paths is 404."""
 
     max_body_bytes = MAX_BODY_BYTES
@@ -620,7 +620,7 @@ def build_capture_api(cfg: AgentConfig, runner: Runner) -> CaptureAPI:
 
 def build_server(cfg: AgentConfig, runner: Runner, api: CaptureAPI) -> ExpositionServer:
     """The agent's exposition server with the capture endpoints."""
-    from agent.app import build_registry
+    from agent.core.wiring import build_registry
 
     host, port = cfg.host_port
     return ExpositionServer(build_registry(runner), host, port, runner.version,

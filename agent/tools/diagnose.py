@@ -15,7 +15,7 @@ Over the same window this module runs
 
 It then decides a verdict (see :func:`decide`) and writes ``report.json`` and ``report.txt``.
 The same :func:`diagnose` runs behind the CLI and behind the on-alert captures of
-:mod:`agent.capture`.
+:mod:`agent.tools.capture`.
 """
 
 from __future__ import annotations
@@ -39,15 +39,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from agent.catalog import CATALOG
-from agent.collectors.base import Collector, SampleContext
-from agent.collectors.derived import IdleTracker, Thresholds
-from agent.config import AgentConfig, ConfigError
-from agent.hw.base import GPUIdentity, SourceUnavailable
-from agent.hw.procfs import ProcFS
-from agent.runner import Runner
-from agent.targets import TargetResolver
-from exporters.snapshot import HistogramValue, Sample, Snapshot
+from agent.core.catalog import CATALOG
+from agent.core.collectors.base import Collector, SampleContext
+from agent.core.collectors.derived import IdleTracker, Thresholds
+from agent.core.config import AgentConfig, ConfigError
+from agent.core.hw.base import GPUIdentity, SourceUnavailable
+from agent.core.hw.procfs import ProcFS
+from agent.core.runner import Runner
+from agent.core.targets import TargetResolver
+from exporters.exposition.snapshot import HistogramValue, Sample, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def find_py_spy(explicit: str | None = None) -> str:
 
 def _ptrace_hint(pid: int) -> str:
     try:
-        from agent.doctor import ptrace_ok
+        from agent.tools.doctor import ptrace_ok
 
         return ptrace_ok(pid, ProcFS())[1]
     except Exception as exc:  # the hint is best effort; the error itself stands
@@ -887,7 +887,7 @@ def diagnose(
     """Run py-spy and the collectors over one window on ``pid`` and write the report into
     ``out_dir``. Raises PySpyError (py-spy missing or cannot attach), ConfigError (no such
     process) and ReplayFormatError (bad replay trace)."""
-    from agent.app import COLLECTOR_FACTORIES, make_sources
+    from agent.core.wiring import COLLECTOR_FACTORIES, make_sources
 
     check_pid(pid)
     exe = find_py_spy(py_spy)
@@ -978,8 +978,8 @@ def diagnose(
 
 def run_diagnose_command(args: Any) -> int:
     """``mrc-agent diagnose``; bad input raises ConfigError (exit 2 in cli.py)."""
-    from agent.config import load
-    from agent.hw.replay import ReplayFormatError
+    from agent.core.config import load
+    from agent.core.hw.replay import ReplayFormatError
 
     if not MIN_DURATION <= args.duration <= MAX_DURATION:
         raise ConfigError(f"--duration must be {MIN_DURATION:g}-{MAX_DURATION:g} seconds")

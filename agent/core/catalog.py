@@ -9,7 +9,7 @@ dashboards and alert rules and must not change.
 
 from __future__ import annotations
 
-from exporters.snapshot import MetricSpec
+from exporters.exposition.snapshot import MetricSpec
 
 #: Labels of per-target series.
 PROC = ("pid", "process")

@@ -30,7 +30,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from exporters.mrc_metrics import multiprocess_enabled
+from exporters.instrumentation.metrics import multiprocess_enabled
 
 Handler = Callable[[Request], Awaitable[Response]]
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
-from agent.hw.base import (
+from agent.core.hw.base import (
     DeviceSample,
     GpmSample,
     GPUIdentity,

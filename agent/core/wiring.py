@@ -12,16 +12,16 @@ from typing import Any
 
 from prometheus_client.registry import CollectorRegistry
 
-from agent.catalog import CATALOG
-from agent.collectors.base import Collector
-from agent.collectors.derived import DerivedCollector
-from agent.collectors.gpu import GpmCollector, GpuCollector, ProfilingCollector
-from agent.collectors.process import ProcessCollector
-from agent.config import AgentConfig
-from agent.runner import Runner
-from agent.targets import TargetResolver
-from exporters.http import ExpositionServer
-from exporters.snapshot import SnapshotCollector
+from agent.core.catalog import CATALOG
+from agent.core.collectors.base import Collector
+from agent.core.collectors.derived import DerivedCollector
+from agent.core.collectors.gpu import GpmCollector, GpuCollector, ProfilingCollector
+from agent.core.collectors.process import ProcessCollector
+from agent.core.config import AgentConfig
+from agent.core.runner import Runner
+from agent.core.targets import TargetResolver
+from exporters.exposition.http import ExpositionServer
+from exporters.exposition.snapshot import SnapshotCollector
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class LazyProfiling:
         if self._sampler is None:
             # CUPTI takes CUDA device indices; PCI order makes them agree with NVML's.
             os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-            from agent.hw.cupti_pm import CuptiPmSampler
+            from agent.core.hw.cupti_pm import CuptiPmSampler
 
             self._sampler = CuptiPmSampler([s.gpu for s in self._nvml.sample_devices()],
                                            interval_s=self._interval_s)
@@ -72,13 +72,13 @@ def make_sources(cfg: AgentConfig, nvml_lib: Any | None = None) -> Sources:
     malformed one stops the agent before it starts (ReplayFormatError)."""
     replay = cfg.replay_path
     if replay is not None:
-        from agent.hw.replay import ReplayBackend
+        from agent.core.hw.replay import ReplayBackend
 
         backend = ReplayBackend(replay)
         return Sources(backend, backend, backend, backend)
     if cfg.gpu_backend == "none":
         return Sources()
-    from agent.hw.nvml import NvmlBackend
+    from agent.core.hw.nvml import NvmlBackend
 
     nvml = NvmlBackend(lib=nvml_lib)
     return Sources(nvml, nvml, LazyProfiling(nvml), nvml)

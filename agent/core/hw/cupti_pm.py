@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Any
 
-from agent.hw.base import GPUIdentity, HardwareError, ProfilingSample, SourceUnavailable
+from agent.core.hw.base import GPUIdentity, HardwareError, ProfilingSample, SourceUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agent.catalog import IDLE_WINDOW_BUCKETS
-from agent.collectors.base import SampleContext
-from agent.hw.base import GPUIdentity
-from exporters.snapshot import HistogramValue, Sample
+from agent.core.catalog import IDLE_WINDOW_BUCKETS
+from agent.core.collectors.base import SampleContext
+from agent.core.hw.base import GPUIdentity
+from exporters.exposition.snapshot import HistogramValue, Sample
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """GPU collectors over the hardware boundary: NVML device state (``gpu``), GPM activity
 (``gpm``) and true profiling counters (``profiling``).
 
-They only translate :mod:`agent.hw.base` samples into metric samples; which library answered
+They only translate :mod:`agent.core.hw.base` samples into metric samples; which library answered
 (NVML, CUPTI or a replayed trace) is the source's business. A field the source left ``None`` is
 an absent series, never a zero.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 from typing import TypeVar
 
-from agent.collectors.base import SampleContext
-from agent.hw.base import DeviceSource, GpmSource, ProfilingSource, SourceUnavailable
-from exporters.snapshot import Sample
+from agent.core.collectors.base import SampleContext
+from agent.core.hw.base import DeviceSource, GpmSource, ProfilingSource, SourceUnavailable
+from exporters.exposition.snapshot import Sample
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from agent.collectors.base import SampleContext, TargetState
-from agent.hw.procfs import CLK_TCK, ProcessGone, ProcFS
-from exporters.snapshot import Sample
+from agent.core.collectors.base import SampleContext, TargetState
+from agent.core.hw.procfs import CLK_TCK, ProcessGone, ProcFS
+from exporters.exposition.snapshot import Sample
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from agent import __version__
-from agent.config import ConfigError
+from agent.core.config import ConfigError
 from alerts.config import Config
 from dashboards.queries import (
     PROMPT_LENGTH_ORDER,

@@ -14,8 +14,8 @@ What it does beyond calling NVML:
 * keeps PCIe throughput off the sampling path: ``nvmlDeviceGetPcieThroughput`` blocks ~20 ms
   per call, so a small background thread reads it and samples take its latest values, reporting
   ``None`` once they are older than ``pcie_stale_after``;
-* translates NVML errors into :class:`~agent.hw.base.SourceUnavailable` (the source does not
-  apply here) or :class:`~agent.hw.base.HardwareError` (it failed now); after a failure the next
+* translates NVML errors into :class:`~agent.core.hw.base.SourceUnavailable` (the source does not
+  apply here) or :class:`~agent.core.hw.base.HardwareError` (it failed now); after a failure the next
   call shuts NVML down, initialises it again and fetches fresh handles, so the collector
   recovers on its own when NVML answers again.
 """
@@ -30,7 +30,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
-from agent.hw.base import DeviceSample, GpmSample, GPUIdentity, HardwareError, SourceUnavailable
+from agent.core.hw.base import (
+    DeviceSample,
+    GpmSample,
+    GPUIdentity,
+    HardwareError,
+    SourceUnavailable,
+)
 
 log = logging.getLogger(__name__)
 

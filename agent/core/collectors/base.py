@@ -1,6 +1,6 @@
 """What a collector is: a name and ``update(ctx)`` returning fresh samples.
 
-A collector raises on failure, or :class:`agent.hw.base.SourceUnavailable` when its source does
+A collector raises on failure, or :class:`agent.core.hw.base.SourceUnavailable` when its source does
 not apply here; the runner owns health and timing. Collectors run in a fixed order each pass
 and leave what later collectors need (target CPU, GPU utilisation) in the shared context.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from agent.hw.base import GPUIdentity
-from agent.targets import Target
-from exporters.snapshot import Sample
+from agent.core.hw.base import GPUIdentity
+from agent.core.targets import Target
+from exporters.exposition.snapshot import Sample
 
 
 @dataclass

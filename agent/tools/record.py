@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from agent.app import Sources
-from agent.hw.base import HardwareError, SourceUnavailable
-from agent.hw.replay import TRACE_FIELDS
+from agent.core.hw.base import HardwareError, SourceUnavailable
+from agent.core.hw.replay import TRACE_FIELDS
+from agent.core.wiring import Sources
 
 #: (sample kind, attribute) -> trace field, the inverse of the replay table.
 _FIELD_OF = {(kind, attr): key for key, (kind, attr, _) in TRACE_FIELDS.items()}
@@ -71,8 +71,8 @@ def record(sources: Sources, out: TextIO, duration: float, interval: float,
 
 
 def run_record(path: str, duration: float, interval: float, profiling: bool) -> int:
-    from agent.app import LazyProfiling
-    from agent.hw.nvml import NvmlBackend
+    from agent.core.hw.nvml import NvmlBackend
+    from agent.core.wiring import LazyProfiling
 
     nvml = NvmlBackend()
     sources = Sources(device=nvml, gpm=nvml, backend=nvml,
