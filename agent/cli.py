@@ -1,4 +1,6 @@
-"""The ``mrc-agent`` command line. The only place that turns bad input into exit code 2.
+"""The ``mrc-agent`` command line: parses, then dispatches to the sidecar core (``run``) or
+an operator tool. The only place that turns bad input into exit code 2. The flags of ``run``,
+``doctor`` and ``diagnose`` come from the settings in :mod:`agent.core.config`.
 
 Subcommands: ``run`` (the sidecar), ``record`` (write a replay trace from a real GPU),
 ``doctor`` (what this host can deliver), ``demo`` (the agent on an embedded default, printing
@@ -10,19 +12,18 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from agent import __version__
-from agent.core.catalog import COLLECTORS
-from agent.core.config import DEFAULT_LISTEN, AgentConfig, ConfigError, load
+from agent.core.config import DIAGNOSE, DOCTOR, RUN, ConfigError, add_flags, config_from_args
 
 log = logging.getLogger("agent")
 
 EXIT_USAGE = 2
+#: diagnose samples finer than the sidecar: a 10 s window should hold ~50 passes.
+DIAGNOSE_INTERVAL_S = 0.2
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,55 +33,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-def _agent_flags(p: argparse.ArgumentParser) -> None:
-    """Flags shared by run, doctor and demo. Defaults are None so that only the flags given
-    override the environment and the config file."""
-    p.add_argument("--config", metavar="PATH", help="YAML config file (env MRC_AGENT_CONFIG)")
-    p.add_argument("--pid", dest="pids", type=int, action="append", metavar="PID",
-                   help="target process ID (repeatable; env MRC_AGENT_PIDS=1,2)")
-    p.add_argument("--pidfile", metavar="PATH", help="file holding the target PID, re-read "
-                   "every interval")
-    p.add_argument("--process-name", metavar="REGEX", help="regex matched against command "
-                   "lines every interval; every match is a target")
-    p.add_argument("--gpu-backend", metavar="auto|nvml|replay:PATH|none")
-    p.add_argument("--collector", dest="enable", action="append", default=[],
-                   choices=list(COLLECTORS), help="switch a collector on (repeatable)")
-    p.add_argument("--no-collector", dest="disable", action="append", default=[],
-                   choices=list(COLLECTORS), help="switch a collector off (repeatable)")
-    p.add_argument("--idle-util-threshold", type=float, metavar="RATIO",
-                   help="GPU utilisation at or below which the GPU counts as idle (0.05)")
-    p.add_argument("--starvation-cpu-threshold", type=float, metavar="RATIO",
-                   help="target user CPU (cores) at or above which it counts as hot (0.9)")
-    p.add_argument("--starvation-gpu-threshold", type=float, metavar="RATIO",
-                   help="GPU utilisation at or below which a hot target is starved (0.2)")
-    p.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning or error")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mrc-agent", description="Observability sidecar for MRC services.")
     parser.add_argument("--version", action="version", version=f"mrc-agent {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="run the sidecar agent")
-    _agent_flags(run)
-    run.add_argument("--listen", metavar="HOST:PORT",
-                     help=f"address to serve on ({DEFAULT_LISTEN})")
-    run.add_argument("--interval", type=float, metavar="SECONDS", help="sampling period (1)")
-    cap = run.add_argument_group("on-alert captures (off unless a webhook token is given)")
-    cap.add_argument("--webhook-token-file", metavar="PATH", help="file holding the shared "
-                     "token that enables POST /hooks/alertmanager and GET /captures (or env "
-                     "MRC_AGENT_WEBHOOK_TOKEN)")
-    cap.add_argument("--capture-dir", metavar="DIR", help="where captures are kept")
-    cap.add_argument("--capture-duration", type=float, metavar="SECONDS",
-                     help="how long one capture samples (10)")
-    cap.add_argument("--capture-max-per-hour", type=int, metavar="N",
-                     help="captures started per rolling hour at most (6)")
-    cap.add_argument("--capture-max-count", type=int, metavar="N",
-                     help="captures kept at most, oldest deleted first (20)")
-    cap.add_argument("--capture-max-bytes", metavar="BYTES",
-                     help="bytes the captures may use, e.g. 100Mi (100Mi)")
-    cap.add_argument("--capture-retention", metavar="DURATION",
-                     help="delete captures older than this, e.g. 24h or 7d (7d)")
+    add_flags(run, RUN)
 
     rec = sub.add_parser("record", help="record a replay trace from the local GPUs")
     rec.add_argument("--out", required=True, metavar="FILE")
@@ -90,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also record CUPTI PM sampling counters")
 
     doc = sub.add_parser("doctor", help="show what this host can deliver")
-    _agent_flags(doc)
+    add_flags(doc, DOCTOR)
 
     demo = sub.add_parser("demo", help="run the reference service, the agent beside it and the "
                           "load generator; print the golden triangle and latencies live")
@@ -123,16 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="length of the window (10)")
     diag.add_argument("--out", metavar="DIR", help="output directory "
                       "(./mrc-diagnose-PID-TIMESTAMP)")
-    diag.add_argument("--gpu-backend", metavar="auto|nvml|replay:PATH|none")
-    diag.add_argument("--interval", type=float, default=0.2, metavar="SECONDS",
-                      help="collector sampling period (0.2)")
-    diag.add_argument("--starvation-cpu-threshold", type=float, metavar="RATIO",
-                      help="target user CPU (cores) at or above which it counts as hot (0.9)")
-    diag.add_argument("--idle-util-threshold", type=float, metavar="RATIO",
-                      help="GPU utilisation at or below which the GPU counts as idle (0.05)")
     diag.add_argument("--py-spy", metavar="PATH", help="the py-spy executable (the one beside "
                       "this Python, else PATH)")
-    diag.add_argument("--config", metavar="PATH", help="YAML config file (env MRC_AGENT_CONFIG)")
+    # diagnose's own sampling period, not the sidecar's interval: never read from the
+    # environment or the config file, which set the sidecar's.
+    diag.add_argument("--interval", type=float, default=DIAGNOSE_INTERVAL_S, metavar="SECONDS",
+                      help=f"collector sampling period over the window (default "
+                           f"{DIAGNOSE_INTERVAL_S:g}; not read from the environment, whose "
+                           "MRC_AGENT_INTERVAL is the sidecar's)")
+    add_flags(diag, DIAGNOSE)
 
     rep = sub.add_parser("report", help="render the golden triangle and the latency heatmap "
                          "from a live Prometheus as one self-contained HTML file (or PNG)")
@@ -177,21 +135,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> AgentConfig:
-    cli: dict[str, Any] = {
-        key: getattr(args, key, None)
-        for key in ("pids", "pidfile", "process_name", "listen", "interval", "gpu_backend",
-                    "idle_util_threshold", "starvation_cpu_threshold",
-                    "starvation_gpu_threshold", "log_level", "webhook_token_file", "capture_dir",
-                    "capture_duration", "capture_max_per_hour", "capture_max_count",
-                    "capture_max_bytes", "capture_retention")
-    }
-    switches = [*args.enable, *(f"-{n}" for n in args.disable)]
-    if switches:
-        cli["collectors"] = ",".join(switches)
-    return load(cli, config_path=args.config)
-
-
 def _setup_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
@@ -201,55 +144,13 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from agent.core.hw.replay import ReplayFormatError
-    from agent.core.targets import PidfileError, read_pidfile
-    from agent.core.wiring import build_runner, make_sources
-    from agent.tools.capture import build_capture_api, build_server
+    from agent.core.run import run_agent
+    from agent.tools.capture import build_capture_api
 
     cfg = config_from_args(args)
     _setup_logging(cfg.log_level)
-    if cfg.pidfile:
-        try:
-            read_pidfile(cfg.pidfile)
-        except PidfileError as exc:
-            raise ConfigError(str(exc)) from exc
-    try:
-        sources = make_sources(cfg)
-    except ReplayFormatError as exc:
-        raise ConfigError(str(exc)) from exc
-    runner = build_runner(cfg, sources)
-    captures = build_capture_api(cfg, runner)
-    host, port = cfg.host_port
-    try:
-        server = build_server(cfg, runner, captures)
-    except OSError as exc:
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
-    if not runner.targets.configured:
-        log.warning("no target configured (--pid, --pidfile or --process-name): "
-                    "only GPU series will be exported")
-
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        log.info("received %s, shutting down", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    runner.start()
-    server.start()
-    log.info("mrc-agent %s listening on http://%s:%d/metrics (interval %.3gs, collectors %s, "
-             "gpu backend %s)", __version__, host, server.port, cfg.interval,
-             ",".join(cfg.enabled), cfg.gpu_backend)
-    while not stop.wait(1.0):
-        pass
-    server.stop()
-    if captures.manager is not None:
-        captures.manager.stop()
-    runner.stop()
-    sources.close()
-    log.info("stopped")
-    return 0
+    # The capture endpoints answer 404 unless a webhook token is configured.
+    return run_agent(cfg, routes_factory=build_capture_api)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

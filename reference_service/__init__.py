@@ -1,1 +1,25 @@
-"""Placeholder package: built by a later issue."""
+"""The instrumented reference MRC service: an image and a question in, a VLM's answer out.
+
+A FastAPI application that runs the MRC chain (fetch → decode → preprocess → OCR → answer) over
+a vision-language model and exports what it does through the ``exporters`` instrumentation
+library, so the sidecar has a realistic service to watch. ``python -m reference_service`` (also
+``mrc-agent serve``) starts it; :mod:`reference_service.main` wires the app: state, routers,
+error handlers, and the lifespan that loads the model.
+
+* :mod:`~reference_service.routers`: HTTP routers, one per concern (``/mrc`` endpoints;
+  ``/health`` and ``/ready``).
+* :mod:`~reference_service.pipeline`: one request's chain, each stage timed.
+* :mod:`~reference_service.model`: the VLM layer (embedded tiny model or a local checkpoint,
+  NF4, attention-kernel detection, generation with timings).
+* :mod:`~reference_service.preprocess`, :mod:`~reference_service.fetch`,
+  :mod:`~reference_service.ocr`, :mod:`~reference_service.cache`: image decoding and limits,
+  SSRF-safe ``image_url`` fetching, the OCR step, the context-aware answer cache.
+* :mod:`~reference_service.settings`, :mod:`~reference_service.state`,
+  :mod:`~reference_service.limiter`, :mod:`~reference_service.middleware`,
+  :mod:`~reference_service.errors`, :mod:`~reference_service.logs`: limits, lifetime state,
+  admission control, the body-size cap, the error type, per-request log lines.
+* :mod:`~reference_service.loadgen`: ``mrc-agent loadgen``, a request mix for load tests.
+
+The service imports ``exporters`` (the instrumentation it demonstrates), never ``agent``: the
+sidecar observes it from outside, as it would any other service.
+"""

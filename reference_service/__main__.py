@@ -10,9 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from reference_service.settings import Settings, settings_to_json
-
-ENV_SETTINGS = "MRC_SERVICE_SETTINGS"
+from reference_service.settings import ENV_SETTINGS, Settings, settings_to_json
 
 
 class _Parser(argparse.ArgumentParser):
@@ -85,7 +83,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m reference_ser
         # Must be in the environment before the workers import prometheus-client.
         import tempfile
 
-        from exporters.instrumentation.metrics import prepare_multiproc_dir
+        from exporters.instrumentation import prepare_multiproc_dir
 
         path = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or tempfile.mkdtemp(
             prefix="mrc-metrics-")

@@ -19,8 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from exporters.instrumentation.asgi import metrics_endpoint
-from exporters.instrumentation.metrics import MRCMetrics, mark_process_dead
+from exporters.instrumentation import MRCMetrics, mark_process_dead, metrics_endpoint
 from reference_service.cache import AnswerCache
 from reference_service.errors import ServiceError
 from reference_service.limiter import Admission, Overloaded
@@ -156,7 +155,6 @@ def app_from_env() -> FastAPI:
     """Factory for uvicorn worker processes: settings come through the environment."""
     import os
 
-    from reference_service.__main__ import ENV_SETTINGS
-    from reference_service.settings import settings_from_json
+    from reference_service.settings import ENV_SETTINGS, settings_from_json
 
     return create_app(settings_from_json(os.environ[ENV_SETTINGS]))

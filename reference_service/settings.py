@@ -69,6 +69,11 @@ class Settings:
     json_logs: bool = False
 
 
+#: Environment variable that carries the settings (as :func:`settings_to_json`) from
+#: ``python -m reference_service --workers N`` to each uvicorn worker's app factory.
+ENV_SETTINGS = "MRC_SERVICE_SETTINGS"
+
+
 def settings_to_json(s: Settings) -> str:
     """For handing settings to uvicorn worker processes through the environment."""
     import json

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from exporters.instrumentation.metrics import MRCMetrics
+from exporters.instrumentation import MRCMetrics
 from reference_service.cache import AnswerCache
 from reference_service.limiter import Admission
 from reference_service.ocr import OCR

@@ -33,7 +33,8 @@ import yaml
 from cloudcoil.models.prometheus_operator import v1 as prom
 
 from agent.cli import build_parser, config_from_args
-from agent.core.config import ENV_PREFIX, parse_bytes
+from agent.core.config import ENV_PREFIX
+from agent.core.units import parse_bytes
 from alerts import build as alerts_build
 from dashboards import build as dashboards_build
 from tests.conftest import REPO, AgentProcess

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from agent.core.collectors.base import SampleContext, TargetState
-from agent.core.collectors.derived import DerivedCollector, IdleTracker, Thresholds
+from agent.core.collectors.base import DerivedThresholds, SampleContext, TargetState
+from agent.core.collectors.derived import DerivedCollector, IdleTracker
 from agent.core.hw.base import GPUIdentity
 from agent.core.targets import Target
 
@@ -41,7 +41,7 @@ def _starved(samples) -> tuple[float, float]:
 
 
 def test_starved_when_a_thread_is_hot_and_the_gpu_waits() -> None:
-    c = DerivedCollector(Thresholds(starved_cpu=0.9, starved_gpu=0.2))
+    c = DerivedCollector(DerivedThresholds(starved_cpu=0.9, starved_gpu=0.2))
     assert _starved(c.update(_ctx(0.0, 0.5, 0.98, {GPU0: 0.05}))) == (1.0, 0.0)
     assert _starved(c.update(_ctx(1.0, 0.5, 0.98, {GPU0: 0.05}))) == (1.0, 1.0)
     # GPU busy again: not starved, the counter keeps its total.

@@ -16,11 +16,14 @@ from prometheus_client.registry import CollectorRegistry
 from agent.core.catalog import CATALOG
 from agent.core.collectors.base import SampleContext, TargetState
 from agent.core.collectors.derived import DerivedCollector
-from agent.core.collectors.gpu import GpmCollector, GpuCollector, ProfilingCollector
+from agent.core.collectors.gpm import GpmCollector
+from agent.core.collectors.gpu import GpuCollector
+from agent.core.collectors.profiling import ProfilingCollector
 from agent.core.hw.replay import ReplayBackend
+from agent.core.sample import Snapshot
 from agent.core.targets import Target
 from agent.tools.metrics_doc import render
-from exporters.exposition.snapshot import MetricSpec, Snapshot, SnapshotCollector
+from exporters.exposition.snapshot import MetricSpec, SnapshotCollector
 from tests.conftest import BUSY, DATA, REPO, Procs, parse_metrics, series
 
 GOLDEN = DATA / "golden_gpu_metrics.txt"

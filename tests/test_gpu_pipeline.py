@@ -11,9 +11,10 @@ import pynvml
 from agent.core.config import AgentConfig
 from agent.core.hw.nvml import NvmlBackend
 from agent.core.hw.replay import ReplayBackend, load_trace
+from agent.core.hw.sources import Sources
 from agent.core.runner import Runner
 from agent.core.targets import TargetResolver
-from agent.core.wiring import COLLECTOR_FACTORIES, Sources
+from agent.core.wiring import build_collectors
 from agent.tools.doctor import run_doctor
 from agent.tools.record import record
 from tests.conftest import DATA
@@ -24,7 +25,7 @@ from tests.fakes.fake_pynvml import FakeNvml, gpu, nvlink
 def _runner(nvml: NvmlBackend, names=("gpu", "gpm", "derived")) -> Runner:
     cfg = AgentConfig()
     src = Sources(device=nvml, gpm=nvml)
-    return Runner([COLLECTOR_FACTORIES[n](cfg, src) for n in names], TargetResolver(), 1.0)
+    return Runner(build_collectors(cfg, src, names), TargetResolver(), 1.0)
 
 
 def _values(snap, name: str) -> list[float]:

@@ -1,4 +1,4 @@
-"""Tests of the NVML adapter (agent/core/hw/nvml.py) through the hand-written fake pynvml."""
+"""Tests of the NVML adapter (agent/core/hw/nvml/) through the hand-written fake pynvml."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ MONO_NOW = 5_000.0  # the fake monotonic clock
 
 
 def backend(fake: FakeNvml, **kwargs: Any) -> NvmlBackend:
-    """A backend on fixed clocks and without the PCIe thread: tests call ``_pcie_round()``."""
+    """A backend on fixed clocks and without the PCIe thread: tests call ``_pcie.run_round()``."""
     kwargs.setdefault("clock", lambda: MONO_NOW)
     kwargs.setdefault("pcie_thread", False)
     return NvmlBackend(lib=fake, wall_clock=lambda: WALL_NOW, **kwargs)
@@ -97,7 +97,7 @@ def test_device_sample_converts_every_field_to_base_units() -> None:
     )
     b = backend(fake)
     b.sample_devices()
-    b._pcie_round()  # PCIe throughput comes from the background reader's latest values
+    b._pcie.run_round()  # PCIe throughput comes from the background reader's latest values
     [s] = b.sample_devices()
     assert s.gpu.index == 0 and s.gpu.uuid == "GPU-00000000-fake-uuid"
     assert s.gpu.name == "NVIDIA H100 80GB HBM3"
@@ -193,7 +193,7 @@ def test_pcie_throughput_comes_from_the_cache_never_from_the_sampling_path() -> 
     assert s1.pcie_tx_bytes_per_second is None
     assert fake.calls["nvmlDeviceGetPcieThroughput"] == 0  # the 20 ms call is never made here
 
-    b._pcie_round()
+    b._pcie.run_round()
     assert fake.calls["nvmlDeviceGetPcieThroughput"] == 4  # TX and RX per GPU
     s0, s1 = b.sample_devices()
     assert (s0.pcie_tx_bytes_per_second, s0.pcie_rx_bytes_per_second) == (10 * 1024, 20 * 1024)
@@ -202,7 +202,7 @@ def test_pcie_throughput_comes_from_the_cache_never_from_the_sampling_path() -> 
     fake.gpus[0]["pcie"]["tx_kb_per_s"] = 99
     [s0, _] = b.sample_devices()
     assert s0.pcie_tx_bytes_per_second == 10 * 1024  # still the last published value
-    b._pcie_round()
+    b._pcie.run_round()
     [s0, _] = b.sample_devices()
     assert s0.pcie_tx_bytes_per_second == 99 * 1024
     assert fake.calls["nvmlDeviceGetPcieThroughput"] == 8  # only the two rounds read it
@@ -213,14 +213,14 @@ def test_stale_pcie_values_are_reported_absent_not_repeated() -> None:
     fake = FakeNvml([gpu()])
     b = backend(fake, clock=clock, pcie_stale_after=2.0)
     b.sample_devices()
-    b._pcie_round()
+    b._pcie.run_round()
     clock.now += 2.0  # exactly at the limit: still fresh
     [s] = b.sample_devices()
     assert s.pcie_tx_bytes_per_second == 1000 * 1024
     clock.now += 0.001  # the reader stopped publishing (e.g. stuck in NVML)
     [s] = b.sample_devices()
     assert s.pcie_tx_bytes_per_second is None and s.pcie_rx_bytes_per_second is None
-    b._pcie_round()  # it publishes again
+    b._pcie.run_round()  # it publishes again
     [s] = b.sample_devices()
     assert s.pcie_rx_bytes_per_second == 2000 * 1024
 
@@ -233,7 +233,7 @@ def test_pcie_not_supported_is_remembered_and_not_read_again(
     b.sample_devices()
     with caplog.at_level(logging.INFO, logger="agent.core.hw.nvml"):
         for _ in range(3):
-            b._pcie_round()
+            b._pcie.run_round()
     s0, s1 = b.sample_devices()
     assert s0.pcie_tx_bytes_per_second is None and s0.pcie_rx_bytes_per_second is None
     assert s1.pcie_tx_bytes_per_second == 1000 * 1024  # the other GPU is unaffected
@@ -254,7 +254,7 @@ def test_failing_pcie_read_skips_the_gpu_and_does_not_break_sampling(
     with caplog.at_level(logging.DEBUG, logger="agent.core.hw.nvml"):
         for _ in range(2):
             fake.fail_next["nvmlDeviceGetPcieThroughput"] = [pynvml.NVML_ERROR_UNKNOWN]
-            b._pcie_round()  # GPU 0's first call fails; no exception escapes
+            b._pcie.run_round()  # GPU 0's first call fails; no exception escapes
     s0, s1 = b.sample_devices()
     assert s0.pcie_tx_bytes_per_second is None  # skipped, never a made-up value
     assert s1.pcie_tx_bytes_per_second == 1000 * 1024
@@ -262,7 +262,7 @@ def test_failing_pcie_read_skips_the_gpu_and_does_not_break_sampling(
     assert len(failures) == 1 and failures[0].levelno == logging.DEBUG  # logged once, at debug
     # Neither remembered as unsupported nor a reason to re-initialise NVML.
     assert fake.calls["nvmlInit"] == 1
-    b._pcie_round()
+    b._pcie.run_round()
     s0, _ = b.sample_devices()
     assert s0.pcie_tx_bytes_per_second == 1000 * 1024
 
@@ -271,7 +271,7 @@ def test_pcie_round_tolerates_handles_invalidated_by_a_reinit() -> None:
     fake = FakeNvml([gpu(index=0), gpu(index=1)])
     b = backend(fake)
     b.sample_devices()
-    snapshot = b._pcie_snapshot()  # what the thread holds while the sampler re-initialises
+    snapshot = b._session.snapshot()  # what the thread holds while the sampler re-initialises
     assert snapshot is not None
     fake.lose_gpu(1)
     with pytest.raises(HardwareError):
@@ -280,8 +280,8 @@ def test_pcie_round_tolerates_handles_invalidated_by_a_reinit() -> None:
     b.sample_devices()  # a new session: the snapshot's handles are dead
     assert fake.calls["nvmlInit"] == 2
     lib, old_gpus = snapshot
-    b._pcie_read(lib, old_gpus)  # NVMLErrors from dead handles: skipped, not raised
-    b._pcie_round()  # the next round takes the new session's handles
+    b._pcie.read(lib, old_gpus)  # NVMLErrors from dead handles: skipped, not raised
+    b._pcie.run_round()  # the next round takes the new session's handles
     s0, s1 = b.sample_devices()
     assert s0.pcie_tx_bytes_per_second == s1.pcie_tx_bytes_per_second == 1000 * 1024
 
@@ -289,16 +289,15 @@ def test_pcie_round_tolerates_handles_invalidated_by_a_reinit() -> None:
 def test_pcie_round_without_an_nvml_session_does_nothing() -> None:
     fake = FakeNvml([gpu()])
     b = backend(fake)
-    b._pcie_round()  # not initialised yet
+    b._pcie.run_round()  # not initialised yet
     b.sample_devices()
     b.close()
-    b._pcie_round()  # shut down
+    b._pcie.run_round()  # shut down
     assert fake.calls["nvmlDeviceGetPcieThroughput"] == 0
 
 
 def pcie_thread_of(b: NvmlBackend) -> threading.Thread | None:
-    worker = b._pcie_worker
-    return worker[0] if worker is not None else None
+    return b._pcie.thread
 
 
 def test_pcie_thread_starts_on_first_successful_sample_and_close_stops_it() -> None:

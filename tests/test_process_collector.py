@@ -1,13 +1,21 @@
-"""The process collector against real processes the test spawns, and target discovery."""
+"""The process collector against real processes the test spawns, and target discovery.
+
+The exact logic (ratios from tick deltas, the hottest thread, restarts, exits, zombies, kernel
+threads, parsing) is tested on fixture /proc trees in ``test_process_fixtures.py``. What is left
+here is what only a live /proc shows, with margins that hold while other work keeps every core
+busy: a spinning process is counted and an idle one is not, the ratio lies between what /proc
+itself says just before and just after each pass, and kept files answer fresh and are released.
+"""
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 from agent.core.collectors.base import SampleContext
 from agent.core.collectors.process import ProcessCollector
-from agent.core.hw.procfs import CLK_TCK, ProcFS, parse_stat
+from agent.core.hw.procfs import CLK_TCK, ProcessGone, ProcFS
 from agent.core.targets import Target, TargetResolver
 from tests.conftest import BUSY, IDLE, THREADED, Procs
 
@@ -24,62 +32,103 @@ def _window(collector: ProcessCollector, targets: list[Target], seconds: float =
     return _pass(collector, targets)
 
 
-def test_parse_stat_handles_spaces_and_parens_in_comm() -> None:
-    fields = ["S"] + ["0"] * 50
-    fields[11], fields[12] = "250", "40"  # utime, stime
-    fields[17], fields[19], fields[21] = "7", "12345", "100"  # threads, starttime, rss pages
-    fields[39] = "50"  # guest_time: pidstat takes it out of user time
-    raw = b"42 (my (odd) proc) " + " ".join(fields).encode()
-    st = parse_stat(42, raw)
-    assert st.comm == "my (odd) proc"
-    assert st.user_ticks == 200 and st.system_ticks == 40
-    assert st.num_threads == 7 and st.start_ticks == 12345
-    assert st.rss_bytes == 100 * os.sysconf("SC_PAGE_SIZE")
+def _wait_for(what: str, ok: Callable[[], bool], timeout: float = 20.0) -> None:
+    """Poll instead of sleeping a fixed time: a loaded machine starts Python slowly."""
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
 
 
-def test_busy_process_reads_one_core_and_idle_reads_zero(procs: Procs) -> None:
+def _threads(fs: ProcFS, pid: int) -> int:
+    try:
+        return fs.stat(pid).num_threads
+    except ProcessGone:
+        return 0
+
+
+def _settled(fs: ProcFS, pid: int) -> None:
+    """Wait until an idle child has finished starting up (its ticks stop moving)."""
+    last: list[int] = []
+
+    def still() -> bool:
+        st = fs.stat(pid)
+        now = st.user_ticks + st.system_ticks
+        same = bool(last) and last[-1] == now
+        last.append(now)
+        time.sleep(0.2)
+        return same
+
+    _wait_for(f"{pid} to go idle", still)
+
+
+def test_busy_process_is_counted_and_idle_is_not(procs: Procs) -> None:
     busy, idle = procs.spawn(BUSY), procs.spawn(IDLE)
-    time.sleep(0.3)
+    fs = ProcFS()
+    _settled(fs, idle.pid)
     targets = [Target(busy.pid, "pid"), Target(idle.pid, "pid")]
     collector = ProcessCollector()
     ctx, out = _window(collector, targets)
-    comm = ProcFS().stat(busy.pid).comm
+    comm = fs.stat(busy.pid).comm
     b, i = (str(busy.pid), comm), (str(idle.pid), comm)
-    assert 0.9 <= out[("mrc_process_cpu_user_ratio", b)] <= 1.05
+    # A spinner gets some share of a core however loaded the machine is (0.1: ten ticks a
+    # second, under a fair share even with eight busy processes on two cores); never more
+    # than one core.
+    assert 0.1 < out[("mrc_process_cpu_user_ratio", b)] <= 1.1
     assert out[("mrc_process_cpu_user_ratio", i)] <= 0.05
-    assert 0.9 <= out[("mrc_process_hottest_thread_cpu_user_ratio", b)] <= 1.05
-    assert out[("mrc_process_cpu_seconds_total", b + ("user",))] > 0.5
+    hottest = out[("mrc_process_hottest_thread_cpu_user_ratio", b)]
+    assert 0.1 < hottest <= out[("mrc_process_cpu_user_ratio", b)]
+    assert out[("mrc_process_cpu_seconds_total", b + ("user",))] > 0.1
     assert out[("mrc_process_threads", b)] == 1
     assert out[("mrc_process_resident_memory_bytes", b)] > 1e6
     assert ctx.processes[busy.pid].user_ratio is not None
+    fs.close()
 
 
 def test_hottest_thread_found_among_sleepers(procs: Procs) -> None:
     p = procs.spawn(THREADED)
-    time.sleep(0.5)
+    fs = ProcFS()
+    _wait_for("five threads", lambda: _threads(fs, p.pid) == 5)
     collector = ProcessCollector()
     _, out = _window(collector, [Target(p.pid, "pid")])
-    labels = (str(p.pid), ProcFS().stat(p.pid).comm)
+    labels = (str(p.pid), fs.stat(p.pid).comm)
     assert out[("mrc_process_threads", labels)] == 5
-    assert 0.85 <= out[("mrc_process_hottest_thread_cpu_user_ratio", labels)] <= 1.05
+    hottest = out[("mrc_process_hottest_thread_cpu_user_ratio", labels)]
+    total = out[("mrc_process_cpu_user_ratio", labels)]
+    assert hottest > 0.1
+    assert 0.5 * total <= hottest <= total  # the spinner is most of the process
+    fs.close()
 
 
-def test_ratio_matches_proc_ground_truth(procs: Procs) -> None:
+def test_ratio_lies_within_what_proc_says_around_the_window(procs: Procs) -> None:
+    """Bracketed, so no tolerance: /proc is read (with the time) just before and just after
+    each collector pass; the collector's ratio lies between the narrowest and the widest window
+    those readings allow, however long the machine kept this test off a CPU in between."""
     p = procs.spawn(BUSY)
-    time.sleep(0.2)
     fs, collector = ProcFS(), ProcessCollector()
     target = [Target(p.pid, "pid")]
-    _pass(collector, target)
-    t0, u0 = time.monotonic(), fs.stat(p.pid).user_ticks
+
+    def bracketed() -> tuple[SampleContext, float, int, int, float]:
+        t_before, u_before = time.monotonic(), fs.stat(p.pid).user_ticks
+        ctx, _ = _pass(collector, target)
+        u_after = fs.stat(p.pid).user_ticks
+        return ctx, t_before, u_before, u_after, time.monotonic()
+
+    bracketed()
     time.sleep(1.0)
-    ctx, out = _pass(collector, target)
-    truth = (fs.stat(p.pid).user_ticks - u0) / CLK_TCK / (time.monotonic() - t0)
-    assert abs(ctx.processes[p.pid].user_ratio - truth) <= 0.05
+    _, tb0, ub0, ua0, ta0 = bracketed()
+    time.sleep(1.0)
+    ctx, tb1, ub1, ua1, ta1 = bracketed()
+    got = ctx.processes[p.pid].user_ratio
+    assert got is not None and got > 0.1
+    low = (ub1 - ua0) / CLK_TCK / (ta1 - tb0)
+    high = (ua1 - ub0) / CLK_TCK / (tb1 - ta0)
+    assert low - 1e-9 <= got <= high + 1e-9, (low, got, high)
+    fs.close()
 
 
 def test_exited_target_disappears_and_first_pass_has_no_ratio(procs: Procs) -> None:
     p = procs.spawn(IDLE)
-    time.sleep(0.1)
     collector = ProcessCollector()
     target = [Target(p.pid, "pid")]
     _, first = _pass(collector, target)
@@ -94,11 +143,10 @@ def test_exited_target_disappears_and_first_pass_has_no_ratio(procs: Procs) -> N
 def test_kept_files_are_reread_fresh_and_released(procs: Procs) -> None:
     fs = ProcFS()
     p = procs.spawn(THREADED)
-    time.sleep(0.3)
+    _wait_for("five threads", lambda: len(fs.thread_user_ticks(p.pid)) == 5)
     first = fs.stat(p.pid).user_ticks
-    assert len(fs.thread_user_ticks(p.pid)) == 5
-    time.sleep(0.5)
-    assert fs.stat(p.pid).user_ticks > first  # the kept file answers with fresh content
+    # the kept file answers with fresh content
+    _wait_for("fresh ticks", lambda: fs.stat(p.pid).user_ticks > first)
     kept = [path for path in fs._fds if f"/{p.pid}/" in path]
     assert len(kept) == 6  # the process's stat plus five threads' stat
     p.kill()

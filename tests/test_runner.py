@@ -5,11 +5,12 @@ from __future__ import annotations
 import logging
 import time
 
+from agent.core.collectors import PASS_FINISHERS
 from agent.core.collectors.base import SampleContext
 from agent.core.hw.base import HardwareError, SourceUnavailable
 from agent.core.runner import Runner
+from agent.core.sample import Sample
 from agent.core.targets import TargetResolver
-from exporters.exposition.snapshot import Sample
 
 
 class Scripted:
@@ -34,7 +35,8 @@ def test_one_failing_collector_never_breaks_the_others(caplog) -> None:
     ok = Scripted("gpu", [100.0])
     broken = Scripted("gpm", [HardwareError("GPU is lost")] * 3 + [5.0])
     absent = Scripted("profiling", [SourceUnavailable("no_permission", "admin only")])
-    runner = Runner([ok, broken, absent], TargetResolver(), interval=1.0)
+    runner = Runner([ok, broken, absent], TargetResolver(), interval=1.0,
+                    finishers=PASS_FINISHERS)
     with caplog.at_level(logging.INFO, logger="agent.core.runner"):
         for _ in range(3):
             snap = runner.sample_once()

@@ -43,9 +43,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.core.config import AgentConfig
 from agent.core.hw.nvml import NvmlBackend
+from agent.core.collectors import PASS_FINISHERS
+from agent.core.hw.sources import Sources
 from agent.core.runner import Runner
 from agent.core.targets import TargetResolver
-from agent.core.wiring import COLLECTOR_FACTORIES, Sources, build_registry
+from agent.core.wiring import build_collectors, build_registry
 from agent.tools.tracegen import write_trace
 from alerts import rules
 from alerts.build import rule_file
@@ -196,9 +198,9 @@ def _nvml_exposition(gpus: int, pid: int) -> str:
                      for i in range(gpus)])
     cfg = AgentConfig(pids=[pid])
     nvml = NvmlBackend(lib=fake)  # with its PCIe throughput thread, as in the agent
-    src = Sources(device=nvml, gpm=nvml, profiling=None, backend=nvml)
-    runner = Runner([COLLECTOR_FACTORIES[n](cfg, src) for n in cfg.enabled],
-                    TargetResolver(cfg.pids), 0.2)
+    src = Sources(device=nvml, gpm=nvml, profiling=None, owned=(nvml,))
+    runner = Runner(build_collectors(cfg, src), TargetResolver(cfg.pids), 0.2,
+                    finishers=PASS_FINISHERS)
     try:
         # Rates need two passes and the PCIe throughput thread its first reading: sample until
         # every GPU has them (a few passes).

@@ -1,22 +1,30 @@
-"""The agent's configuration: one typed, validated object.
+"""The agent's configuration: one typed object whose fields are the settings.
 
-Precedence is config file < environment (``MRC_AGENT_*``) < command-line flags. Every problem
-becomes a :class:`ConfigError` with one line of text; ``cli.py`` turns it into exit code 2.
+Each field of :class:`AgentConfig` is declared once with :func:`setting`: its default, how a
+value from the config file, the environment or a flag is read, what range it must be in, its
+flag and ``--help`` text, and which subcommands take it. Coercion, validation, the environment
+names (``MRC_AGENT_<NAME>``) and the flags all follow from that declaration, so adding a setting
+is one edit here.
+
+Precedence is config file < environment < command-line flags. Every problem becomes a
+:class:`ConfigError` with one line of text; ``agent/cli.py`` turns it into exit code 2.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import yaml
 
-from agent.core.catalog import COLLECTORS, DEFAULT_ON
-from agent.core.collectors.derived import Thresholds
+from agent.core.collectors import COLLECTOR_NAMES, DEFAULT_ON
+from agent.core.collectors.base import DerivedThresholds
+from agent.core.units import parse_bytes, parse_duration
 
 #: 9478: clear of dcgm-exporter (9400), node_exporter (9100), the OpenTelemetry Prometheus
 #: exporter (9464) and the Prometheus stack's own 9090-9094.
@@ -24,69 +32,290 @@ DEFAULT_PORT = 9478
 DEFAULT_LISTEN = f"0.0.0.0:{DEFAULT_PORT}"
 MIN_INTERVAL, MAX_INTERVAL = 0.05, 60.0
 ENV_PREFIX = "MRC_AGENT_"
+#: The environment variable that names the config file (it is not a setting itself).
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
 #: A shared webhook token shorter than this is too easy to guess (16 characters of a random
 #: hex or base64 string are 64 bits or more).
 MIN_TOKEN_LENGTH = 16
 #: Where on-alert captures go unless told otherwise: a tmpfs/emptyDir in a pod whose root
 #: filesystem is read-only.
 DEFAULT_CAPTURE_DIR = os.path.join(tempfile.gettempdir(), "mrc-agent-captures")
-#: Capture settings -> (lowest, highest) accepted value.
-CAPTURE_RANGES: dict[str, tuple[float, float]] = {
-    "capture_duration": (1.0, 120.0),
-    "capture_max_per_hour": (1, 60),
-    "capture_max_count": (1, 1000),
-    "capture_max_bytes": (1 << 20, 1 << 40),
-    "capture_retention": (60.0, 365 * 86400.0),
-}
-_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2,
-          "gi": 1024**3}
-_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+GPU_BACKENDS = "auto, nvml, replay:PATH, none"
+
+#: Subcommands whose flags a setting appears among.
+RUN, DOCTOR, DIAGNOSE = "run", "doctor", "diagnose"
+#: The ``--help`` group of the capture settings.
+CAPTURES_GROUP = "on-alert captures (off unless a webhook token is given)"
 
 
 class ConfigError(Exception):
     """A bad flag, environment variable or config file entry."""
 
 
+@dataclass(frozen=True)
+class Setting:
+    """How one :class:`AgentConfig` field is read, checked and offered on the command line.
+
+    ``parse`` turns a value from the file (any YAML scalar or list), the environment or a flag
+    (a string) into the field's type, raising ``ValueError``/``TypeError``; ``check`` raises
+    :class:`ConfigError` for a value out of range. ``commands`` lists the subcommands whose
+    flags include it; ``flag`` None means no flag (``env_only``: not in the config file either).
+    """
+
+    name: str
+    help: str
+    parse: Callable[[Any, Any], Any]
+    check: Callable[[Any, str], None] | None = None
+    commands: tuple[str, ...] = ()
+    flag: str | None = ""
+    metavar: str | None = None
+    group: str | None = None
+    env_only: bool = False
+    aliases: tuple[str, ...] = ()
+    #: How ``--help`` shows the default, where the value itself reads badly (``100Mi``).
+    default_text: str | None = None
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def flag_name(self) -> str | None:
+        if self.flag is None:
+            return None
+        return self.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def dashed(self) -> str:
+        return self.name.replace("_", "-")
+
+
+_PENDING: dict[str, dict[str, Any]] = {}
+
+
+def setting(default: Any = None, *, default_factory: Callable[[], Any] | None = None,
+            **spec: Any) -> Any:
+    """A dataclass field of :class:`AgentConfig` carrying its :class:`Setting` (name filled in
+    from the field)."""
+    kw: dict[str, Any] = {"metadata": {"setting": spec}}
+    if default_factory is not None:
+        kw["default_factory"] = default_factory
+    else:
+        kw["default"] = default
+    return field(**kw)
+
+
+# -- parsers: (value, current config) -> typed value ------------------------------------------
+
+def _text(value: Any, _cfg: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _float(value: Any, _cfg: Any) -> float:
+    if isinstance(value, bool):
+        raise TypeError("expected a number")
+    return float(value)
+
+
+def _whole(value: Any, _cfg: Any) -> int:
+    if isinstance(value, bool):
+        raise TypeError("expected a whole number")
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError("expected a whole number")
+    return int(value)
+
+
+def _bytes(value: Any, _cfg: Any) -> int:
+    return parse_bytes(value)
+
+
+def _seconds(value: Any, _cfg: Any) -> float:
+    return parse_duration(value)
+
+
+def _pids(value: Any, _cfg: Any) -> list[int]:
+    if isinstance(value, str):
+        value = [v for v in value.replace(" ", ",").split(",") if v]
+    if not isinstance(value, list):
+        value = [value]
+    pids = [_whole(v, None) if not isinstance(v, str) else int(v) for v in value]
+    if any(p <= 0 for p in pids):
+        raise ValueError("PIDs are positive")
+    return pids
+
+
+def _unknown_collector(name: object) -> ConfigError:
+    return ConfigError(f"unknown collector {name!r} (known: {', '.join(COLLECTOR_NAMES)})")
+
+
+def _collectors(value: Any, cfg: Any) -> dict[str, bool]:
+    """A mapping ``{gpm: false}`` or a list ``"profiling,-gpm"`` (``-name`` switches off)."""
+    out = dict(cfg.collectors)
+    if isinstance(value, Mapping):
+        for name, on in value.items():
+            if name not in COLLECTOR_NAMES:
+                raise _unknown_collector(name)
+            out[name] = bool(on)
+        return out
+    for raw in value.split(",") if isinstance(value, str) else list(value):
+        item = str(raw).strip()
+        if not item:
+            continue
+        name = item.lstrip("-+")
+        if name not in COLLECTOR_NAMES:
+            raise _unknown_collector(name)
+        out[name] = not item.startswith("-")
+    return out
+
+
+# -- checks: (value, setting name) -> None or ConfigError -------------------------------------
+
+def _between(low: float, high: float, unit: str = "") -> Callable[[Any, str], None]:
+    def check(value: Any, name: str) -> None:
+        if not low <= value <= high:
+            dashed = name.replace("_", "-")
+            what = f" {unit}" if unit else ""
+            raise ConfigError(f"{dashed} {value:g} is out of range ({low:g}-{high:g}{what})")
+    return check
+
+
+def _check_interval(value: float, _name: str) -> None:
+    if not MIN_INTERVAL <= value <= MAX_INTERVAL:
+        raise ConfigError(
+            f"interval {value} is out of range ({MIN_INTERVAL}-{MAX_INTERVAL} seconds)")
+
+
+def _check_ratio(high: float) -> Callable[[Any, str], None]:
+    def check(value: float, name: str) -> None:
+        if not 0.0 <= value <= high:
+            raise ConfigError(f"{name.replace('_', '-')} {value} is out of range")
+    return check
+
+
+def _check_listen(value: str, _name: str) -> None:
+    parse_listen(value)
+
+
+def _check_regex(value: str | None, _name: str) -> None:
+    if value is None:
+        return
+    try:
+        re.compile(value)
+    except re.error as exc:
+        raise ConfigError(f"process-name regex {value!r} does not compile: {exc}") from exc
+
+
+def _check_backend(value: str, _name: str) -> None:
+    if value not in ("auto", "nvml", "none") and not (
+            value.startswith("replay:") and len(value) > len("replay:")):
+        raise ConfigError(f"gpu-backend {value!r} is not one of {GPU_BACKENDS}")
+
+
+def _check_log_level(value: str, _name: str) -> None:
+    if value.lower() not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"log-level {value!r} is not debug, info, warning or error")
+
+
+def _check_token(value: str | None, _name: str) -> None:
+    if value is not None:
+        check_token(value, "MRC_AGENT_WEBHOOK_TOKEN")
+
+
+def _check_nonempty(value: str, name: str) -> None:
+    if not value:
+        raise ConfigError(f"{name.replace('_', '-')} must not be empty")
+
+
+_AGENT = (RUN, DOCTOR)
+
+
 @dataclass
 class AgentConfig:
-    pids: list[int] = field(default_factory=list)
-    pidfile: str | None = None
-    process_name: str | None = None
-    listen: str = DEFAULT_LISTEN
-    interval: float = 1.0
-    gpu_backend: str = "auto"
-    collectors: dict[str, bool] = field(default_factory=lambda: dict(DEFAULT_ON))
-    idle_util_threshold: float = Thresholds.idle_util
-    starvation_cpu_threshold: float = Thresholds.starved_cpu
-    starvation_gpu_threshold: float = Thresholds.starved_gpu
-    log_level: str = "info"
+    """Every setting of the agent, in the order ``--help`` lists them."""
+
+    pids: list[int] = setting(
+        default_factory=list, parse=_pids, commands=_AGENT, flag="--pid", metavar="PID",
+        aliases=(ENV_PREFIX + "PID",),
+        help="target process ID (repeatable; in the environment a list such as 1,2)")
+    pidfile: str | None = setting(
+        parse=_text, commands=_AGENT, metavar="PATH",
+        help="file holding the target PID, re-read every interval")
+    process_name: str | None = setting(
+        parse=_text, check=_check_regex, commands=_AGENT, metavar="REGEX",
+        help="regex matched against command lines every interval; every match is a target")
+    listen: str = setting(
+        DEFAULT_LISTEN, parse=_text, check=_check_listen, commands=(RUN,), metavar="HOST:PORT",
+        help="address to serve on: HOST:PORT, :PORT or [::1]:PORT")
+    interval: float = setting(
+        1.0, parse=_float, check=_check_interval, commands=(RUN,), metavar="SECONDS",
+        help="sampling period")
+    gpu_backend: str = setting(
+        "auto", parse=_text, check=_check_backend, commands=(RUN, DOCTOR, DIAGNOSE),
+        metavar="auto|nvml|replay:PATH|none", help="where GPU samples come from")
+    collectors: dict[str, bool] = setting(
+        default_factory=lambda: dict(DEFAULT_ON), parse=_collectors, commands=_AGENT,
+        metavar="NAME",
+        help="collectors on or off: a list such as profiling,-gpm, or a mapping in the file")
+    idle_util_threshold: float = setting(
+        DerivedThresholds.idle_util, parse=_float, check=_check_ratio(1.0),
+        commands=(RUN, DOCTOR, DIAGNOSE), metavar="RATIO",
+        help="GPU utilisation at or below which the GPU counts as idle")
+    starvation_cpu_threshold: float = setting(
+        DerivedThresholds.starved_cpu, parse=_float, check=_check_ratio(64.0),
+        commands=(RUN, DOCTOR, DIAGNOSE), metavar="RATIO",
+        help="target user CPU (cores) at or above which it counts as hot")
+    starvation_gpu_threshold: float = setting(
+        DerivedThresholds.starved_gpu, parse=_float, check=_check_ratio(1.0), commands=_AGENT,
+        metavar="RATIO", help="GPU utilisation at or below which a hot target is starved")
+    log_level: str = setting(
+        "info", parse=_text, check=_check_log_level, commands=_AGENT, metavar="LEVEL",
+        help="debug, info, warning or error")
     #: The Alertmanager webhook (``POST /hooks/alertmanager``) and the captures endpoints are
     #: served only when a shared token is given: a file (``--webhook-token-file``, mounted from
     #: a Secret) or ``MRC_AGENT_WEBHOOK_TOKEN``. Never on the command line or in the config
     #: file, where it would be visible in ``ps`` or a ConfigMap.
-    webhook_token_file: str | None = None
-    webhook_token: str | None = None
-    capture_dir: str = DEFAULT_CAPTURE_DIR
+    webhook_token_file: str | None = setting(
+        parse=_text, commands=(RUN,), metavar="PATH", group=CAPTURES_GROUP,
+        help="file holding the shared token that enables POST /hooks/alertmanager and "
+             "GET /captures (or the token itself in MRC_AGENT_WEBHOOK_TOKEN)")
+    webhook_token: str | None = setting(
+        parse=_text, check=_check_token, flag=None, env_only=True,
+        help="the shared webhook token itself (environment only)")
+    capture_dir: str = setting(
+        DEFAULT_CAPTURE_DIR, parse=_text, check=_check_nonempty, commands=(RUN,), metavar="DIR",
+        group=CAPTURES_GROUP, help="where captures are kept")
     #: Seconds one on-alert capture samples for: long enough for a few hundred stacks and a
     #: few GPU idle windows, short enough that the moment the alert caught is still going on.
-    capture_duration: float = 10.0
+    capture_duration: float = setting(
+        10.0, parse=_float, check=_between(1.0, 120.0), commands=(RUN,), metavar="SECONDS",
+        group=CAPTURES_GROUP, help="how long one capture samples")
     #: At most this many captures start per rolling hour (and only one runs at a time): an
     #: alert that re-fires every group_interval must not keep py-spy attached all day.
-    capture_max_per_hour: int = 6
+    capture_max_per_hour: int = setting(
+        6, parse=_whole, check=_between(1, 60), commands=(RUN,), metavar="N",
+        group=CAPTURES_GROUP, help="captures started per rolling hour at most")
     #: Bounds of the captures directory; the oldest captures are deleted first.
-    capture_max_count: int = 20
-    capture_max_bytes: int = 100 * 1024 * 1024
+    capture_max_count: int = setting(
+        20, parse=_whole, check=_between(1, 1000), commands=(RUN,), metavar="N",
+        group=CAPTURES_GROUP, help="captures kept at most, oldest deleted first")
+    capture_max_bytes: int = setting(
+        100 * 1024 * 1024, parse=_bytes, check=_between(1 << 20, 1 << 40), commands=(RUN,),
+        metavar="BYTES", group=CAPTURES_GROUP, default_text="100Mi",
+        help="bytes the captures may use, e.g. 100Mi")
     #: Captures older than this many seconds are deleted (7 days).
-    capture_retention: float = 7 * 86400.0
+    capture_retention: float = setting(
+        7 * 86400.0, parse=_seconds, check=_between(60.0, 365 * 86400.0), commands=(RUN,),
+        metavar="DURATION", group=CAPTURES_GROUP, default_text="7d",
+        help="delete captures older than this, e.g. 24h or 7d")
 
     @property
     def host_port(self) -> tuple[str, int]:
         return parse_listen(self.listen)
 
     @property
-    def thresholds(self) -> Thresholds:
-        return Thresholds(self.idle_util_threshold, self.starvation_cpu_threshold,
-                          self.starvation_gpu_threshold)
+    def thresholds(self) -> DerivedThresholds:
+        return DerivedThresholds(self.idle_util_threshold, self.starvation_cpu_threshold,
+                                 self.starvation_gpu_threshold)
 
     @property
     def replay_path(self) -> str | None:
@@ -99,11 +328,27 @@ class AgentConfig:
     @property
     def enabled(self) -> list[str]:
         """Enabled collector names in sampling order."""
-        return [name for name in COLLECTORS if self.collectors.get(name)]
+        return [name for name in COLLECTOR_NAMES if self.collectors.get(name)]
 
 
-KEYS = {f.name for f in fields(AgentConfig)}
+def _settings() -> dict[str, Setting]:
+    out = {}
+    for f in fields(AgentConfig):
+        out[f.name] = Setting(name=f.name, **f.metadata["setting"])
+    return out
 
+
+#: Every setting, by field name, in declaration order.
+SETTINGS: dict[str, Setting] = _settings()
+KEYS = set(SETTINGS)
+
+
+def default_of(name: str) -> Any:
+    """The default value of setting ``name``."""
+    return getattr(AgentConfig(), name)
+
+
+# -- values ------------------------------------------------------------------------------------
 
 def parse_listen(value: str) -> tuple[str, int]:
     """``HOST:PORT``, ``:PORT`` (all interfaces) or ``[::1]:PORT``."""
@@ -111,26 +356,6 @@ def parse_listen(value: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(f"listen address {value!r} is not HOST:PORT")
     return (host or "0.0.0.0", int(port))
-
-
-def parse_bytes(value: Any) -> int:
-    """``104857600``, ``100Mi``, ``100MiB``, ``1G``, ``500k`` -> bytes."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return int(value)
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]i?)?b?\s*", str(value), re.IGNORECASE)
-    if m is None:
-        raise ValueError("expected bytes such as 104857600, 100Mi or 1G")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
-
-
-def parse_seconds(value: Any) -> float:
-    """``3600``, ``90s``, ``30m``, ``24h``, ``7d`` -> seconds."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", str(value), re.IGNORECASE)
-    if m is None:
-        raise ValueError("expected a duration such as 3600, 90s, 30m, 24h or 7d")
-    return float(m.group(1)) * _SECONDS[m.group(2).lower()]
 
 
 def read_token_file(path: str) -> str:
@@ -152,67 +377,21 @@ def check_token(token: str, origin: str) -> None:
         raise ConfigError(f"{origin}: the token must be one word of printable characters")
 
 
-def _collectors_from_list(spec: str | list[str], base: dict[str, bool]) -> dict[str, bool]:
-    """``"profiling,-gpm"``: names to switch on, ``-name`` to switch off."""
-    items = spec.split(",") if isinstance(spec, str) else list(spec)
-    out = dict(base)
-    for raw in items:
-        item = str(raw).strip()
-        if not item:
-            continue
-        on = not item.startswith("-")
-        name = item.lstrip("-+")
-        if name not in COLLECTORS:
-            raise ConfigError(f"unknown collector {name!r} (known: {', '.join(COLLECTORS)})")
-        out[name] = on
-    return out
-
-
-def _coerce(key: str, value: Any, current: AgentConfig, origin: str) -> Any:
-    try:
-        if key == "pids":
-            if isinstance(value, str):
-                value = [v for v in value.replace(" ", ",").split(",") if v]
-            if not isinstance(value, list):
-                value = [value]
-            pids = [int(v) for v in value]
-            if any(p <= 0 for p in pids):
-                raise ValueError("PIDs are positive")
-            return pids
-        if key == "collectors":
-            if isinstance(value, Mapping):
-                out = dict(current.collectors)
-                for name, on in value.items():
-                    if name not in COLLECTORS:
-                        raise ConfigError(f"{origin}: unknown collector {name!r} "
-                                          f"(known: {', '.join(COLLECTORS)})")
-                    out[name] = bool(on)
-                return out
-            return _collectors_from_list(value, current.collectors)
-        if key in ("interval", "idle_util_threshold", "starvation_cpu_threshold",
-                   "starvation_gpu_threshold", "capture_duration"):
-            return float(value)
-        if key in ("capture_max_per_hour", "capture_max_count"):
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError("expected a whole number")
-            return int(value)
-        if key == "capture_max_bytes":
-            return parse_bytes(value)
-        if key == "capture_retention":
-            return parse_seconds(value)
-        return None if value is None else str(value)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{origin}: invalid value {value!r} for {key} ({exc})") from exc
-
+# -- sources -----------------------------------------------------------------------------------
 
 def apply(cfg: AgentConfig, values: Mapping[str, Any], origin: str) -> None:
     """Overlay ``values`` (already keyed by field name) onto ``cfg``."""
     for key, value in values.items():
-        if key not in KEYS:
+        spec = SETTINGS.get(key)
+        if spec is None:
             raise ConfigError(f"{origin}: unknown setting {key!r}")
-        setattr(cfg, key, _coerce(key, value, cfg, origin))
+        try:
+            parsed = spec.parse(value, cfg)
+        except ConfigError as exc:
+            raise ConfigError(f"{origin}: {exc}") from exc
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{origin}: invalid value {value!r} for {key} ({exc})") from exc
+        setattr(cfg, key, parsed)
 
 
 def from_file(path: str) -> dict[str, Any]:
@@ -230,22 +409,25 @@ def from_file(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of settings")
     out = {str(k).replace("-", "_"): v for k, v in data.items()}
-    if "webhook_token" in out:
-        raise ConfigError(f"config file {path}: do not put the webhook token in the config file; "
-                          "use webhook_token_file or MRC_AGENT_WEBHOOK_TOKEN")
+    for key in out:
+        spec = SETTINGS.get(key)
+        if spec is not None and spec.env_only:
+            raise ConfigError(f"config file {path}: do not put the {key.replace('_', ' ')} in "
+                              f"the config file; use {spec.name}_file or {spec.env}")
     return out
 
 
 def from_env(env: Mapping[str, str]) -> dict[str, Any]:
-    """``MRC_AGENT_PIDS`` (or ``MRC_AGENT_PID``), ``MRC_AGENT_INTERVAL``, … ;
+    """``MRC_AGENT_<SETTING>`` for every setting (``MRC_AGENT_PID`` for ``pids`` too);
     ``MRC_AGENT_CONFIG`` names the file and is not a setting."""
+    by_env = {s.env: s.name for s in SETTINGS.values()}
+    by_env.update({alias: s.name for s in SETTINGS.values() for alias in s.aliases})
     out: dict[str, Any] = {}
     for name, value in env.items():
-        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
             continue
-        key = name[len(ENV_PREFIX):].lower()
-        key = "pids" if key == "pid" else key
-        if key not in KEYS:
+        key = by_env.get(name)
+        if key is None:
             raise ConfigError(f"environment: unknown setting {name}")
         out[key] = value
     return out
@@ -253,38 +435,12 @@ def from_env(env: Mapping[str, str]) -> dict[str, Any]:
 
 def validate(cfg: AgentConfig) -> AgentConfig:
     """Check every setting; the first problem raises ConfigError."""
-    parse_listen(cfg.listen)
-    if not MIN_INTERVAL <= cfg.interval <= MAX_INTERVAL:
-        raise ConfigError(
-            f"interval {cfg.interval} is out of range ({MIN_INTERVAL}-{MAX_INTERVAL} seconds)")
-    if cfg.process_name is not None:
-        try:
-            re.compile(cfg.process_name)
-        except re.error as exc:
-            raise ConfigError(f"process-name regex {cfg.process_name!r} does not compile: "
-                              f"{exc}") from exc
-    backend = cfg.gpu_backend
-    if backend not in ("auto", "nvml", "none") and not (
-            backend.startswith("replay:") and len(backend) > len("replay:")):
-        raise ConfigError(f"gpu-backend {backend!r} is not one of auto, nvml, replay:PATH, none")
-    for key in ("idle_util_threshold", "starvation_cpu_threshold", "starvation_gpu_threshold"):
-        value = getattr(cfg, key)
-        if not 0.0 <= value <= (64.0 if key == "starvation_cpu_threshold" else 1.0):
-            raise ConfigError(f"{key.replace('_', '-')} {value} is out of range")
-    if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
-        raise ConfigError(f"log-level {cfg.log_level!r} is not debug, info, warning or error")
+    for spec in SETTINGS.values():
+        if spec.check is not None:
+            spec.check(getattr(cfg, spec.name), spec.name)
     if cfg.webhook_token_file and cfg.webhook_token:
         raise ConfigError("give the webhook token once: webhook-token-file or "
                           "MRC_AGENT_WEBHOOK_TOKEN, not both")
-    if cfg.webhook_token:
-        check_token(cfg.webhook_token, "MRC_AGENT_WEBHOOK_TOKEN")
-    for key, (low, high) in CAPTURE_RANGES.items():
-        value = getattr(cfg, key)
-        if not low <= value <= high:
-            raise ConfigError(f"{key.replace('_', '-')} {value:g} is out of range "
-                              f"({low:g}-{high:g})")
-    if not cfg.capture_dir:
-        raise ConfigError("capture-dir must not be empty")
     return cfg
 
 
@@ -293,9 +449,80 @@ def load(cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
     """Build the config from file < env < CLI (``cli`` holds only the flags given)."""
     env = os.environ if env is None else env
     cfg = AgentConfig()
-    path = config_path or env.get(ENV_PREFIX + "CONFIG")
+    path = config_path or env.get(CONFIG_ENV)
     if path:
         apply(cfg, from_file(path), f"config file {path}")
     apply(cfg, from_env(env), "environment")
     apply(cfg, {k: v for k, v in cli.items() if v is not None}, "command line")
     return validate(cfg)
+
+
+# -- flags -------------------------------------------------------------------------------------
+
+def _show(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, dict):
+        return ",".join(n for n, on in value.items() if on)
+    return str(value)
+
+
+def add_flags(parser: argparse.ArgumentParser, command: str,
+              defaults: Mapping[str, Any] | None = None,
+              only: Iterable[str] | None = None) -> None:
+    """Add ``command``'s setting flags (and ``--config``) to ``parser``. Flag defaults are None,
+    so only the flags given override the environment and the file; ``defaults`` names values
+    that stand in for the setting's own default in this command's ``--help``."""
+    defaults = defaults or {}
+    wanted = set(only) if only is not None else None
+    parser.add_argument("--config", metavar="PATH",
+                        help=f"YAML config file (env {CONFIG_ENV})")
+    groups: dict[str, Any] = {}
+    for spec in SETTINGS.values():
+        if command not in spec.commands or spec.flag_name is None:
+            continue
+        if wanted is not None and spec.name not in wanted:
+            continue
+        target: Any = parser
+        if spec.group:
+            target = groups.get(spec.group) or groups.setdefault(
+                spec.group, parser.add_argument_group(spec.group))
+        default = defaults.get(spec.name, default_of(spec.name))
+        text_default = spec.default_text if spec.name not in defaults else None
+        shown = f" (default {text_default or _show(default)})" if default not in (
+            None, [], "") else ""
+        text = f"{spec.help}{shown}; env {spec.env}"
+        if spec.name == "collectors":
+            names = list(COLLECTOR_NAMES)
+            target.add_argument("--collector", dest="enable", action="append", default=[],
+                                choices=names, metavar="NAME",
+                                help=f"switch a collector on (repeatable: {', '.join(names)}; "
+                                     f"default {_show(default)}; env {spec.env}=profiling,-gpm)")
+            target.add_argument("--no-collector", dest="disable", action="append", default=[],
+                                choices=names, metavar="NAME",
+                                help=f"switch a collector off (repeatable; env {spec.env})")
+            continue
+        kind: dict[str, Any] = {}
+        if spec.name == "pids":
+            kind = {"type": int, "action": "append"}
+        elif spec.parse in (_float,):
+            kind = {"type": float}
+        elif spec.parse in (_whole,):
+            kind = {"type": int}
+        target.add_argument(spec.flag_name, dest=spec.name, metavar=spec.metavar,
+                            help=text, **kind)
+
+
+def flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given as flags in ``args`` (as :func:`add_flags` declared them)."""
+    cli = {name: getattr(args, name) for name in SETTINGS if getattr(args, name, None) is not None}
+    switches = [*getattr(args, "enable", []), *(f"-{n}" for n in getattr(args, "disable", []))]
+    if switches:
+        cli["collectors"] = ",".join(switches)
+    return cli
+
+
+def config_from_args(args: argparse.Namespace, **overrides: Any) -> AgentConfig:
+    """The config for a subcommand: file < env < its flags < ``overrides``."""
+    cli = {**flag_values(args), **{k: v for k, v in overrides.items() if v is not None}}
+    return load(cli, config_path=getattr(args, "config", None))

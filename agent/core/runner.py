@@ -1,5 +1,6 @@
 """The sampling runner: calls every enabled collector on the agent's own clock, times it,
-isolates its failures, and publishes one immutable snapshot per pass.
+isolates its failures, runs the pass finishers, and publishes one immutable snapshot per pass.
+It knows collectors only by the :class:`~agent.core.collectors.base.Collector` Protocol.
 
 Health belongs here, not in the collectors: ``mrc_agent_collector_success`` and
 ``mrc_agent_collector_duration_seconds`` are written for each collector on every pass, and an
@@ -16,13 +17,39 @@ import time
 from collections.abc import Callable, Sequence
 
 from agent import __version__
-from agent.core.collectors.base import Collector, SampleContext
-from agent.core.collectors.gpu import ProfilingCollector
+from agent.core.collectors.base import Collector, PassFinisher, SampleContext
 from agent.core.hw.base import SourceUnavailable
+from agent.core.sample import EMPTY, Sample, Snapshot, counter, gauge, info
 from agent.core.targets import TargetResolver
-from exporters.exposition.snapshot import EMPTY, Sample, Snapshot
 
 log = logging.getLogger(__name__)
+
+#: The runner's own metrics: health of each collector and of the sampling loop.
+AGENT = "agent"
+BUILD_INFO = info(AGENT, "mrc_agent_build_info", (),
+                  "Version of the agent and of Python it runs on.")
+COLLECTOR_SUCCESS = gauge(
+    AGENT, "mrc_agent_collector_success", ("collector",),
+    "Whether the collector's last update succeeded (1) or failed or had no data (0).")
+COLLECTOR_AVAILABLE = gauge(
+    AGENT, "mrc_agent_collector_available", ("collector",),
+    "Whether the collector's source applies on this host (0: no GPU, no NVML, no GPM, "
+    "no profiling permission, or disabled backend).")
+COLLECTOR_DURATION = gauge(AGENT, "mrc_agent_collector_duration_seconds", ("collector",),
+                           "Wall time the collector's last update took.")
+SAMPLES = counter(AGENT, "mrc_agent_samples_total", (),
+                  "Sampling passes completed since the agent started.")
+SAMPLE_OVERRUNS = counter(AGENT, "mrc_agent_sample_overruns_total", (),
+                          "Sampling ticks skipped because a pass took longer than the interval.")
+SAMPLE_DURATION = gauge(AGENT, "mrc_agent_sample_duration_seconds", (),
+                        "Wall time the last sampling pass took, all collectors together.")
+LAST_SAMPLE_TIMESTAMP = gauge(AGENT, "mrc_agent_last_sample_timestamp_seconds", (),
+                              "Unix time at which the snapshot being served was taken.")
+INTERVAL = gauge(AGENT, "mrc_agent_interval_seconds", (), "Configured sampling interval.")
+TARGETS = gauge(AGENT, "mrc_agent_targets", (),
+                "Number of target processes watched in the last sampling pass.")
+METRICS = (BUILD_INFO, COLLECTOR_SUCCESS, COLLECTOR_AVAILABLE, COLLECTOR_DURATION, SAMPLES,
+           SAMPLE_OVERRUNS, SAMPLE_DURATION, LAST_SAMPLE_TIMESTAMP, INTERVAL, TARGETS)
 
 
 class Runner:
@@ -33,10 +60,13 @@ class Runner:
         interval: float,
         clock: Callable[[], float] = time.monotonic,
         wallclock: Callable[[], float] = time.time,
+        *,
+        finishers: Sequence[PassFinisher] = (),
     ) -> None:
         self.collectors = list(collectors)
         self.targets = targets
         self.interval = interval
+        self._finishers = list(finishers)
         self._clock = clock
         self._wallclock = wallclock
         self._snapshot = EMPTY
@@ -44,7 +74,6 @@ class Runner:
         self._samples_total = 0
         self._overruns = 0
         self._said: dict[str, str] = {}  # collector -> last reason logged
-        self._ok: dict[str, bool] = {}  # collector -> last pass succeeded
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()
@@ -76,37 +105,30 @@ class Runner:
                 success = 0.0
                 self._say(collector.name, f"failed: {type(exc).__name__}: {exc}",
                           logging.WARNING)
-            self._ok[collector.name] = bool(success)
+            ctx.succeeded[collector.name] = bool(success)
             name = (collector.name,)
-            health.append(("mrc_agent_collector_success", name, success))
-            health.append(("mrc_agent_collector_available", name, available))
-            health.append(("mrc_agent_collector_duration_seconds", name,
-                           time.perf_counter() - t0))
+            health.append((COLLECTOR_SUCCESS.name, name, success))
+            health.append((COLLECTOR_AVAILABLE.name, name, available))
+            health.append((COLLECTOR_DURATION.name, name, time.perf_counter() - t0))
+        finished: list[Sample] = []
+        for finish in self._finishers:
+            finished.extend(finish(ctx))
         self._samples_total += 1
         self._seq += 1
         agent: list[Sample] = [
-            ("mrc_agent_build_info", (),
-             {"version": __version__, "python": platform.python_version()}),
-            ("mrc_agent_samples_total", (), float(self._samples_total)),
-            ("mrc_agent_sample_overruns_total", (), float(self._overruns)),
-            ("mrc_agent_sample_duration_seconds", (), time.perf_counter() - started),
-            ("mrc_agent_last_sample_timestamp_seconds", (), ctx.wall),
-            ("mrc_agent_interval_seconds", (), self.interval),
-            ("mrc_agent_targets", (), float(len(ctx.processes))),
-            ("mrc_agent_compute_memory_source_info", self._compute_memory_source(), {}),
+            (BUILD_INFO.name, (), {"version": __version__, "python": platform.python_version()}),
+            (SAMPLES.name, (), float(self._samples_total)),
+            (SAMPLE_OVERRUNS.name, (), float(self._overruns)),
+            (SAMPLE_DURATION.name, (), time.perf_counter() - started),
+            (LAST_SAMPLE_TIMESTAMP.name, (), ctx.wall),
+            (INTERVAL.name, (), self.interval),
+            (TARGETS.name, (), float(len(ctx.processes))),
         ]
-        snap = Snapshot(seq=self._seq, timestamp=ctx.wall, samples=tuple(agent + health + samples))
+        snap = Snapshot(seq=self._seq, timestamp=ctx.wall,
+                        samples=tuple(agent + finished + health + samples))
         self._snapshot = snap
         self.ready.set()
         return snap
-
-    def _compute_memory_source(self) -> tuple[str, str]:
-        """(source, reason) for the compute-to-memory signal: never pass one off as the other."""
-        profiling = next((c for c in self.collectors if isinstance(c, ProfilingCollector)), None)
-        reason = profiling.status[0] if profiling else "not_requested"
-        if reason == "ok":
-            return ("cupti_pm_sampling", "ok")
-        return ("gpm_activity_proxy" if self._ok.get("gpm") else "none", reason)
 
     def _say(self, collector: str, message: str, level: int = logging.INFO) -> None:
         if self._said.get(collector, "") == message:

@@ -1,102 +1,84 @@
-"""Wiring: turns an :class:`AgentConfig` into GPU sources, collectors, a runner and the HTTP
-exposition. Registration is explicit (a dict of name -> factory) and nothing happens at import.
+"""Wiring, in one place: turns an :class:`AgentConfig` into GPU sources, collectors, a runner
+and the HTTP exposition. ``run``, ``record``, ``doctor``, ``demo`` and ``diagnose`` all build
+their GPU backend and collectors here. Nothing happens at import.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.registry import CollectorRegistry
 
 from agent.core.catalog import CATALOG
-from agent.core.collectors.base import Collector
-from agent.core.collectors.derived import DerivedCollector
-from agent.core.collectors.gpu import GpmCollector, GpuCollector, ProfilingCollector
-from agent.core.collectors.process import ProcessCollector
+from agent.core.collectors import BY_NAME, PASS_FINISHERS
+from agent.core.collectors.base import BuildContext, Collector
 from agent.core.config import AgentConfig
+from agent.core.hw.profiling import LazyProfiling
+from agent.core.hw.sources import Closable, Sources
 from agent.core.runner import Runner
 from agent.core.targets import TargetResolver
-from exporters.exposition.http import ExpositionServer
+from exporters.exposition.http import ExpositionServer, Routes
 from exporters.exposition.snapshot import SnapshotCollector
+
+if TYPE_CHECKING:
+    from agent.core.hw.nvml import NvmlBackend
+    from agent.core.hw.replay import ReplayBackend
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class Sources:
-    """The GPU sources the collectors read; ``None`` where the backend is 'none'."""
-
-    device: Any = None
-    gpm: Any = None
-    profiling: Any = None
-    backend: Any = None  # the object to close()
-
-    def close(self) -> None:
-        """Close the backend and, when it is a separate object, the profiling source."""
-        for part in {id(p): p for p in (self.backend, self.profiling) if p is not None}.values():
-            if hasattr(part, "close"):
-                part.close()
+#: How often the lazily built CUPTI sampler reads the performance monitors by default.
+PROFILING_INTERVAL_S = 0.1
 
 
-class LazyProfiling:
-    """A ProfilingSource over CUPTI PM sampling, built on first use: it needs NVML's GPU list,
-    and opens the GPU's performance monitors only when the profiling collector runs. A failed
-    build is retried on the next call (the GPU may appear later)."""
-
-    def __init__(self, nvml: Any, interval_s: float = 0.1) -> None:
-        self._nvml = nvml
-        self._interval_s = interval_s
-        self._sampler: Any = None
-
-    def sample_profiling(self) -> Any:
-        if self._sampler is None:
-            # CUPTI takes CUDA device indices; PCI order makes them agree with NVML's.
-            os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-            from agent.core.hw.cupti_pm import CuptiPmSampler
-
-            self._sampler = CuptiPmSampler([s.gpu for s in self._nvml.sample_devices()],
-                                           interval_s=self._interval_s)
-        return self._sampler.sample_profiling()
-
-    def close(self) -> None:
-        if self._sampler is not None:
-            self._sampler.close()
-
-
-def make_sources(cfg: AgentConfig, nvml_lib: Any | None = None) -> Sources:
-    """Build the GPU sources for ``--gpu-backend``. A replay trace is parsed here, so a
-    malformed one stops the agent before it starts (ReplayFormatError)."""
-    replay = cfg.replay_path
-    if replay is not None:
+def open_gpu_backend(backend: str, nvml_lib: Any | None = None, *,
+                     pcie_thread: bool = True) -> ReplayBackend | NvmlBackend | None:
+    """The GPU backend ``--gpu-backend`` names: ``replay:PATH`` (the trace is parsed here, so
+    a malformed one stops the caller before it starts: ReplayFormatError), ``none`` (None), or
+    NVML for ``auto`` and ``nvml`` (which reports "unavailable" per call when there is no
+    GPU)."""
+    if backend.startswith("replay:"):
         from agent.core.hw.replay import ReplayBackend
 
-        backend = ReplayBackend(replay)
-        return Sources(backend, backend, backend, backend)
-    if cfg.gpu_backend == "none":
-        return Sources()
+        return ReplayBackend(backend[len("replay:"):])
+    if backend == "none":
+        return None
     from agent.core.hw.nvml import NvmlBackend
 
-    nvml = NvmlBackend(lib=nvml_lib)
-    return Sources(nvml, nvml, LazyProfiling(nvml), nvml)
+    return NvmlBackend(lib=nvml_lib, pcie_thread=pcie_thread)
 
 
-COLLECTOR_FACTORIES: dict[str, Callable[[AgentConfig, Sources], Collector]] = {
-    "process": lambda cfg, src: ProcessCollector(),
-    "gpu": lambda cfg, src: GpuCollector(src.device),
-    "gpm": lambda cfg, src: GpmCollector(src.gpm),
-    "profiling": lambda cfg, src: ProfilingCollector(src.profiling),
-    "derived": lambda cfg, src: DerivedCollector(cfg.thresholds),
-}
+def make_sources(cfg: AgentConfig, nvml_lib: Any | None = None, *, profiling: bool = True,
+                 profiling_interval_s: float = PROFILING_INTERVAL_S) -> Sources:
+    """The GPU sources for ``cfg.gpu_backend``. Under NVML the profiling source is CUPTI PM
+    sampling built on first use (``profiling=False`` leaves it out)."""
+    from agent.core.hw.replay import ReplayBackend
+
+    backend = open_gpu_backend(cfg.gpu_backend, nvml_lib)
+    if backend is None:
+        return Sources()
+    if isinstance(backend, ReplayBackend):
+        return Sources(backend, backend, backend)
+    lazy = LazyProfiling(backend, profiling_interval_s) if profiling else None
+    owned: tuple[Closable, ...] = (backend,) if lazy is None else (backend, lazy)
+    return Sources(backend, backend, lazy, owned)
 
 
-def build_runner(cfg: AgentConfig, sources: Sources) -> Runner:
-    collectors = [COLLECTOR_FACTORIES[name](cfg, sources) for name in cfg.enabled]
+def build_collectors(cfg: AgentConfig, sources: Sources,
+                     names: Iterable[str] | None = None) -> list[Collector]:
+    """The collectors ``names`` (default: the enabled ones), in sampling order."""
+    wanted = set(cfg.enabled if names is None else names)
+    ctx = BuildContext(sources, cfg.thresholds)
+    return [d.factory(ctx) for name, d in BY_NAME.items() if name in wanted]
+
+
+def build_runner(cfg: AgentConfig, sources: Sources,
+                 collectors: list[Collector] | None = None) -> Runner:
     targets = TargetResolver(cfg.pids, cfg.pidfile, cfg.process_name)
-    return Runner(collectors, targets, cfg.interval)
+    if collectors is None:
+        collectors = build_collectors(cfg, sources)
+    return Runner(collectors, targets, cfg.interval, finishers=PASS_FINISHERS)
 
 
 def build_registry(runner: Runner) -> CollectorRegistry:
@@ -105,7 +87,9 @@ def build_registry(runner: Runner) -> CollectorRegistry:
     return registry
 
 
-def build_server(cfg: AgentConfig, runner: Runner) -> ExpositionServer:
+def build_server(cfg: AgentConfig, runner: Runner, routes: Routes | None = None) -> ExpositionServer:
+    """The agent's exposition server for ``runner``'s snapshots, with optional extra routes
+    (the on-alert capture endpoints). Binds now: "address in use" raises OSError here."""
     host, port = cfg.host_port
     return ExpositionServer(build_registry(runner), host, port, runner.version,
-                            runner.ready.is_set)
+                            runner.ready.is_set, routes=routes)

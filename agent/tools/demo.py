@@ -19,22 +19,21 @@ import time
 from importlib import resources
 from typing import Any
 
+from agent.core.collectors import DEFAULT_ON, derived, gpm, gpu, process, profiling
 from agent.core.config import AgentConfig, validate
 from agent.core.hw.base import SourceUnavailable
-from agent.core.wiring import build_runner, build_server, make_sources
-from exporters.exposition.snapshot import HistogramValue, Snapshot
+from agent.core.sample import HistogramValue, Snapshot, first, series
+from agent.core.wiring import build_runner, build_server, make_sources, open_gpu_backend
+from exporters.exposition.snapshot import MetricSpec
 
 
 def embedded_trace() -> str:
     return str(resources.files("agent.tools") / "data" / "demo_starved.jsonl")
 
 
-def _value(snap: Snapshot, name: str) -> float | None:
-    """The first float sample of ``name`` (the demo has one target)."""
-    for sample_name, _labels, value in snap.samples:
-        if sample_name == name and isinstance(value, float):
-            return value
-    return None
+def _value(snap: Snapshot | None, spec: MetricSpec) -> float | None:
+    """The first float sample of ``spec`` (the demo has one target and one GPU)."""
+    return None if snap is None else first(snap, spec)
 
 
 def _fmt_rate(bps: float | None) -> str:
@@ -47,36 +46,34 @@ def _pct(x: float | None) -> str:
 
 def golden_line(snap: Snapshot, prev: Snapshot | None, dt: float) -> str:
     """One line of the golden triangle from two consecutive snapshots."""
-    def rate(name: str) -> float | None:
-        now = _value(snap, name)
-        before = _value(prev, name) if prev else None
+    def rate(spec: MetricSpec) -> float | None:
+        now = _value(snap, spec)
+        before = _value(prev, spec)
         if now is None or before is None or dt <= 0:
             return None
         return max(now - before, 0.0) / dt
 
-    inst, dram = rate("mrc_gpu_sm_instructions_executed_total"), rate(
-        "mrc_gpu_dram_read_bytes_total")
-    proxy = _value(snap, "mrc_gpu_gpm_sm_to_dram_activity")
+    inst, dram = rate(profiling.SM_INSTRUCTIONS), rate(profiling.DRAM_READ_BYTES)
+    proxy = _value(snap, gpm.SM_TO_DRAM_ACTIVITY)
     if inst is not None and dram:
         ratio = f"{inst / dram:5.1f} inst/B"
     elif proxy is not None:
         ratio = f"{proxy:5.2f} SM/DRAM act"
     else:
         ratio = "     -      "
-    return (f"{time.strftime('%H:%M:%S')}  user {_pct(_value(snap, 'mrc_process_cpu_user_ratio'))}"
-            f"  hottest {_pct(_value(snap, 'mrc_process_hottest_thread_cpu_user_ratio'))}"
-            f"  GPU {_pct(_value(snap, 'mrc_gpu_utilization_ratio'))}"
-            f"  idle {_value(snap, 'mrc_gpu_idle_current_seconds') or 0:4.1f}s"
-            f"  PCIe rx {_fmt_rate(_value(snap, 'mrc_gpu_pcie_rx_bytes_per_second'))}"
-            f"  NVLink tx {_fmt_rate(rate('mrc_gpu_nvlink_tx_bytes_total'))}  {ratio}"
-            f"{'  STARVED' if _value(snap, 'mrc_gpu_starved') else ''}")
+    return (f"{time.strftime('%H:%M:%S')}  user {_pct(_value(snap, process.CPU_USER_RATIO))}"
+            f"  hottest {_pct(_value(snap, process.HOTTEST_THREAD_USER_RATIO))}"
+            f"  GPU {_pct(_value(snap, gpu.UTILIZATION))}"
+            f"  idle {_value(snap, derived.IDLE_CURRENT) or 0:4.1f}s"
+            f"  PCIe rx {_fmt_rate(_value(snap, gpu.PCIE_RX))}"
+            f"  NVLink tx {_fmt_rate(rate(gpu.NVLINK_TX))}  {ratio}"
+            f"{'  STARVED' if _value(snap, derived.STARVED) else ''}")
 
 
 def _gpu_backend() -> tuple[str, str]:
     """NVML when it answers, else the embedded synthetic trace: (backend, what to tell)."""
-    from agent.core.hw.nvml import NvmlBackend
-
-    nvml = NvmlBackend(pcie_thread=False)
+    nvml = open_gpu_backend("nvml", pcie_thread=False)
+    assert nvml is not None
     try:
         gpus = nvml.sample_devices()
         return "nvml", f"GPU side: NVML, {len(gpus)} GPU(s)"
@@ -144,8 +141,7 @@ def run_demo(duration: float, listen: str, trace: str | None, port: int = 8000,
             else _gpu_backend()
         cfg = validate(AgentConfig(
             pids=[service.pid], listen=listen, interval=0.5, gpu_backend=backend,
-            collectors={"process": True, "gpu": True, "gpm": True,
-                        "profiling": backend.startswith("replay:"), "derived": True}))
+            collectors={**DEFAULT_ON, "profiling": backend.startswith("replay:")}))
         sources = make_sources(cfg)
         runner = build_runner(cfg, sources)
         server = build_server(cfg, runner)
@@ -188,11 +184,10 @@ def run_demo(duration: float, listen: str, trace: str | None, port: int = 8000,
         if outcome is not None:
             print("\nlatency per bucket (client side):\n" + table(outcome))
         last = runner.latest()
-        windows = next((v.total for n, _, v in last.samples
-                        if n == "mrc_gpu_idle_window_seconds" and isinstance(v, HistogramValue)),
-                       0)
+        windows = next((s.value.total for s in series(last, derived.IDLE_WINDOW)
+                        if isinstance(s.value, HistogramValue)), 0)
         print(f"GPU idle windows measured: {windows}; target starved for "
-              f"{_value(last, 'mrc_gpu_starved_seconds_total') or 0.0:.1f} s")
+              f"{_value(last, derived.STARVED_SECONDS) or 0.0:.1f} s")
         return 0
     except KeyboardInterrupt:
         return 130

@@ -61,29 +61,27 @@ def gather(cfg: AgentConfig, nvml_lib: Any | None = None, cupti_lib: Any | None 
            procfs: ProcFS | None = None) -> list[Check]:
     procfs = procfs or ProcFS()
     checks: list[Check] = []
-    replay = cfg.replay_path
-    if replay is not None:
-        from agent.core.hw.replay import ReplayBackend, ReplayFormatError
+    from agent.core.hw.replay import ReplayBackend, ReplayFormatError
+    from agent.core.wiring import open_gpu_backend
 
-        try:
-            backend = ReplayBackend(replay)
-        except ReplayFormatError as exc:
-            raise ConfigError(str(exc)) from exc
+    try:
+        backend = open_gpu_backend(cfg.gpu_backend, nvml_lib)
+    except ReplayFormatError as exc:
+        raise ConfigError(str(exc)) from exc
+    if isinstance(backend, ReplayBackend):
         ids = backend.identities
-        checks.append(Check("replay trace", True, f"{replay}: {len(ids)} GPU(s), period "
-                            f"{backend.period:.1f} s", "gpu"))
+        checks.append(Check("replay trace", True, f"{cfg.replay_path}: {len(ids)} GPU(s), "
+                            f"period {backend.period:.1f} s", "gpu"))
         for kind, method in (("gpm", backend.sample_gpm), ("profiling", backend.sample_profiling)):
             try:
                 method()
                 checks.append(Check(f"{kind} fields", True, "present in the trace", kind))
             except SourceUnavailable as exc:
                 checks.append(Check(f"{kind} fields", False, str(exc), kind))
-    elif cfg.gpu_backend == "none":
+    elif backend is None:
         checks.append(Check("GPU backend", None, "none: GPU collectors are off"))
     else:
-        from agent.core.hw.nvml import NvmlBackend
-
-        nvml = NvmlBackend(lib=nvml_lib)
+        nvml = backend
         info = nvml.info()
         if not info["available"]:
             checks.append(Check("NVML", False, info["error"] or info["reason"] or "unavailable",

@@ -1,10 +1,11 @@
-"""Generates ``docs/metrics.md`` from the one metric definition list in :mod:`agent.core.catalog`."""
+"""Generates ``docs/metrics.md`` from the metric catalogue (:mod:`agent.core.catalog`)."""
 
 from __future__ import annotations
 
 import sys
 
-from agent.core.catalog import CATALOG, COLLECTORS, DEFAULT_ON
+from agent.core.catalog import CATALOG
+from agent.core.collectors import COLLECTORS
 
 HEADER = """# Metric catalogue
 
@@ -24,9 +25,9 @@ and, when those are unavailable, the GPM activity quotient `mrc_gpu_gpm_sm_to_dr
 def render() -> str:
     lines = [HEADER, "## Collectors\n", "| collector | default | what it samples |",
              "| --- | --- | --- |"]
-    for name, what in COLLECTORS.items():
-        lines.append(f"| `{name}` | {'on' if DEFAULT_ON[name] else 'off'} | {what} |")
-    for collector in ["agent", *COLLECTORS]:
+    for c in COLLECTORS:
+        lines.append(f"| `{c.name}` | {'on' if c.default_on else 'off'} | {c.description} |")
+    for collector in ["agent", *(c.name for c in COLLECTORS)]:
         specs = [s for s in CATALOG if s.collector == collector]
         lines += ["", f"## `{collector}`\n", "| metric | type | labels | description |",
                   "| --- | --- | --- | --- |"]

@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 from agent.core.hw.base import HardwareError, SourceUnavailable
 from agent.core.hw.replay import TRACE_FIELDS
-from agent.core.wiring import Sources
+from agent.core.hw.sources import Sources
 
 #: (sample kind, attribute) -> trace field, the inverse of the replay table.
 _FIELD_OF = {(kind, attr): key for key, (kind, attr, _) in TRACE_FIELDS.items()}
@@ -71,12 +71,11 @@ def record(sources: Sources, out: TextIO, duration: float, interval: float,
 
 
 def run_record(path: str, duration: float, interval: float, profiling: bool) -> int:
-    from agent.core.hw.nvml import NvmlBackend
-    from agent.core.wiring import LazyProfiling
+    from agent.core.config import AgentConfig
+    from agent.core.wiring import make_sources
 
-    nvml = NvmlBackend()
-    sources = Sources(device=nvml, gpm=nvml, backend=nvml,
-                      profiling=LazyProfiling(nvml, min(interval, 0.1)) if profiling else None)
+    sources = make_sources(AgentConfig(gpu_backend="nvml"), profiling=profiling,
+                           profiling_interval_s=min(interval, 0.1))
     try:
         with open(path, "w", encoding="utf-8") as out:
             lines = record(sources, out, duration, interval)

@@ -14,7 +14,6 @@ thread or memory.
 
 from __future__ import annotations
 
-import gzip
 import logging
 import socket
 import threading
@@ -23,8 +22,9 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Protocol
 
-from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
+
+from exporters.render import content_type, render, wants_gzip
 
 log = logging.getLogger(__name__)
 
@@ -78,21 +78,19 @@ class _RenderCache:
         self._bodies: dict[tuple[int, str, bool], bytes] = {}
 
     def render(self, accept: str, gzipped: bool) -> tuple[bytes, str]:
-        encoder, content_type = choose_encoder(accept)
+        ctype = content_type(accept)
         version = self._version()
-        key = (version, content_type, gzipped)
+        key = (version, ctype, gzipped)
         body = self._bodies.get(key)
         if body is None:
             with self._lock:
                 body = self._bodies.get(key)
                 if body is None:
-                    body = encoder(self._registry)
-                    if gzipped:
-                        body = gzip.compress(body, compresslevel=1)
+                    body = render(self._registry, accept, gzipped)[0]
                     # Keep only the current version's bodies.
                     self._bodies = {k: v for k, v in self._bodies.items() if k[0] == version}
                     self._bodies[key] = body
-        return body, content_type
+        return body, ctype
 
 
 class ExpositionServer:
@@ -133,7 +131,7 @@ class ExpositionServer:
             def do_GET(self) -> None:  # noqa: N802
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    gz = "gzip" in self.headers.get("Accept-Encoding", "")
+                    gz = wants_gzip(self.headers.get("Accept-Encoding", ""))
                     body, ctype = cache.render(self.headers.get("Accept", ""), gz)
                     self._send(200, body, ctype, {"Content-Encoding": "gzip"} if gz else None)
                 elif path == "/healthz":

@@ -1,18 +1,19 @@
-"""Snapshot exposition: metric definitions, the snapshot a sampler publishes, and the
-prometheus-client custom collector that turns the latest snapshot into metric families.
+"""Snapshot exposition: metric definitions and the prometheus-client custom collector that
+turns the latest snapshot of a sampler into metric families.
 
-A scrape never touches hardware: the sampler builds an immutable :class:`Snapshot` of plain
-tuples on its own clock, and :class:`SnapshotCollector` only groups those tuples into families
-when Prometheus asks. The same :class:`MetricSpec` list drives the exposition and the generated
-metric catalogue, so the two cannot disagree.
+A scrape never touches hardware: the sampler builds an immutable snapshot of plain tuples on its
+own clock (the agent's is :class:`agent.core.sample.Snapshot`), and :class:`SnapshotCollector`
+only groups those tuples into families when Prometheus asks. The same :class:`MetricSpec` list
+drives the exposition and the generated metric catalogue, so the two cannot disagree. This
+module knows the snapshot only by its shape (:class:`SnapshotLike`), never the agent's types.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -63,47 +64,26 @@ class MetricSpec:
         return ""
 
 
-@dataclass
-class HistogramValue:
-    """Cumulative histogram state: ``counts[i]`` observations ≤ ``bounds[i]``, plus +Inf."""
+class HistogramLike(Protocol):
+    """What a histogram sample's value offers: cumulative ``counts[i]`` of observations at or
+    below ``bounds[i]``, the total count (the +Inf bucket) and the sum."""
 
     bounds: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: int = 0
-    sum: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.counts:
-            self.counts = [0] * len(self.bounds)
-
-    def observe(self, value: float) -> None:
-        """Record one observation."""
-        for i, bound in enumerate(self.bounds):
-            if value <= bound:
-                self.counts[i] += 1
-        self.total += 1
-        self.sum += value
-
-    def copy(self) -> HistogramValue:
-        return HistogramValue(self.bounds, list(self.counts), self.total, self.sum)
+    counts: list[int]
+    total: int
+    sum: float
 
 
-#: One sample: (metric name, label values in the spec's label order, value).
-#: Info metrics carry a ``dict`` of info labels as value.
-Value = float | HistogramValue | dict[str, str]
-Sample = tuple[str, tuple[str, ...], Value]
+#: One sample: (metric name, label values in the spec's label order, value). The value is a
+#: float, a :class:`HistogramLike` for histograms, or a dict of info labels for info metrics.
+SampleTuple = tuple[str, tuple[str, ...], Any]
 
 
-@dataclass(frozen=True)
-class Snapshot:
-    """What one sampling pass produced. ``seq`` grows by one per published snapshot."""
+class SnapshotLike(Protocol):
+    """What the collector reads: the samples of one sampling pass."""
 
-    seq: int
-    timestamp: float
-    samples: tuple[Sample, ...]
-
-
-EMPTY = Snapshot(seq=0, timestamp=0.0, samples=())
+    @property
+    def samples(self) -> Sequence[SampleTuple]: ...
 
 
 def _family(spec: MetricSpec) -> Metric:
@@ -129,7 +109,7 @@ class SnapshotCollector(Collector):
     catalogue; samples whose name has no spec are a programming error and raise.
     """
 
-    def __init__(self, specs: Sequence[MetricSpec], source: Callable[[], Snapshot]) -> None:
+    def __init__(self, specs: Sequence[MetricSpec], source: Callable[[], SnapshotLike]) -> None:
         self._specs = {s.name: s for s in specs}
         if len(self._specs) != len(specs):
             raise ValueError("duplicate metric names in specs")
@@ -145,7 +125,7 @@ class SnapshotCollector(Collector):
             family = families.get(name)
             if family is None:
                 family = families[name] = _family(self._specs[name])
-            if isinstance(value, HistogramValue):
+            if self._specs[name].kind == "histogram":
                 pairs = zip(value.bounds, value.counts, strict=True)
                 buckets = [(_fmt_bound(b), c) for b, c in pairs]
                 buckets.append(("+Inf", value.total))

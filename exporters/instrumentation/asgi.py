@@ -18,10 +18,8 @@ loop that serves requests.
 
 from __future__ import annotations
 
-import gzip
 from collections.abc import Awaitable, Callable
 
-from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import CollectorRegistry
 from starlette.concurrency import run_in_threadpool
@@ -30,6 +28,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from exporters import render as _render
 from exporters.instrumentation.metrics import multiprocess_enabled
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -50,13 +49,8 @@ def exposition_registry(registry: CollectorRegistry | None = None) -> CollectorR
 def render(registry: CollectorRegistry | None = None, accept: str = "",
            accept_encoding: str = "") -> tuple[bytes, dict[str, str]]:
     """Encode the exposition for an ``Accept`` / ``Accept-Encoding`` pair: (body, headers)."""
-    encoder, content_type = choose_encoder(accept)
-    body = encoder(exposition_registry(registry))
-    headers = {"Content-Type": content_type}
-    if "gzip" in accept_encoding:
-        body = gzip.compress(body, compresslevel=1)  # level 1: most of the gain, little CPU
-        headers["Content-Encoding"] = "gzip"
-    return body, headers
+    return _render.render(exposition_registry(registry), accept,
+                          _render.wants_gzip(accept_encoding))
 
 
 def metrics_endpoint(registry: CollectorRegistry | None = None) -> Handler:

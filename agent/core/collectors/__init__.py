@@ -1,0 +1,25 @@
+"""The collectors, registered in sampling order.
+
+Each collector module declares its name, default, factory and metrics in one
+:class:`~agent.core.collectors.base.CollectorDef` beside the code that emits them. This list is
+the sampling order; :func:`~agent.core.collectors.base.check_order` fails at import when a
+collector would run before one it reads from (derived reads process and gpu).
+"""
+
+from __future__ import annotations
+
+from agent.core.collectors import derived, gpm, gpu, process, profiling
+from agent.core.collectors.base import CollectorDef, PassFinisher, check_order
+
+COLLECTORS: tuple[CollectorDef, ...] = check_order([
+    process.DEFINITION,
+    gpu.DEFINITION,
+    gpm.DEFINITION,
+    profiling.DEFINITION,
+    derived.DEFINITION,
+])
+BY_NAME = {c.name: c for c in COLLECTORS}
+COLLECTOR_NAMES: tuple[str, ...] = tuple(BY_NAME)
+DEFAULT_ON: dict[str, bool] = {c.name: c.default_on for c in COLLECTORS}
+#: Run after every collector in each pass, in this order.
+PASS_FINISHERS: tuple[PassFinisher, ...] = (profiling.compute_memory_source,)

@@ -1,18 +1,32 @@
-"""What a collector is: a name and ``update(ctx)`` returning fresh samples.
+"""What a collector is, and how one is registered.
 
-A collector raises on failure, or :class:`agent.core.hw.base.SourceUnavailable` when its source does
-not apply here; the runner owns health and timing. Collectors run in a fixed order each pass
-and leave what later collectors need (target CPU, GPU utilisation) in the shared context.
+A collector is a name and ``update(ctx)`` returning fresh samples. It raises on failure, or
+:class:`agent.core.hw.base.SourceUnavailable` when its source does not apply here; the runner
+owns health and timing. Collectors run in a fixed order each pass and leave what later
+collectors need (target CPU, GPU utilisation) in the shared :class:`SampleContext`.
+
+Each collector module ends with one :class:`CollectorDef`: its name, whether it is on by
+default, its factory, the metrics it emits and the collectors it reads from (``after``), side
+by side with the code that emits them (node_exporter's ``registerCollector`` beside its
+descriptors). :mod:`agent.core.collectors` lists them and checks the order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
-from agent.core.hw.base import GPUIdentity
+from agent.core.hw.base import GPUIdentity, SourceUnavailable
+from agent.core.hw.sources import Sources
+from agent.core.sample import Sample
 from agent.core.targets import Target
-from exporters.exposition.snapshot import Sample
+from exporters.exposition.snapshot import MetricSpec
+
+#: Labels of per-target series.
+PROC = ("pid", "process")
+#: Labels of per-GPU series: index, UUID and model name (e.g. "NVIDIA H200").
+GPU = ("gpu", "uuid", "gpu_model")
 
 
 @dataclass
@@ -39,6 +53,10 @@ class SampleContext:
     gpu_util_points: dict[GPUIdentity, list[tuple[float, float]]] = field(default_factory=dict)
     #: GPUs on which each target PID holds memory.
     gpus_of_pid: dict[int, set[GPUIdentity]] = field(default_factory=dict)
+    #: Filled by the runner: whether each collector run so far this pass succeeded.
+    succeeded: dict[str, bool] = field(default_factory=dict)
+    #: Filled by the profiling collector: (reason, detail) of its source, "ok" when it works.
+    profiling_status: tuple[str, str] = ("not_requested", "")
 
 
 class Collector(Protocol):
@@ -47,3 +65,77 @@ class Collector(Protocol):
     def update(self, ctx: SampleContext) -> list[Sample]:
         """Sample the source and return the samples of this pass."""
         ...
+
+
+@dataclass(frozen=True)
+class DerivedThresholds:
+    """Thresholds of the derived signals (:mod:`agent.core.collectors.derived`).
+
+    Why these defaults: ``idle_util`` 0.05 tolerates NVML's sampling jitter on an idle GPU;
+    ``starved_cpu`` 0.9 of a core is a thread that can no longer keep up (the GIL caps a
+    Python preprocessing thread at 1.0); ``starved_gpu`` 0.2 means the GPU is mostly waiting.
+    """
+
+    idle_util: float = 0.05
+    starved_cpu: float = 0.9
+    starved_gpu: float = 0.2
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a collector factory may use: the GPU sources and the derived-signal thresholds."""
+
+    sources: Sources = field(default_factory=Sources)
+    thresholds: DerivedThresholds = field(default_factory=DerivedThresholds)
+
+
+#: Runs once per pass after every collector, with the filled context; returns more samples.
+PassFinisher = Callable[[SampleContext], list[Sample]]
+
+
+@dataclass(frozen=True)
+class CollectorDef:
+    """One collector's registration."""
+
+    name: str
+    description: str
+    default_on: bool
+    factory: Callable[[BuildContext], Collector]
+    metrics: tuple[MetricSpec, ...]
+    #: Collectors whose context entries this one reads; they must come earlier in the order.
+    after: tuple[str, ...] = ()
+
+
+def check_order(defs: Sequence[CollectorDef]) -> tuple[CollectorDef, ...]:
+    """``defs`` unchanged, after checking names are unique and every ``after`` comes first."""
+    seen: set[str] = set()
+    for d in defs:
+        if d.name in seen:
+            raise ValueError(f"collector {d.name!r} registered twice")
+        missing = [a for a in d.after if a not in seen]
+        if missing:
+            raise ValueError(f"collector {d.name!r} reads {missing} and must come after them")
+        seen.add(d.name)
+    return tuple(defs)
+
+
+S = TypeVar("S")
+
+
+def require(source: S | None) -> S:
+    """The source, or "not available here" when the GPU backend is 'none'."""
+    if source is None:
+        raise SourceUnavailable("gpu_backend_none", "the GPU backend is 'none'")
+    return source
+
+
+def field_samples(obj: object, table: Mapping[str, MetricSpec],
+                  labels: tuple[str, ...]) -> list[Sample]:
+    """One sample per ``attribute -> spec`` entry of ``table`` whose value is not None: a field
+    the source left ``None`` is an absent series, never a zero."""
+    out: list[Sample] = []
+    for attr, spec in table.items():
+        value = getattr(obj, attr)
+        if value is not None:
+            out.append((spec.name, labels, float(value)))
+    return out

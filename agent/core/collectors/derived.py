@@ -12,23 +12,37 @@ the GPU threshold: the CPU-side pipeline is the bottleneck and the GPU waits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from agent.core.catalog import IDLE_WINDOW_BUCKETS
-from agent.core.collectors.base import SampleContext
+from agent.core.collectors.base import (
+    GPU,
+    PROC,
+    BuildContext,
+    CollectorDef,
+    DerivedThresholds,
+    SampleContext,
+)
 from agent.core.hw.base import GPUIdentity
-from exporters.exposition.snapshot import HistogramValue, Sample
+from agent.core.sample import HistogramValue, Sample, counter, gauge, histogram
 
+NAME = "derived"
 
-@dataclass(frozen=True)
-class Thresholds:
-    """Why these defaults: ``idle_util`` 0.05 tolerates NVML's sampling jitter on an idle GPU;
-    ``starved_cpu`` 0.9 of a core is a thread that can no longer keep up (the GIL caps a
-    Python preprocessing thread at 1.0); ``starved_gpu`` 0.2 means the GPU is mostly waiting."""
+#: Idle-window histogram buckets, seconds. A data-loader or preprocessing stall shows as
+#: multi-second gaps; the lowest bucket is about the smallest gap NVML's utilisation sampling
+#: (1/6 s on datacenter parts) can resolve, the highest covers a stuck request.
+IDLE_WINDOW_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
-    idle_util: float = 0.05
-    starved_cpu: float = 0.9
-    starved_gpu: float = 0.2
+IDLE_WINDOW = histogram(
+    NAME, "mrc_gpu_idle_window_seconds", GPU,
+    "Durations of completed GPU idle windows (utilisation at or below the idle threshold), "
+    "from sub-second utilisation samples.", IDLE_WINDOW_BUCKETS)
+IDLE_CURRENT = gauge(NAME, "mrc_gpu_idle_current_seconds", GPU,
+                     "How long the GPU has been idle so far (0 while busy).")
+STARVED = gauge(
+    NAME, "mrc_gpu_starved", PROC,
+    "1 while the target's user CPU (process or hottest thread) is at or above the CPU "
+    "threshold and the GPUs it uses are at or below the GPU threshold, else 0.")
+STARVED_SECONDS = counter(NAME, "mrc_gpu_starved_seconds_total", PROC,
+                          "Seconds the target spent in the starved state.")
+METRICS = (IDLE_WINDOW, IDLE_CURRENT, STARVED, STARVED_SECONDS)
 
 
 class IdleTracker:
@@ -57,10 +71,10 @@ class IdleTracker:
 
 
 class DerivedCollector:
-    name = "derived"
+    name = NAME
 
-    def __init__(self, thresholds: Thresholds | None = None) -> None:
-        self.thresholds = thresholds or Thresholds()
+    def __init__(self, thresholds: DerivedThresholds | None = None) -> None:
+        self.thresholds = thresholds or DerivedThresholds()
         self._idle: dict[GPUIdentity, IdleTracker] = {}
         self._starved_seconds: dict[tuple[int, str], float] = {}
         self._last_now: float | None = None
@@ -72,8 +86,8 @@ class DerivedCollector:
             if tracker is None:
                 tracker = self._idle[gpu] = IdleTracker(self.thresholds.idle_util)
             tracker.feed(points)
-            out.append(("mrc_gpu_idle_window_seconds", gpu.labels, tracker.histogram.copy()))
-            out.append(("mrc_gpu_idle_current_seconds", gpu.labels, tracker.current(ctx.now)))
+            out.append((IDLE_WINDOW.name, gpu.labels, tracker.histogram.copy()))
+            out.append((IDLE_CURRENT.name, gpu.labels, tracker.current(ctx.now)))
         dt = 0.0 if self._last_now is None else ctx.now - self._last_now
         self._last_now = ctx.now
         live = set()
@@ -91,8 +105,17 @@ class DerivedCollector:
                 total = self._starved_seconds.get(key, 0.0) + (dt if starved else 0.0)
                 self._starved_seconds[key] = total
                 labels = (str(pid), st.process)
-                out.append(("mrc_gpu_starved", labels, 1.0 if starved else 0.0))
-                out.append(("mrc_gpu_starved_seconds_total", labels, total))
+                out.append((STARVED.name, labels, 1.0 if starved else 0.0))
+                out.append((STARVED_SECONDS.name, labels, total))
         for key in [k for k in self._starved_seconds if k not in live]:
             del self._starved_seconds[key]
         return out
+
+
+def _build(ctx: BuildContext) -> DerivedCollector:
+    return DerivedCollector(ctx.thresholds)
+
+
+DEFINITION = CollectorDef(
+    name=NAME, default_on=True, factory=_build, metrics=METRICS, after=("process", "gpu"),
+    description="GPU idle windows and the GPU-starvation signal, computed in the agent.")

@@ -1,81 +1,89 @@
-"""GPU collectors over the hardware boundary: NVML device state (``gpu``), GPM activity
-(``gpm``) and true profiling counters (``profiling``).
+"""GPU collector: NVML device state — utilisation, memory, PCIe, NVLink, power, clocks,
+errors and per-target device memory.
 
-They only translate :mod:`agent.core.hw.base` samples into metric samples; which library answered
-(NVML, CUPTI or a replayed trace) is the source's business. A field the source left ``None`` is
-an absent series, never a zero.
+It only translates :class:`agent.core.hw.base.DeviceSample` into metric samples; which library
+answered (NVML or a replayed trace) is the source's business. It leaves each GPU's utilisation
+(and its fine-grained points) and the GPUs each target holds memory on in the context for the
+derived collector.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import TypeVar
+from agent.core.collectors.base import (
+    GPU,
+    PROC,
+    BuildContext,
+    CollectorDef,
+    SampleContext,
+    field_samples,
+    require,
+)
+from agent.core.hw.base import DeviceSource
+from agent.core.sample import Sample, counter, gauge
 
-from agent.core.collectors.base import SampleContext
-from agent.core.hw.base import DeviceSource, GpmSource, ProfilingSource, SourceUnavailable
-from exporters.exposition.snapshot import Sample
+NAME = "gpu"
 
-log = logging.getLogger(__name__)
+UTILIZATION = gauge(
+    NAME, "mrc_gpu_utilization_ratio", GPU,
+    "Fraction of the last NVML sample period during which a kernel ran on the GPU.")
+MEMORY_UTILIZATION = gauge(
+    NAME, "mrc_gpu_memory_utilization_ratio", GPU,
+    "Fraction of the last NVML sample period during which device memory was read or "
+    "written.")
+MEMORY_USED = gauge(NAME, "mrc_gpu_memory_used_bytes", GPU, "Device memory in use.")
+MEMORY_TOTAL = gauge(NAME, "mrc_gpu_memory_total_bytes", GPU, "Device memory installed.")
+PCIE_TX = gauge(
+    NAME, "mrc_gpu_pcie_tx_bytes_per_second", GPU,
+    "PCIe transmit throughput (device to host), as NVML measures it over a short window.")
+PCIE_RX = gauge(
+    NAME, "mrc_gpu_pcie_rx_bytes_per_second", GPU,
+    "PCIe receive throughput (host to device), as NVML measures it over a short window.")
+PCIE_REPLAYS = counter(NAME, "mrc_gpu_pcie_replays_total", GPU,
+                       "PCIe replay events (link errors).")
+NVLINK_TX = counter(NAME, "mrc_gpu_nvlink_tx_bytes_total", GPU,
+                    "NVLink data bytes transmitted, summed over all links.")
+NVLINK_RX = counter(NAME, "mrc_gpu_nvlink_rx_bytes_total", GPU,
+                    "NVLink data bytes received, summed over all links.")
+NVLINK_LINK_TX = counter(NAME, "mrc_gpu_nvlink_link_tx_bytes_total", GPU + ("link",),
+                         "NVLink data bytes transmitted on one link.")
+NVLINK_LINK_RX = counter(NAME, "mrc_gpu_nvlink_link_rx_bytes_total", GPU + ("link",),
+                         "NVLink data bytes received on one link.")
+POWER = gauge(NAME, "mrc_gpu_power_watts", GPU, "Board power draw.")
+SM_CLOCK = gauge(NAME, "mrc_gpu_sm_clock_hertz", GPU, "Current SM clock.")
+TEMPERATURE = gauge(NAME, "mrc_gpu_temperature_celsius", GPU, "GPU core temperature.")
+ECC_ERRORS = counter(NAME, "mrc_gpu_ecc_errors_total", GPU + ("kind",),
+                     "Volatile ECC errors since the driver loaded, corrected or uncorrected.")
+XID_ERRORS = counter(NAME, "mrc_gpu_xid_errors_total", GPU,
+                     "Critical XID errors seen since the agent started.")
+LAST_XID = gauge(NAME, "mrc_gpu_last_xid", GPU, "Code of the last critical XID error seen.")
+PROCESS_MEMORY_USED = gauge(NAME, "mrc_gpu_process_memory_used_bytes", GPU + PROC,
+                            "Device memory held by a target process on this GPU.")
 
-#: DeviceSample attribute -> metric name, for the plain one-value-per-GPU fields.
+METRICS = (UTILIZATION, MEMORY_UTILIZATION, MEMORY_USED, MEMORY_TOTAL, PCIE_TX, PCIE_RX,
+           PCIE_REPLAYS, NVLINK_TX, NVLINK_RX, NVLINK_LINK_TX, NVLINK_LINK_RX, POWER, SM_CLOCK,
+           TEMPERATURE, ECC_ERRORS, XID_ERRORS, LAST_XID, PROCESS_MEMORY_USED)
+
+#: DeviceSample attribute -> metric, for the plain one-value-per-GPU fields.
 _DEVICE_FIELDS = {
-    "gpu_util": "mrc_gpu_utilization_ratio",
-    "mem_util": "mrc_gpu_memory_utilization_ratio",
-    "mem_used_bytes": "mrc_gpu_memory_used_bytes",
-    "mem_total_bytes": "mrc_gpu_memory_total_bytes",
-    "pcie_tx_bytes_per_second": "mrc_gpu_pcie_tx_bytes_per_second",
-    "pcie_rx_bytes_per_second": "mrc_gpu_pcie_rx_bytes_per_second",
-    "pcie_replays_total": "mrc_gpu_pcie_replays_total",
-    "nvlink_tx_bytes_total": "mrc_gpu_nvlink_tx_bytes_total",
-    "nvlink_rx_bytes_total": "mrc_gpu_nvlink_rx_bytes_total",
-    "power_watts": "mrc_gpu_power_watts",
-    "sm_clock_hertz": "mrc_gpu_sm_clock_hertz",
-    "temperature_celsius": "mrc_gpu_temperature_celsius",
-    "xid_errors_total": "mrc_gpu_xid_errors_total",
-    "last_xid": "mrc_gpu_last_xid",
+    "gpu_util": UTILIZATION,
+    "mem_util": MEMORY_UTILIZATION,
+    "mem_used_bytes": MEMORY_USED,
+    "mem_total_bytes": MEMORY_TOTAL,
+    "pcie_tx_bytes_per_second": PCIE_TX,
+    "pcie_rx_bytes_per_second": PCIE_RX,
+    "pcie_replays_total": PCIE_REPLAYS,
+    "nvlink_tx_bytes_total": NVLINK_TX,
+    "nvlink_rx_bytes_total": NVLINK_RX,
+    "power_watts": POWER,
+    "sm_clock_hertz": SM_CLOCK,
+    "temperature_celsius": TEMPERATURE,
+    "xid_errors_total": XID_ERRORS,
+    "last_xid": LAST_XID,
 }
-
-_GPM_FIELDS = {
-    "sm_util": "mrc_gpu_sm_active_ratio",
-    "sm_occupancy": "mrc_gpu_sm_occupancy_ratio",
-    "tensor_util": "mrc_gpu_tensor_pipe_active_ratio",
-    "dram_bw_util": "mrc_gpu_dram_bandwidth_utilization_ratio",
-    "pcie_tx_bytes_per_second": "mrc_gpu_gpm_pcie_tx_bytes_per_second",
-    "pcie_rx_bytes_per_second": "mrc_gpu_gpm_pcie_rx_bytes_per_second",
-    "nvlink_tx_bytes_per_second": "mrc_gpu_gpm_nvlink_tx_bytes_per_second",
-    "nvlink_rx_bytes_per_second": "mrc_gpu_gpm_nvlink_rx_bytes_per_second",
-}
-
-_PROFILING_FIELDS = {
-    "sm_instructions_executed_total": "mrc_gpu_sm_instructions_executed_total",
-    "dram_read_bytes_total": "mrc_gpu_dram_read_bytes_total",
-}
-
-S = TypeVar("S")
-
-
-def _require(source: S | None) -> S:
-    """The source, or "not available here" when the GPU backend is 'none'."""
-    if source is None:
-        raise SourceUnavailable("gpu_backend_none", "the GPU backend is 'none'")
-    return source
-
-
-#: Below this DRAM utilisation the SM/DRAM activity quotient is noise, so it is not exported.
-MIN_DRAM_UTIL_FOR_PROXY = 0.01
-
-
-def _fields(obj: object, table: dict[str, str], labels: tuple[str, ...]) -> list[Sample]:
-    out: list[Sample] = []
-    for attr, metric in table.items():
-        value = getattr(obj, attr)
-        if value is not None:
-            out.append((metric, labels, float(value)))
-    return out
 
 
 class GpuCollector:
-    name = "gpu"
+    name = NAME
 
     def __init__(self, source: DeviceSource | None) -> None:
         self._source = source
@@ -84,24 +92,22 @@ class GpuCollector:
         out: list[Sample] = []
         names = {pid: st.process for pid, st in ctx.processes.items()}
         target_pids = {t.pid for t in ctx.targets}
-        for s in _require(self._source).sample_devices():
+        for s in require(self._source).sample_devices():
             labels = s.gpu.labels
-            out.extend(_fields(s, _DEVICE_FIELDS, labels))
+            out.extend(field_samples(s, _DEVICE_FIELDS, labels))
             for link, (tx, rx) in sorted(s.nvlink_links.items()):
-                out.append(("mrc_gpu_nvlink_link_tx_bytes_total", labels + (str(link),), tx))
-                out.append(("mrc_gpu_nvlink_link_rx_bytes_total", labels + (str(link),), rx))
+                out.append((NVLINK_LINK_TX.name, labels + (str(link),), tx))
+                out.append((NVLINK_LINK_RX.name, labels + (str(link),), rx))
             if s.ecc_corrected_total is not None:
-                out.append(("mrc_gpu_ecc_errors_total", labels + ("corrected",),
-                            s.ecc_corrected_total))
+                out.append((ECC_ERRORS.name, labels + ("corrected",), s.ecc_corrected_total))
             if s.ecc_uncorrected_total is not None:
-                out.append(("mrc_gpu_ecc_errors_total", labels + ("uncorrected",),
+                out.append((ECC_ERRORS.name, labels + ("uncorrected",),
                             s.ecc_uncorrected_total))
             for pid, used in sorted(s.process_memory_bytes.items()):
                 # Only targets: other tenants' processes would be unbounded and not ours.
                 if pid in target_pids:
                     name = names.get(pid, "")
-                    out.append(("mrc_gpu_process_memory_used_bytes",
-                                labels + (str(pid), name), used))
+                    out.append((PROCESS_MEMORY_USED.name, labels + (str(pid), name), used))
                     ctx.gpus_of_pid.setdefault(pid, set()).add(s.gpu)
             if s.gpu_util is not None:
                 ctx.gpu_util[s.gpu] = s.gpu_util
@@ -109,42 +115,10 @@ class GpuCollector:
         return out
 
 
-class GpmCollector:
-    name = "gpm"
-
-    def __init__(self, source: GpmSource | None) -> None:
-        self._source = source
-
-    def update(self, ctx: SampleContext) -> list[Sample]:
-        out: list[Sample] = []
-        for s in _require(self._source).sample_gpm():
-            labels = s.gpu.labels
-            out.extend(_fields(s, _GPM_FIELDS, labels))
-            if (s.sm_util is not None and s.dram_bw_util is not None
-                    and s.dram_bw_util >= MIN_DRAM_UTIL_FOR_PROXY):
-                out.append(("mrc_gpu_gpm_sm_to_dram_activity", labels,
-                            s.sm_util / s.dram_bw_util))
-        return out
+def _build(ctx: BuildContext) -> GpuCollector:
+    return GpuCollector(ctx.sources.device)
 
 
-class ProfilingCollector:
-    """True instruction and DRAM-read counters; ``status`` reports which signal feeds the
-    compute-to-memory panel and why."""
-
-    name = "profiling"
-
-    def __init__(self, source: ProfilingSource | None) -> None:
-        self._source = source
-        self.status: tuple[str, str] = ("not_requested", "")
-
-    def update(self, ctx: SampleContext) -> list[Sample]:
-        try:
-            samples = _require(self._source).sample_profiling()
-        except SourceUnavailable as exc:
-            self.status = (exc.reason, exc.detail)
-            raise
-        self.status = ("ok", "")
-        out: list[Sample] = []
-        for s in samples:
-            out.extend(_fields(s, _PROFILING_FIELDS, s.gpu.labels))
-        return out
+DEFINITION = CollectorDef(
+    name=NAME, default_on=True, factory=_build, metrics=METRICS, after=("process",),
+    description="NVML device state: utilisation, memory, PCIe, NVLink, power, clocks, errors.")

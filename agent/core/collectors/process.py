@@ -11,11 +11,39 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from agent.core.collectors.base import SampleContext, TargetState
+from agent.core.collectors.base import PROC, BuildContext, CollectorDef, SampleContext, TargetState
 from agent.core.hw.procfs import CLK_TCK, ProcessGone, ProcFS
-from exporters.exposition.snapshot import Sample
+from agent.core.sample import Sample, counter, gauge
 
 log = logging.getLogger(__name__)
+
+NAME = "process"
+
+CPU_SECONDS = counter(
+    NAME, "mrc_process_cpu_seconds_total", PROC + ("mode",),
+    "CPU time the target process spent, by mode (user excludes guest time, like pidstat).")
+CPU_USER_RATIO = gauge(
+    NAME, "mrc_process_cpu_user_ratio", PROC,
+    "User CPU seconds per wall second over the last sampling window (1.0 = one core "
+    "fully busy, pidstat's %usr / 100).")
+CPU_SYSTEM_RATIO = gauge(
+    NAME, "mrc_process_cpu_system_ratio", PROC,
+    "System CPU seconds per wall second over the last sampling window.")
+HOTTEST_THREAD_USER_RATIO = gauge(
+    NAME, "mrc_process_hottest_thread_cpu_user_ratio", PROC,
+    "User CPU ratio of the busiest thread over the last sampling window; a GIL-bound "
+    "preprocessing thread reads about 1.0 even when the process total is spread.")
+RESIDENT_MEMORY = gauge(NAME, "mrc_process_resident_memory_bytes", PROC,
+                        "Resident set size of the target process.")
+THREADS = gauge(NAME, "mrc_process_threads", PROC, "Threads in the target process.")
+CONTEXT_SWITCHES = counter(
+    NAME, "mrc_process_context_switches_total", PROC + ("kind",),
+    "Context switches of the target process, voluntary or involuntary.")
+START_TIME = gauge(NAME, "mrc_process_start_time_seconds", PROC,
+                   "Start time of the target process, seconds since the Unix epoch.")
+
+METRICS = (CPU_SECONDS, CPU_USER_RATIO, CPU_SYSTEM_RATIO, HOTTEST_THREAD_USER_RATIO,
+           RESIDENT_MEMORY, THREADS, CONTEXT_SWITCHES, START_TIME)
 
 
 @dataclass
@@ -35,7 +63,7 @@ def ratio(delta_ticks: int, seconds: float) -> float:
 
 
 class ProcessCollector:
-    name = "process"
+    name = NAME
 
     def __init__(self, procfs: ProcFS | None = None, threads: bool = True) -> None:
         self._procfs = procfs or ProcFS()
@@ -70,20 +98,19 @@ class ProcessCollector:
             prev = None  # the PID was reused by another process
         state = TargetState(pid=pid, process=st.comm)
         out: list[Sample] = [
-            ("mrc_process_cpu_seconds_total", labels + ("user",), st.user_ticks / CLK_TCK),
-            ("mrc_process_cpu_seconds_total", labels + ("system",), st.system_ticks / CLK_TCK),
-            ("mrc_process_resident_memory_bytes", labels, float(st.rss_bytes)),
-            ("mrc_process_threads", labels, float(st.num_threads)),
-            ("mrc_process_context_switches_total", labels + ("voluntary",), float(voluntary)),
-            ("mrc_process_context_switches_total", labels + ("involuntary",), float(involuntary)),
-            ("mrc_process_start_time_seconds", labels,
-             (self._boot_time or 0.0) + st.start_ticks / CLK_TCK),
+            (CPU_SECONDS.name, labels + ("user",), st.user_ticks / CLK_TCK),
+            (CPU_SECONDS.name, labels + ("system",), st.system_ticks / CLK_TCK),
+            (RESIDENT_MEMORY.name, labels, float(st.rss_bytes)),
+            (THREADS.name, labels, float(st.num_threads)),
+            (CONTEXT_SWITCHES.name, labels + ("voluntary",), float(voluntary)),
+            (CONTEXT_SWITCHES.name, labels + ("involuntary",), float(involuntary)),
+            (START_TIME.name, labels, (self._boot_time or 0.0) + st.start_ticks / CLK_TCK),
         ]
         if prev is not None:
             dt = ctx.now - prev.at
             state.user_ratio = ratio(st.user_ticks - prev.user_ticks, dt)
-            out.append(("mrc_process_cpu_user_ratio", labels, state.user_ratio))
-            out.append(("mrc_process_cpu_system_ratio", labels,
+            out.append((CPU_USER_RATIO.name, labels, state.user_ratio))
+            out.append((CPU_SYSTEM_RATIO.name, labels,
                         ratio(st.system_ticks - prev.system_ticks, dt)))
             if self._threads:
                 hottest = max(
@@ -95,8 +122,17 @@ class ProcessCollector:
                 born = [t for tid, t in threads.items() if tid not in prev.threads]
                 hottest = max([hottest, *born])
                 state.hottest_thread_user_ratio = min(ratio(hottest, dt), state.user_ratio)
-                out.append(("mrc_process_hottest_thread_cpu_user_ratio", labels,
+                out.append((HOTTEST_THREAD_USER_RATIO.name, labels,
                             state.hottest_thread_user_ratio))
         ctx.processes[pid] = state
         self._prev[pid] = _Prev(st.start_ticks, ctx.now, st.user_ticks, st.system_ticks, threads)
         return out
+
+
+def _build(_ctx: BuildContext) -> ProcessCollector:
+    return ProcessCollector()
+
+
+DEFINITION = CollectorDef(
+    name=NAME, default_on=True, factory=_build, metrics=METRICS,
+    description="Target process CPU (pidstat -u semantics), hottest thread, memory, threads.")

@@ -1,0 +1,86 @@
+"""GPM collector: NVML GPM activity ratios and rates (Hopper and newer), and the SM/DRAM
+activity quotient that stands in for the compute-to-memory signal when the profiling counters
+are unavailable (an activity ratio, not an instruction count)."""
+
+from __future__ import annotations
+
+from agent.core.collectors.base import (
+    GPU,
+    BuildContext,
+    CollectorDef,
+    SampleContext,
+    field_samples,
+    require,
+)
+from agent.core.hw.base import GpmSource
+from agent.core.sample import Sample, gauge
+
+NAME = "gpm"
+
+SM_ACTIVE = gauge(
+    NAME, "mrc_gpu_sm_active_ratio", GPU,
+    "GPM SM activity: fraction of time SMs had at least one warp resident (GPM_SM_UTIL).")
+SM_OCCUPANCY = gauge(
+    NAME, "mrc_gpu_sm_occupancy_ratio", GPU,
+    "GPM SM occupancy: resident warps over the maximum (GPM_SM_OCCUPANCY).")
+TENSOR_ACTIVE = gauge(NAME, "mrc_gpu_tensor_pipe_active_ratio", GPU,
+                      "GPM tensor-pipe activity, any precision (GPM_ANY_TENSOR_UTIL).")
+DRAM_BANDWIDTH = gauge(
+    NAME, "mrc_gpu_dram_bandwidth_utilization_ratio", GPU,
+    "GPM DRAM bandwidth utilisation: bytes moved over the peak (GPM_DRAM_BW_UTIL).")
+PCIE_TX = gauge(NAME, "mrc_gpu_gpm_pcie_tx_bytes_per_second", GPU,
+                "PCIe transmit rate measured by GPM over the sampling window.")
+PCIE_RX = gauge(NAME, "mrc_gpu_gpm_pcie_rx_bytes_per_second", GPU,
+                "PCIe receive rate measured by GPM over the sampling window.")
+NVLINK_TX = gauge(NAME, "mrc_gpu_gpm_nvlink_tx_bytes_per_second", GPU,
+                  "NVLink transmit rate, all links, measured by GPM over the sampling window.")
+NVLINK_RX = gauge(NAME, "mrc_gpu_gpm_nvlink_rx_bytes_per_second", GPU,
+                  "NVLink receive rate, all links, measured by GPM over the sampling window.")
+SM_TO_DRAM_ACTIVITY = gauge(
+    NAME, "mrc_gpu_gpm_sm_to_dram_activity", GPU,
+    "GPM activity proxy for compute per memory traffic: SM activity ratio divided by DRAM "
+    "bandwidth utilisation ratio. Not an instruction count; stands in when the profiling "
+    "counters are unavailable.")
+
+METRICS = (SM_ACTIVE, SM_OCCUPANCY, TENSOR_ACTIVE, DRAM_BANDWIDTH, PCIE_TX, PCIE_RX, NVLINK_TX,
+           NVLINK_RX, SM_TO_DRAM_ACTIVITY)
+
+_GPM_FIELDS = {
+    "sm_util": SM_ACTIVE,
+    "sm_occupancy": SM_OCCUPANCY,
+    "tensor_util": TENSOR_ACTIVE,
+    "dram_bw_util": DRAM_BANDWIDTH,
+    "pcie_tx_bytes_per_second": PCIE_TX,
+    "pcie_rx_bytes_per_second": PCIE_RX,
+    "nvlink_tx_bytes_per_second": NVLINK_TX,
+    "nvlink_rx_bytes_per_second": NVLINK_RX,
+}
+
+#: Below this DRAM utilisation the SM/DRAM activity quotient is noise, so it is not exported.
+MIN_DRAM_UTIL_FOR_PROXY = 0.01
+
+
+class GpmCollector:
+    name = NAME
+
+    def __init__(self, source: GpmSource | None) -> None:
+        self._source = source
+
+    def update(self, ctx: SampleContext) -> list[Sample]:
+        out: list[Sample] = []
+        for s in require(self._source).sample_gpm():
+            labels = s.gpu.labels
+            out.extend(field_samples(s, _GPM_FIELDS, labels))
+            if (s.sm_util is not None and s.dram_bw_util is not None
+                    and s.dram_bw_util >= MIN_DRAM_UTIL_FOR_PROXY):
+                out.append((SM_TO_DRAM_ACTIVITY.name, labels, s.sm_util / s.dram_bw_util))
+        return out
+
+
+def _build(ctx: BuildContext) -> GpmCollector:
+    return GpmCollector(ctx.sources.gpm)
+
+
+DEFINITION = CollectorDef(
+    name=NAME, default_on=True, factory=_build, metrics=METRICS,
+    description="NVML GPM activity ratios and rates (Hopper and newer).")

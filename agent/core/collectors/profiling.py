@@ -1,0 +1,86 @@
+"""Profiling collector: true SM instructions executed and DRAM bytes read (CUPTI PM sampling,
+opt-in), and the pass-level statement of which source feeds the compute-to-memory signal.
+
+``mrc_agent_compute_memory_source_info`` is written every pass by :func:`compute_memory_source`
+(a pass finisher), whether or not this collector is on, so a dashboard never passes the GPM
+activity quotient off as an instruction count.
+"""
+
+from __future__ import annotations
+
+from agent.core.collectors.base import (
+    GPU,
+    BuildContext,
+    CollectorDef,
+    SampleContext,
+    field_samples,
+    require,
+)
+from agent.core.hw.base import ProfilingSource, SourceUnavailable
+from agent.core.sample import Sample, counter, info
+
+NAME = "profiling"
+
+SM_INSTRUCTIONS = counter(NAME, "mrc_gpu_sm_instructions_executed_total", GPU,
+                          "SM instructions executed (CUPTI PM sampling of sm__inst_executed).")
+DRAM_READ_BYTES = counter(NAME, "mrc_gpu_dram_read_bytes_total", GPU,
+                          "Bytes read from DRAM (CUPTI PM sampling of dram__bytes_read).")
+METRICS = (SM_INSTRUCTIONS, DRAM_READ_BYTES)
+
+#: Source values of :data:`COMPUTE_MEMORY_SOURCE`.
+SOURCE_PROFILING, SOURCE_GPM, SOURCE_NONE = "cupti_pm_sampling", "gpm_activity_proxy", "none"
+
+COMPUTE_MEMORY_SOURCE = info(
+    "agent", "mrc_agent_compute_memory_source_info", ("source", "reason"),
+    "Which source feeds the compute-to-memory signal: cupti_pm_sampling (true "
+    "instructions and DRAM bytes), gpm_activity_proxy (GPM activity ratios), or none, "
+    "and why the profiling counters are not used.")
+
+_FIELDS = {
+    "sm_instructions_executed_total": SM_INSTRUCTIONS,
+    "dram_read_bytes_total": DRAM_READ_BYTES,
+}
+
+
+class ProfilingCollector:
+    """True instruction and DRAM-read counters; ``status`` (also left in the pass context)
+    says whether the profiling source works, and why not."""
+
+    name = NAME
+
+    def __init__(self, source: ProfilingSource | None) -> None:
+        self._source = source
+        self.status: tuple[str, str] = ("not_requested", "")
+
+    def update(self, ctx: SampleContext) -> list[Sample]:
+        try:
+            samples = require(self._source).sample_profiling()
+        except SourceUnavailable as exc:
+            self.status = (exc.reason, exc.detail)
+            raise
+        finally:
+            ctx.profiling_status = self.status
+        self.status = ctx.profiling_status = ("ok", "")
+        out: list[Sample] = []
+        for s in samples:
+            out.extend(field_samples(s, _FIELDS, s.gpu.labels))
+        return out
+
+
+def compute_memory_source(ctx: SampleContext) -> list[Sample]:
+    """(source, reason) of the compute-to-memory signal: never pass one off as the other."""
+    reason = ctx.profiling_status[0]
+    if reason == "ok":
+        labels = (SOURCE_PROFILING, "ok")
+    else:
+        labels = (SOURCE_GPM if ctx.succeeded.get("gpm") else SOURCE_NONE, reason)
+    return [(COMPUTE_MEMORY_SOURCE.name, labels, {})]
+
+
+def _build(ctx: BuildContext) -> ProfilingCollector:
+    return ProfilingCollector(ctx.sources.profiling)
+
+
+DEFINITION = CollectorDef(
+    name=NAME, default_on=False, factory=_build, metrics=METRICS,
+    description="CUPTI PM sampling: true SM instructions and DRAM bytes read (opt-in).")

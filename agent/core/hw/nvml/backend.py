@@ -1,0 +1,203 @@
+""":class:`NvmlBackend`, the NVML adapter's face: the parts of this package, composed.
+
+It owns one of each part (session, memo, device reader, PCIe reader, NVLink counters, GPM
+sampler, XID events), holds the session lock around every public call, and turns an
+``NVMLError`` escaping a part into the project's error through the session. It also answers
+``doctor``'s :meth:`NvmlBackend.info`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from agent.core.hw.base import DeviceSample, GpmSample, HardwareError, SourceUnavailable
+from agent.core.hw.nvml.device import DeviceReader
+from agent.core.hw.nvml.events import XidEvents
+from agent.core.hw.nvml.gpm import GpmSampler
+from agent.core.hw.nvml.nvlink import NvlinkCounters
+from agent.core.hw.nvml.pcie import DEFAULT_PCIE_PERIOD_S, DEFAULT_PCIE_STALE_AFTER_S, PcieReader
+from agent.core.hw.nvml.session import Gpu, Memo, NvmlSession, decode_text
+
+
+class NvmlBackend:
+    """NVML device and GPM source; implements ``DeviceSource`` and ``GpmSource``.
+
+    ``lib`` is the ``pynvml`` module or a stand-in with the same names; ``None`` imports
+    ``pynvml`` on first use. ``clock`` is the monotonic clock samples are stamped with;
+    ``wall_clock`` is the clock NVML's sample timestamps are taken on (the Unix epoch).
+    All public methods are safe to call from several threads.
+
+    PCIe throughput is read by a daemon thread (:data:`~agent.core.hw.nvml.pcie.PCIE_THREAD_NAME`)
+    started by the first successful :meth:`sample_devices` and stopped by :meth:`close`: one
+    round over the GPUs, then a pause of ``pcie_period`` seconds. Samples report its latest
+    values, or ``None`` when they are older than ``pcie_stale_after`` seconds.
+    ``pcie_thread=False`` starts no thread; the values then only come from calling
+    ``PcieReader.run_round`` on ``_pcie`` (what the tests do).
+    """
+
+    def __init__(
+        self,
+        lib: Any | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        wall_clock: Callable[[], float] = time.time,
+        pcie_period: float = DEFAULT_PCIE_PERIOD_S,
+        pcie_stale_after: float = DEFAULT_PCIE_STALE_AFTER_S,
+        pcie_thread: bool = True,
+    ) -> None:
+        # Everything remembered per GPU UUID (unsupported queries, GPM support, XID counts,
+        # the last utilisation timestamp) lives in the parts, not in the session: a re-init
+        # after a GPU error must not forget capabilities, reset the XID counter or re-read old
+        # utilisation samples.
+        self._memo = Memo()
+        self._xid = XidEvents(self._memo)
+        self._gpm = GpmSampler(self._memo)
+        self._nvlink = NvlinkCounters(self._memo)
+        self._session = NvmlSession(
+            lib, self._memo, open_gpu=self._xid.attach, close_gpu=self._release_gpu
+        )
+        self._pcie = PcieReader(
+            self._session,
+            self._memo,
+            clock,
+            period=pcie_period,
+            stale_after=pcie_stale_after,
+            thread=pcie_thread,
+        )
+        self._device = DeviceReader(
+            self._memo, clock, wall_clock, pcie=self._pcie, nvlink=self._nvlink, xid=self._xid
+        )
+
+    # --- public API --------------------------------------------------------------------------
+
+    def sample_devices(self) -> list[DeviceSample]:
+        """One :class:`DeviceSample` per GPU. Raises SourceUnavailable or HardwareError."""
+        session = self._session
+        with session.lock:
+            gpus = session.ensure_ready()
+            lib = session.require_lib()
+            try:
+                samples = [self._device.sample(lib, gpu) for gpu in gpus]
+            except lib.NVMLError as err:
+                raise session.failure(err, "sampling devices") from err
+            session.note_success()
+            self._pcie.start()
+            return samples
+
+    def sample_gpm(self) -> list[GpmSample]:
+        """One :class:`GpmSample` per GPM-capable GPU; a GPU's first call only primes it.
+
+        Raises ``SourceUnavailable("gpm_unsupported")`` when no GPU supports GPM.
+        """
+        session = self._session
+        with session.lock:
+            gpus = session.ensure_ready()
+            lib = session.require_lib()
+            out: list[GpmSample] = []
+            try:
+                for gpu in gpus:
+                    if not self._gpm.supported(lib, gpu):
+                        continue
+                    sample = self._gpm.sample(lib, gpu)
+                    if sample is not None:
+                        out.append(sample)
+            except lib.NVMLError as err:
+                raise session.failure(err, "sampling GPM") from err
+            if not self._gpm.any_supported(gpus):
+                raise session.unavailable(
+                    "gpm_unsupported", "no GPU supports NVML GPM (Hopper or newer is required)"
+                )
+            session.note_success()
+            return out
+
+    def info(self) -> dict[str, Any]:
+        """What ``doctor`` prints: versions, GPUs and their capabilities, and any error text.
+
+        Never raises for NVML trouble: a failure is reported in ``reason``/``error``.
+        """
+        with self._session.lock:
+            out: dict[str, Any] = {
+                "available": False,
+                "reason": None,
+                "error": None,
+                "driver_version": None,
+                "nvml_version": None,
+                "cuda_driver_version": None,
+                "gpus": [],
+            }
+            try:
+                gpus = self._session.ensure_ready()
+            except SourceUnavailable as err:
+                out["reason"], out["error"] = err.reason, str(err)
+                return out
+            except HardwareError as err:
+                out["error"] = str(err)
+                return out
+            lib = self._session.require_lib()
+            out["available"] = True
+            errors: list[str] = []
+            versions: tuple[tuple[str, Callable[[], Any]], ...] = (
+                ("driver_version", lambda: decode_text(lib.nvmlSystemGetDriverVersion())),
+                ("nvml_version", lambda: decode_text(lib.nvmlSystemGetNVMLVersion())),
+                (
+                    "cuda_driver_version",
+                    lambda: _cuda_version(lib.nvmlSystemGetCudaDriverVersion()),
+                ),
+            )
+            for key, query in versions:
+                try:
+                    out[key] = query()
+                except lib.NVMLError as err:
+                    errors.append(f"{key}: {err}")
+            for gpu in gpus:
+                out["gpus"].append(self._gpu_info(lib, gpu))
+            if errors:
+                out["error"] = "; ".join(errors)
+            return out
+
+    def close(self) -> None:
+        """Stop the PCIe thread, free event sets and GPM buffers and shut NVML down.
+
+        Safe to call twice. A later :meth:`sample_devices` starts NVML and the thread again.
+        """
+        # Stopped first and outside the lock: the thread takes it for its snapshot of the GPUs.
+        self._pcie.stop()
+        with self._session.lock:
+            self._session.shutdown()
+            self._pcie.clear()
+
+    # --- parts -------------------------------------------------------------------------------
+
+    def _release_gpu(self, lib: Any, gpu: Gpu) -> None:
+        """At teardown: free what the parts set up on this GPU, GPM buffers then event set."""
+        self._gpm.release(lib, gpu)
+        self._xid.release(lib, gpu)
+
+    def _gpu_info(self, lib: Any, gpu: Gpu) -> dict[str, Any]:
+        errors: list[str] = []
+        gpm: bool | None = None
+        links: int | None = None
+        try:
+            gpm = self._gpm.supported(lib, gpu)
+        except lib.NVMLError as err:
+            errors.append(f"gpm: {err}")
+        try:
+            links = len(self._nvlink.active_links(lib, gpu))
+        except lib.NVMLError as err:
+            errors.append(f"nvlink: {err}")
+        return {
+            "index": gpu.index,
+            "uuid": gpu.identity.uuid,
+            "name": gpu.identity.name,
+            "gpm_supported": gpm,
+            "nvlink_active_links": links,
+            "unsupported": self._memo.unsupported(gpu.identity.uuid),
+            "errors": errors,
+        }
+
+
+def _cuda_version(raw: int) -> str:
+    """nvmlSystemGetCudaDriverVersion's integer (e.g. 12040) as "12.4"."""
+    return f"{raw // 1000}.{raw % 1000 // 10}"

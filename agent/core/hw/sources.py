@@ -1,0 +1,29 @@
+"""The GPU sources a set of collectors reads, typed by the hardware Protocols of
+:mod:`agent.core.hw.base`. :func:`agent.core.wiring.make_sources` builds them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from agent.core.hw.base import DeviceSource, GpmSource, ProfilingSource
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+@dataclass
+class Sources:
+    """The GPU sources the collectors read; ``None`` where the backend is 'none' (or, for
+    ``profiling``, where it was not asked for). ``owned`` lists what :meth:`close` closes."""
+
+    device: DeviceSource | None = None
+    gpm: GpmSource | None = None
+    profiling: ProfilingSource | None = None
+    owned: tuple[Closable, ...] = ()
+
+    def close(self) -> None:
+        """Close every owned part once (one object may be several sources)."""
+        for part in {id(p): p for p in self.owned}.values():
+            part.close()

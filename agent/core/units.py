@@ -1,0 +1,85 @@
+"""The one parser of durations and byte sizes, for the agent's settings, its tools' flags and
+the alert rules' windows.
+
+Durations are Prometheus' syntax (``1h30m``, ``5m``, ``500ms``: units ``y w d h m s ms`` in that
+order, each at most once). Where a setting or flag takes one, a plain number of seconds and a
+decimal with one unit (``1.5h``) are accepted too; :func:`check_prometheus_duration` accepts
+only what Prometheus itself parses, for text that goes into a rule file.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+_UNIT_SECONDS = {"y": 365 * 86400.0, "w": 7 * 86400.0, "d": 86400.0, "h": 3600.0, "m": 60.0,
+                 "s": 1.0, "ms": 0.001}
+_PROMETHEUS = re.compile(r"(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?"
+                         r"(?:(\d+)ms)?")
+_DECIMAL_ONE_UNIT = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|[ywdhms])", re.IGNORECASE)
+_BYTE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2,
+               "gi": 1024**3}
+_BYTES = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmg]i?)?b?\s*", re.IGNORECASE)
+
+
+def _prometheus_seconds(text: str) -> float | None:
+    m = _PROMETHEUS.fullmatch(text)
+    if not text or m is None:
+        return None
+    return sum(int(g) * unit for g, unit in zip(m.groups(), _UNIT_SECONDS.values(), strict=True)
+               if g is not None)
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds in ``value``: a number, a Prometheus duration (``1h30m``) or a decimal with one
+    unit (``1.5h``). Raises ValueError for anything else, or a negative or infinite value."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        text = str(value).strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            parsed = _prometheus_seconds(text)
+            if parsed is None:
+                m = _DECIMAL_ONE_UNIT.fullmatch(text)
+                if m is None:
+                    raise ValueError(f"{text!r} is not a duration such as 3600, 90s, 30m, "
+                                     "1h30m or 7d") from None
+                parsed = float(m.group(1)) * _UNIT_SECONDS[m.group(2).lower()]
+            seconds = parsed
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{value!r} is not a finite, non-negative duration")
+    return seconds
+
+
+def check_prometheus_duration(value: str) -> str:
+    """``value`` if Prometheus parses it as a duration (``90s``, ``1h30m``), else ValueError."""
+    if _prometheus_seconds(value) is None:
+        raise ValueError(f"{value!r} is not a Prometheus duration (e.g. 30s, 5m, 1h)")
+    return value
+
+
+def format_duration(seconds: float) -> str:
+    """``seconds`` as a short Prometheus duration (``1h30m``, ``2s``, ``250ms``)."""
+    ms = round(seconds * 1000)
+    if ms % 1000:
+        return f"{ms}ms" if ms < 60_000 else f"{seconds:g}s"
+    s = ms // 1000
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if s >= size:
+            parts.append(f"{s // size}{unit}")
+            s %= size
+    return "".join(parts)
+
+
+def parse_bytes(value: Any) -> int:
+    """``104857600``, ``100Mi``, ``100MiB``, ``1G``, ``500k`` -> bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value)
+    m = _BYTES.fullmatch(str(value))
+    if m is None:
+        raise ValueError("expected bytes such as 104857600, 100Mi or 1G")
+    return int(float(m.group(1)) * _BYTE_UNITS[(m.group(2) or "").lower()])

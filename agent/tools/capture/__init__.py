@@ -1,0 +1,75 @@
+"""On-alert capture: Alertmanager webhooks start a diagnosis of the alerting target in the
+background, and the agent lists and serves the results.
+
+Endpoints (served beside ``/metrics`` by :class:`exporters.exposition.http.ExpositionServer`):
+
+* ``POST /hooks/alertmanager`` — Alertmanager webhook payload, version 4;
+* ``GET /captures`` — the captures as JSON, newest first, with the limits and counters;
+* ``GET /captures/<id>`` — one capture's metadata;
+* ``GET /captures/<id>/<file>`` — one file of a capture (flame graph, stacks, samples, report).
+
+All of them exist only when a shared token is configured (off by default: 404 otherwise), and
+all of them need ``Authorization: Bearer <token>``, compared in constant time; a missing or
+wrong token gets 401 and starts nothing. Captures hold the target's stacks and function names,
+hence the token on the read side too.
+
+For firing ``MRCGPUStarved`` and ``MRCProcessCPUUserSaturated`` alerts whose ``pid`` label
+names a target of this agent (or, without a ``pid`` label, the agent's hottest target) and
+whose ``pod`` label, if any, is this host's name, one capture runs
+:func:`agent.tools.diagnose.diagnose` in a thread. At most one runs at a time and at most
+``capture_max_per_hour`` start per rolling hour; more requests are answered 202
+``rate-limited`` and counted. The captures directory is bounded by count, bytes and age, the
+oldest captures going first.
+
+The rooms, each importing only those before it:
+
+* :mod:`~agent.tools.capture.webhook`: the bearer token and the webhook payload;
+* :mod:`~agent.tools.capture.store`: the captures directory and its limits;
+* :mod:`~agent.tools.capture.manager`: running captures, one at a time, rate-limited;
+* :mod:`~agent.tools.capture.api`: the HTTP endpoints and their wiring into the agent's server.
+
+Every public name of these rooms is re-exported here, so ``from agent.tools.capture import X``
+works as it did when the capture was one module.
+"""
+
+from __future__ import annotations
+
+from agent.tools.capture.api import (
+    CAPTURE_ALERTS,
+    CaptureAPI,
+    build_capture_api,
+    build_server,
+)
+from agent.tools.capture.manager import (
+    CAPTURE_INTERVAL,
+    CaptureManager,
+)
+from agent.tools.capture.store import (
+    META,
+    CaptureStore,
+)
+from agent.tools.capture.webhook import (
+    MAX_ALERTS,
+    MAX_BODY_BYTES,
+    Alert,
+    Token,
+    WebhookError,
+    parse_webhook,
+)
+
+__all__ = [
+    "Alert",
+    "CAPTURE_ALERTS",
+    "CAPTURE_INTERVAL",
+    "CaptureAPI",
+    "CaptureManager",
+    "CaptureStore",
+    "MAX_ALERTS",
+    "MAX_BODY_BYTES",
+    "META",
+    "Token",
+    "WebhookError",
+    "build_capture_api",
+    "build_server",
+    "parse_webhook",
+]

@@ -1,0 +1,151 @@
+"""Running captures (:class:`CaptureManager`): one at a time in a background thread, at most
+``capture_max_per_hour`` per rolling hour, every request counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+
+from agent.core.collectors import COLLECTOR_NAMES
+from agent.core.collectors.base import Collector
+from agent.core.config import AgentConfig, ConfigError
+from agent.core.runner import Runner
+from agent.tools.capture.store import CaptureStore, _iso
+from agent.tools.diagnose import Borrowed, PySpyError, diagnose
+
+log = logging.getLogger(__name__)
+
+
+#: Sampling period of the collectors during a capture: five points a second shows sub-second
+#: GPU idle gaps next to the CPU that causes them.
+CAPTURE_INTERVAL = 0.2
+
+
+_PROFILING_METRICS = {"mrc_gpu_sm_instructions_executed_total", "mrc_gpu_dram_read_bytes_total"}
+
+
+class CaptureManager:
+    """Starts captures in a background thread, one at a time and at most ``max_per_hour`` per
+    rolling hour, and counts what happened to every request."""
+
+    def __init__(self, cfg: AgentConfig, store: CaptureStore, runner: Runner,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.runner = runner
+        self.duration = cfg.capture_duration
+        self.max_per_hour = cfg.capture_max_per_hour
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._started: deque[float] = deque()
+        self._running: str | None = None
+        self._thread: threading.Thread | None = None
+        self._cancel = threading.Event()
+        self.counts: Counter[str] = Counter()
+
+    @property
+    def running(self) -> str | None:
+        return self._running
+
+    def count(self, what: str) -> None:
+        with self._lock:
+            self.counts[what] += 1
+
+    def targets(self) -> list[int]:
+        return [t.pid for t in self.runner.targets.resolve()]
+
+    def hottest_target(self) -> int | None:
+        """The target with the most user CPU in the latest snapshot (the first target when
+        none has a reading yet)."""
+        targets = self.targets()
+        if not targets:
+            return None
+        cpu = {int(labels[0]): float(v) for name, labels, v in self.runner.latest().samples
+               if name == "mrc_process_cpu_user_ratio" and isinstance(v, (int, float))}
+        return max(targets, key=lambda p: cpu.get(p, -1.0))
+
+    def request(self, alert: str, pid: int) -> tuple[str, str]:
+        """("accepted", capture id), ("rate-limited", why) or ("error", why) when the
+        captures directory cannot take it."""
+        with self._lock:
+            now = self._clock()
+            while self._started and now - self._started[0] >= 3600:
+                self._started.popleft()
+            if self._running is not None:
+                self.counts["rate_limited"] += 1
+                return ("rate-limited", f"capture {self._running} is still running")
+            if len(self._started) >= self.max_per_hour:
+                self.counts["rate_limited"] += 1
+                return ("rate-limited", f"{len(self._started)} captures started in the last "
+                                        f"hour (limit {self.max_per_hour})")
+            try:
+                self.store.prune(room_for=1)
+                cid = self.store.create(alert, pid)
+            except OSError as exc:
+                self.counts["failed"] += 1
+                log.warning("cannot start a capture in %s: %s", self.store.root, exc)
+                return ("error", f"cannot write to the captures directory: "
+                                 f"{exc.strerror or exc}")
+            self._started.append(now)
+            self._running = cid
+            self.counts["accepted"] += 1
+            self._thread = threading.Thread(target=self._run, args=(cid, alert, pid),
+                                            name="mrc-agent-capture", daemon=True)
+            self._thread.start()
+        log.info("capture %s started for %s on pid %d (%.3g s)", cid, alert, pid, self.duration)
+        return ("accepted", cid)
+
+    def _collectors(self) -> tuple[list[str], list[Collector]]:
+        """The agent's collectors plus process and derived; the profiling counters are read
+        from the agent's own sampler when it runs them (one CUPTI session per process)."""
+        names = [n for n in COLLECTOR_NAMES if n != "profiling"
+                 and (n in ("process", "derived") or self.cfg.collectors.get(n))]
+        extra: list[Collector] = []
+        if self.cfg.collectors.get("profiling"):
+            extra.append(Borrowed("profiling", self.runner.latest, _PROFILING_METRICS))
+        return names, extra
+
+    def _run(self, cid: str, alert: str, pid: int) -> None:
+        out = os.path.join(self.store.root, cid)
+        names, extra = self._collectors()
+        try:
+            result = diagnose(self.cfg, pid, out, self.duration, CAPTURE_INTERVAL,
+                              collectors=names, extra=extra, cancel=self._cancel)
+            self.store.update(cid, status="completed", verdict=result.verdict,
+                              summary=result.report["summary"], finished_at=_iso(time.time()))
+            self.count("completed")
+            log.info("capture %s: %s", cid, result.verdict)
+        except (PySpyError, ConfigError, OSError) as exc:
+            self.store.update(cid, status="failed", error=str(exc), finished_at=_iso(time.time()))
+            self.count("failed")
+            log.warning("capture %s failed: %s", cid, exc)
+        except Exception as exc:  # a capture's bug must not take the agent down
+            self.store.update(cid, status="failed", error=f"{type(exc).__name__}: {exc}",
+                              finished_at=_iso(time.time()))
+            self.count("failed")
+            log.exception("capture %s failed", cid)
+        finally:
+            with self._lock:
+                self._running = None
+                self.store.prune()
+
+    def prune(self) -> None:
+        """Apply retention and limits now, sparing the running capture."""
+        with self._lock:
+            self.store.prune(keep=[self._running] if self._running else [])
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the running capture, if any, to finish."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Cut a running capture short (its report covers the part sampled) and wait."""
+        self._cancel.set()
+        self.wait(timeout)
+

@@ -1,0 +1,186 @@
+"""The whole thing: :func:`diagnose` runs py-spy and the collectors over one window on a pid and
+writes the report; :func:`run_diagnose_command` is ``mrc-agent diagnose``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agent.core.collectors.base import Collector
+from agent.core.config import AgentConfig, ConfigError
+from agent.core.hw.procfs import ProcFS
+from agent.core.runner import Runner
+from agent.core.targets import TargetResolver
+from agent.tools.diagnose.pyspy import PY_SPY_RATE, PySpy, PySpyError, find_py_spy
+from agent.tools.diagnose.sampling import IdleWindows, _Watched, runnable
+from agent.tools.diagnose.stacks import image_share, parse_collapsed, thread_samples, top_functions
+from agent.tools.diagnose.verdict import Rules, analyse_cpu, analyse_gpu, decide
+from agent.tools.diagnose.writers import FILES, render_text, write_golden_triangle, write_samples
+from agent.core.sample import Snapshot
+
+EXIT_OK, EXIT_PY_SPY = 0, 1
+MIN_DURATION, MAX_DURATION = 1.0, 600.0
+
+
+@dataclass
+class Diagnosis:
+    out_dir: str
+    report: dict[str, Any]
+
+    @property
+    def verdict(self) -> str:
+        return str(self.report["verdict"])
+
+    @property
+    def files(self) -> list[str]:
+        return list(self.report["files"])
+
+
+def check_pid(pid: int) -> None:
+    """ConfigError when there is no such process."""
+    if pid <= 0 or not os.path.isdir(f"/proc/{pid}"):
+        raise ConfigError(f"no process with pid {pid}")
+
+
+def diagnose(
+    cfg: AgentConfig,
+    pid: int,
+    out_dir: str,
+    duration: float,
+    interval: float = 0.2,
+    *,
+    py_spy: str | None = None,
+    collectors: Sequence[str] = ("process", "gpu", "gpm", "profiling", "derived"),
+    extra: Sequence[Collector] = (),
+    cancel: threading.Event | None = None,
+    rules: Rules = Rules(),  # noqa: B008 (a frozen dataclass: immutable)
+) -> Diagnosis:
+    """Run py-spy and the collectors over one window on ``pid`` and write the report into
+    ``out_dir``. Raises PySpyError (py-spy missing or cannot attach), ConfigError (no such
+    process) and ReplayFormatError (bad replay trace)."""
+    from agent.core.wiring import build_collectors, make_sources
+
+    check_pid(pid)
+    exe = find_py_spy(py_spy)
+    cancel = cancel or threading.Event()
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {k: os.path.join(out_dir, v) for k, v in FILES.items()}
+    sources = make_sources(cfg)
+    try:
+        start = time.monotonic()
+        start_wall = time.time()
+        idle = IdleWindows(cfg.idle_util_threshold, start)
+        built: list[Collector] = build_collectors(cfg, sources, collectors)
+        # The derived collector reads what the others left in the context: it goes last.
+        watched = [_Watched(c) for c in built if c.name != "derived"]
+        tail = [_Watched(c) for c in built if c.name == "derived"]
+        runner = Runner([*watched, *(_Watched(c) for c in extra), *tail, idle],
+                        TargetResolver([pid]), interval)
+        spy = PySpy(exe, pid, paths["flamegraph"], paths["stacks"], duration)
+        sched_before, sched_t0 = ProcFS().thread_schedstat(pid), time.monotonic()
+        snaps: list[Snapshot] = []
+        try:
+            tick = start
+            while True:
+                snaps.append(runner.sample_once())
+                if spy.failed_early():
+                    break
+                tick += interval
+                if tick - start > duration + 1e-6 or cancel.wait(max(tick - time.monotonic(), 0)):
+                    break
+        except KeyboardInterrupt:
+            # Ctrl-C in a terminal: py-spy got it too and writes what it has; so do we.
+            cancel.set()
+        except BaseException:
+            spy.kill()
+            raise
+        hottest_runnable = runnable(sched_before, ProcFS().thread_schedstat(pid),
+                                    time.monotonic() - sched_t0)
+        spy.stop()
+    finally:
+        sources.close()
+    elapsed = time.monotonic() - start
+    reasons = {w.name: w.reason for w in runner.collectors if isinstance(w, _Watched)}
+
+    with open(paths["stacks"], encoding="utf-8", errors="replace") as f:
+        stacks = parse_collapsed(f.read())
+    threads = thread_samples(stacks)
+    busy = threads.most_common(1)[0][0] if threads else ""
+    busy_stacks = [s for s in stacks if s.thread == busy]
+    share, image_frames = image_share(busy_stacks)
+    top = top_functions(busy_stacks)
+    stack_info = {
+        "samples": sum(threads.values()), "rate_hz": PY_SPY_RATE,
+        "threads": dict(threads.most_common()), "busy_thread": busy,
+        "busy_thread_samples": threads.get(busy, 0),
+        "image_share": round(share, 4), "image_frames": image_frames,
+        "top_self": top["self"],
+    }
+    cpu = analyse_cpu(snaps, pid, cfg.starvation_cpu_threshold, hottest_runnable)
+    gpu = analyse_gpu(snaps, pid, idle, reasons, start)
+    verdict = decide(cpu, gpu, stack_info, rules)
+    write_samples(paths["samples"], snaps, start_wall)
+    write_golden_triangle(paths["golden_triangle"], snaps, pid, start_wall)
+    report: dict[str, Any] = {
+        "verdict": verdict.verdict,
+        "summary": verdict.summary,
+        "evidence": verdict.evidence,
+        "pid": pid,
+        "window": {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(start_wall)),
+                   "duration_seconds": round(elapsed, 3), "interval_seconds": interval,
+                   "passes": len(snaps), "cancelled": cancel.is_set()},
+        "cpu": cpu,
+        "gpu": gpu,
+        "stacks": {k: v for k, v in stack_info.items() if k != "top_self"},
+        "top_functions": {"self": top["self"], "total": top["total"],
+                          "all_threads": top_functions(stacks)["self"]},
+        "thresholds": {"starvation_cpu": cfg.starvation_cpu_threshold,
+                       "idle_util": cfg.idle_util_threshold, **dataclasses.asdict(rules)},
+        "files": list(FILES.values()),
+    }
+    report["cpu"]["collector_reasons"] = {k: v for k, v in reasons.items() if v}
+    with open(paths["report_json"], "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    with open(paths["report_txt"], "w", encoding="utf-8") as f:
+        f.write(render_text(report))
+    return Diagnosis(out_dir, report)
+
+
+def run_diagnose_command(args: Any) -> int:
+    """``mrc-agent diagnose``; bad input raises ConfigError (exit 2 in cli.py)."""
+    from agent.core.config import load
+    from agent.core.hw.replay import ReplayFormatError
+
+    if not MIN_DURATION <= args.duration <= MAX_DURATION:
+        raise ConfigError(f"--duration must be {MIN_DURATION:g}-{MAX_DURATION:g} seconds")
+    if not 0.05 <= args.interval <= args.duration:
+        raise ConfigError("--interval must be 0.05 seconds or more and at most --duration")
+    cli = {"pids": [args.pid], "gpu_backend": args.gpu_backend, "interval": args.interval,
+           "starvation_cpu_threshold": args.starvation_cpu_threshold,
+           "idle_util_threshold": args.idle_util_threshold}
+    cfg = load({k: v for k, v in cli.items() if v is not None}, config_path=args.config)
+    check_pid(args.pid)
+    out = args.out or f"mrc-diagnose-{args.pid}-{time.strftime('%Y%m%dT%H%M%S')}"
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        result = diagnose(cfg, args.pid, out, args.duration, args.interval, py_spy=args.py_spy)
+    except ReplayFormatError as exc:
+        raise ConfigError(str(exc)) from exc
+    except PySpyError as exc:
+        print(f"mrc-agent diagnose: error: {exc}", file=sys.stderr)
+        return EXIT_PY_SPY
+    sys.stdout.write(render_text(result.report))
+    sys.stdout.write(f"\nwritten to {os.path.abspath(out)}\n")
+    return EXIT_OK
+

@@ -1,0 +1,110 @@
+"""The in-process sampling loop's extra collectors: :class:`IdleWindows` (the GPU idle windows
+from the finest utilisation points), :class:`_Watched` (keeps each collector's reason for having no
+data), :class:`Borrowed` (samples from the running agent's sampler), and :func:`runnable` (the
+hottest thread's share of the window running or ready to run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from agent.core.collectors.base import Collector, SampleContext
+from agent.core.collectors.derived import IdleTracker
+from agent.core.hw.base import GPUIdentity, SourceUnavailable
+from agent.core.sample import Sample, Snapshot
+
+
+class _WindowTracker(IdleTracker):
+    """The derived collector's idle tracker, also keeping each completed window and the points."""
+
+    def __init__(self, threshold: float) -> None:
+        super().__init__(threshold)
+        self.windows: list[tuple[float, float]] = []
+        self.points: list[tuple[float, float]] = []
+
+    def feed(self, points: list[tuple[float, float]]) -> None:
+        for t, util in points:
+            if self.last_t is not None and t <= self.last_t:
+                continue
+            self.points.append((t, util))
+            since = self.idle_since
+            super().feed([(t, util)])
+            if since is not None and self.idle_since is None:
+                self.windows.append((since, t))
+
+
+class IdleWindows:
+    """A collector that only watches: GPU idle windows from the finest utilisation points of
+    the pass (left in the context by the gpu collector), from ``start`` on."""
+
+    name = "idle_windows"
+
+    def __init__(self, threshold: float, start: float) -> None:
+        self.threshold = threshold
+        self.start = start
+        self.trackers: dict[GPUIdentity, _WindowTracker] = {}
+
+    def update(self, ctx: SampleContext) -> list[Sample]:
+        for gpu, points in ctx.gpu_util_points.items():
+            tracker = self.trackers.setdefault(gpu, _WindowTracker(self.threshold))
+            tracker.feed([p for p in points if p[0] >= self.start])
+        return []
+
+
+class _Watched:
+    """Keeps the reason a collector gave for having no data, for the report."""
+
+    def __init__(self, inner: Collector) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.reason = ""
+
+    def update(self, ctx: SampleContext) -> list[Sample]:
+        try:
+            out = self.inner.update(ctx)
+        except SourceUnavailable as exc:
+            self.reason = exc.detail or exc.reason
+            raise
+        except Exception as exc:
+            self.reason = f"{type(exc).__name__}: {exc}"
+            raise
+        self.reason = ""
+        return out
+
+
+class Borrowed:
+    """Samples taken from another sampler's latest snapshot (the running agent's profiling
+    counters: one CUPTI session per process, so a capture reads the agent's)."""
+
+    def __init__(self, name: str, source: Callable[[], Snapshot], metrics: set[str]) -> None:
+        self.name = name
+        self._source = source
+        self._metrics = metrics
+
+    def update(self, ctx: SampleContext) -> list[Sample]:
+        out = [s for s in self._source().samples if s[0] in self._metrics]
+        if not out:
+            raise SourceUnavailable("not_sampled", "the agent's sampler has no such samples")
+        return out
+
+
+def runnable(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]],
+             seconds: float) -> dict[str, float] | None:
+    """The hottest thread's share of the window spent running or ready to run.
+
+    User CPU alone undercounts a thread on a node short of CPU: it wants a whole core but is
+    granted less. Time on the run queue is demand too, so a thread runnable ~100 % of the
+    window is CPU-bound whatever the node gave it. A thread born in the window counts from
+    zero."""
+    if not after or seconds <= 0:
+        return None
+    best = (0.0, 0.0)
+    for tid, (cpu, wait) in after.items():
+        cpu0, wait0 = before.get(tid, (0, 0))
+        d_cpu, d_wait = max(cpu - cpu0, 0) / 1e9, max(wait - wait0, 0) / 1e9
+        if d_cpu + d_wait > sum(best):
+            best = (d_cpu, d_wait)
+    return {"runnable_ratio": min((best[0] + best[1]) / seconds, 1.0),
+            "on_cpu_ratio": min(best[0] / seconds, 1.0),
+            "waiting_ratio": min(best[1] / seconds, 1.0)}
+
