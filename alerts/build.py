@@ -47,9 +47,11 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _str)
 
 
-def dump(data: Any) -> str:
-    """YAML with keys in the dicts' own order (built canonical in rules.py / alertmanager.py)."""
-    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=4096,
+def dump(data: Any, width: int = 4096) -> str:
+    """The YAML writer of every generated file (rules, Alertmanager, dashboards' provisioning
+    and ConfigMap): keys in the dicts' own order (built canonical by their modules), block
+    scalars for multi-line strings, no anchors. ``width`` 4096 keeps PromQL on one line."""
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=width,
                      default_flow_style=False)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class Thresholds:
     #: A Python preprocessing thread is GIL-bound at one core; 95 % of a core held for 30 s is
-    #: a thread that can no longer keep up (issue contract: MRCProcessCPUUserSaturated).
+    #: a thread that can no longer keep up (the contract of MRCProcessCPUUserSaturated).
     cpu_user_ratio: float = 0.95
     cpu_user_for: str = "30s"
     #: NVLink on H100/H200 moves 450 GB/s per direction; below 50 GB/s while the GPU is busy

@@ -22,21 +22,17 @@ instead of silently changing what a name means.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from prometheus_client.utils import floatToGoString
 
+from agent.core.units import check_prometheus_duration, parse_duration
 from alerts.config import Config, Thresholds
-
-_DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
 
 
 def check_duration(value: str) -> str:
     """Return ``value`` if it is a Prometheus duration (``90s``, ``1h30m``), else raise."""
-    if not _DURATION.match(value):
-        raise ValueError(f"{value!r} is not a Prometheus duration (e.g. 30s, 5m, 1h)")
-    return value
+    return check_prometheus_duration(value)
 
 
 def num(value: float) -> str:
@@ -65,7 +61,7 @@ def _labels(labels: tuple[str, ...]) -> str:
 
 
 @dataclass(frozen=True)
-class Queries:
+class RuleQueries:
     """Expressions and recording-rule names for one config."""
 
     cfg: Config
@@ -413,10 +409,6 @@ class Queries:
         return f"{self.m('mrc_agent_targets')} == 0"
 
 
-_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
-
-
 def duration_seconds(value: str) -> float:
     """Seconds in a Prometheus duration (``1h30m`` → 5400)."""
-    check_duration(value)
-    return sum(float(n) * _UNITS[u] for n, u in re.findall(r"(\d+)(ms|s|m|h|d|w|y)", value))
+    return parse_duration(check_duration(value))

@@ -6,7 +6,7 @@ read them. Prometheus evaluates a group's rules in order at one timestamp, so an
 value recorded in the same evaluation, not the one before it — the `for` of an alert counts
 from the sample that crossed the line.
 
-Alert names are a contract (issue 4): dashboards link to them and runbooks are named after them.
+Alert names are a contract: dashboards link to them and runbooks are named after them.
 Every alert has ``for``, ``severity`` (``page``: someone gets up; ``ticket``: next working day),
 ``summary``, a ``description`` that carries the value, and ``runbook_url``.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from alerts.config import Config
-from alerts.queries import Queries, check_duration, num
+from alerts.queries import RuleQueries, check_duration, num
 
 Rule = dict[str, Any]
 Group = dict[str, Any]
@@ -70,7 +70,7 @@ _PROC = "{{ $labels.process }} on {{ $labels.instance }}"
 
 def golden_triangle(cfg: Config) -> Group:
     """Target CPU, interconnect, compute per memory byte, starvation: the design's triangle."""
-    q, t = Queries(cfg), cfg.thresholds
+    q, t = RuleQueries(cfg), cfg.thresholds
     w = check_duration(t.rate_window)
     busy = f"{q.gpu_util_avg} > {num(t.gpu_busy_ratio)}"
     rules: list[Rule] = [
@@ -141,7 +141,7 @@ def _burn_text(burn_rates: tuple[tuple[float, str, str], ...]) -> str:
 
 def service_slo(cfg: Config) -> Group:
     """Time to first token: error ratios per window and multi-window, multi-burn-rate alerts."""
-    q, t = Queries(cfg), cfg.thresholds
+    q, t = RuleQueries(cfg), cfg.thresholds
     rules: list[Rule] = [record(q.ttft_errors(w), q.ttft_errors_expr(w))
                          for w in map(check_duration, q.slo_windows())]
     slo = (f"SLO: {_pct(t.ttft_objective)} of first tokens within {num(t.ttft_seconds)}s, so "
@@ -164,7 +164,7 @@ def service_slo(cfg: Config) -> Group:
 
 def service(cfg: Config) -> Group:
     """Request latency per bucket, errors and chain breaks of the instrumented service."""
-    q, t = Queries(cfg), cfg.thresholds
+    q, t = RuleQueries(cfg), cfg.thresholds
     w = check_duration(t.request_rate_window)
     rules: list[Rule] = [
         record(q.latency_p99, q.latency_p99_expr()),
@@ -203,7 +203,7 @@ def service(cfg: Config) -> Group:
 
 def agent_health(cfg: Config) -> Group:
     """The sidecar itself: scraped, collecting, watching something."""
-    q, t = Queries(cfg), cfg.thresholds
+    q, t = RuleQueries(cfg), cfg.thresholds
     rules: list[Rule] = [
         alert(
             cfg, "MRCAgentDown", q.agent_down_expr("MRCAgentDown"), t.absent_for, TICKET,
@@ -235,7 +235,7 @@ def fleet(cfg: Config) -> Group:
     global view (federation, remote_write to Thanos or Mimir) read a few series per pod
     instead of every PID, GPU, link and histogram bucket (docs/fleet.md). No alert reads
     them: alerts stay on the per-target rules above, next to the raw data."""
-    q = Queries(cfg)
+    q = RuleQueries(cfg)
     rules: list[Rule] = [
         record(q.pod_cpu_user_max, q.pod_cpu_user_max_expr()),
         record(q.pod_hottest_thread_max, q.pod_hottest_thread_max_expr()),

@@ -4,14 +4,14 @@ Run as ``python3 benchmarks/bench_instrumentation.py [--quick] [--out
 benchmarks/results/instrumentation.md]``. A measurement, not a test: it prints a Markdown table
 and writes it to ``--out``, and exits 0 whether or not the goal is met.
 
-Goal (issue 3): all request metrics together cost at most 30 us of CPU per request, measured
+Goal: all request metrics together cost at most 30 us of CPU per request, measured
 against the same app uninstrumented, and beside prometheus-fastapi-instrumentator.
 
 What one run does:
 
 1. Builds the same minimal FastAPI app (``POST /mrc`` with a small JSON body, answered at once)
    four times: (a) uninstrumented; (a') uninstrumented again, a control whose "overhead" shows
-   the measurement's noise floor; (b) with :class:`exporters.instrumentation.metrics.MRCMetrics` tracking
+   the measurement's noise floor; (b) with :class:`exporters.instrumentation.MRCMetrics` tracking
    the request completely — in flight, a pass through the queue, a cache lookup, all seven
    stages, image size, first token, 16 tokens, peak GPU memory, outcome; (c) with
    prometheus-fastapi-instrumentator's default instrumentation (``Instrumentator().instrument``,

@@ -25,7 +25,7 @@ Paths, run interleaved in the same process, each repeated (median reported):
 * kornia on the CPU: the GPU path's code (draft decode + kornia antialiased resize) forced onto
   the CPU, for information only — on the CPU it is slow, which is why it is the CUDA path.
 
-Goals (issue 3): fast ≥ 4× naive for the model input, PSNR ≥ 30 dB against the naive result.
+Goals: fast ≥ 4× naive for the model input, PSNR ≥ 30 dB against the naive result.
 PSNR is computed on the 0–255 scale from the normalised tensors (and on the OCR images).
 """
 

@@ -1,6 +1,6 @@
 """Soak: 16 concurrent clients for 60 s against the reference service on the embedded model (CPU).
 
-Goals (issue 3): zero 5xx and flat memory. The service runs as a real process on loopback; the
+Goals: zero 5xx and flat memory. The service runs as a real process on loopback; the
 clients are closed-loop (each sends its next request when the previous answer arrives) over the
 nine prompt-length x resolution buckets, with one request in twenty a bad input (truncated JPEG,
 non-image bytes) so error paths are soaked too. The service's RSS is sampled every second from

@@ -20,8 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from alerts.build import dump
 from alerts.config import DEFAULT, Config
 from dashboards import golden, heatmap, service
 from dashboards.panels import render
@@ -51,21 +50,9 @@ def build_all(cfg: Config = DEFAULT) -> dict[str, dict[str, Any]]:
     return {f"{module.UID}.json": module.build(cfg) for module in DASHBOARDS}
 
 
-class _Dumper(yaml.SafeDumper):
-    """Block style for multi-line strings (the dashboard JSON), so the YAML stays readable."""
-
-
-def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
-    style = "|" if "\n" in value else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
-
-
-_Dumper.add_representer(str, _str)
-
-
 def _yaml(data: Any) -> str:
-    return _HEADER + yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=100,
-                               allow_unicode=True)
+    # Block style for the multi-line dashboard JSON keeps the ConfigMap readable.
+    return _HEADER + dump(data, width=100)
 
 
 def provisioning_yaml() -> str:

@@ -24,14 +24,14 @@ from dashboards.panels import (
     timeseries,
     variables,
 )
-from dashboards.queries import GPU_VAR, Queries
+from dashboards.queries import GPU_VAR, PanelQueries
 
 UID = "mrc-golden-triangle"
 TITLE = "MRC golden triangle"
 
 
 def build(cfg: Config) -> dict[str, Any]:
-    q = Queries(cfg)
+    q = PanelQueries(cfg)
     t = cfg.thresholds
     cpu = Section("CPU: the target process", [
         timeseries(

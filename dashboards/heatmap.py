@@ -36,7 +36,7 @@ from dashboards.queries import (
     PROMPT_LENGTH_ORDER,
     RESOLUTION_ORDER,
     RESOLUTION_RANK_LABEL,
-    Queries,
+    PanelQueries,
 )
 
 UID = "mrc-latency-heatmap"
@@ -69,7 +69,7 @@ _PLAIN_LABELS = override_by_type("string", custom__cellOptions={"type": "auto"})
 
 
 def build(cfg: Config) -> dict[str, Any]:
-    q = Queries(cfg)
+    q = PanelQueries(cfg)
     t = cfg.thresholds
     sla_ms = t.ttft_seconds * 1000
     buckets = (f"Rows: {', '.join(RESOLUTION_ORDER)}; "

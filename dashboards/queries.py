@@ -57,7 +57,7 @@ def _promql_regex_literal(value: str) -> str:
     return "".join("\\\\" + c if c in r".+*?()|[]{}^$\\" else c for c in value)
 
 
-class Queries:
+class PanelQueries:
     """The dashboards' expressions, built from one alerts :class:`Config`."""
 
     def __init__(self, cfg: Config) -> None:

@@ -23,7 +23,7 @@ from dashboards.panels import (
     transformation,
     variables,
 )
-from dashboards.queries import Queries
+from dashboards.queries import PanelQueries
 
 UID = "mrc-service"
 TITLE = "MRC service"
@@ -32,7 +32,7 @@ QUANTILES = (0.5, 0.9, 0.99)
 
 
 def build(cfg: Config) -> dict[str, Any]:
-    q = Queries(cfg)
+    q = PanelQueries(cfg)
     t = cfg.thresholds
     sla_ms = t.ttft_seconds * 1000
     ttft_runbooks = runbook(cfg, Alerts.TTFT_FAST_BURN, Alerts.TTFT_SLOW_BURN)

@@ -38,7 +38,7 @@ from dashboards.queries import (
     PROMPT_LENGTH_ORDER,
     RESOLUTION_ORDER,
     RESOLUTION_RANK_LABEL,
-    Queries,
+    PanelQueries,
     substitute_macros,
 )
 from dashboards.validate import SCHEMA_DIR, validate
@@ -437,7 +437,7 @@ def test_resolution_rank_labels_in_a_real_prometheus(prometheus: Prometheus) -> 
     fake = " or ".join(
         f'label_replace(vector({i}), "resolution", "{r}", "", "")'
         for i, r in enumerate(reversed(RESOLUTION_ORDER)))
-    ranked = Queries(DEFAULT)._ranked_by_resolution(fake)
+    ranked = PanelQueries(DEFAULT)._ranked_by_resolution(fake)
     body = prometheus.query(ranked)
     assert body["status"] == "success", body
     ranks = {s["metric"]["resolution"]: s["metric"][RESOLUTION_RANK_LABEL]
@@ -502,4 +502,4 @@ def test_provisioning_and_configmap() -> None:
 
 def test_queries_need_the_standard_pod_labels() -> None:
     with pytest.raises(ValueError, match="pod labels"):
-        Queries(Config(pod_labels=("cluster", "pod")))
+        PanelQueries(Config(pod_labels=("cluster", "pod")))

@@ -87,7 +87,8 @@ def build_registry(runner: Runner) -> CollectorRegistry:
     return registry
 
 
-def build_server(cfg: AgentConfig, runner: Runner, routes: Routes | None = None) -> ExpositionServer:
+def build_server(cfg: AgentConfig, runner: Runner,
+                 routes: Routes | None = None) -> ExpositionServer:
     """The agent's exposition server for ``runner``'s snapshots, with optional extra routes
     (the on-alert capture endpoints). Binds now: "address in use" raises OSError here."""
     host, port = cfg.host_port

@@ -15,10 +15,11 @@ creates one :class:`MRCMetrics` at startup and wraps each request in ``metrics.r
     # on exit: duration, TTFT, TPOT observed; mrc_requests_total{outcome} incremented
 
 The metric names and labels are a contract that dashboards, alerts and users depend on; they are
-declared once, in ``FAMILIES`` below, and listed in ``docs/instrumentation.md``. Bucket boundaries
-and label edges live in :mod:`exporters.instrumentation.buckets`. Every series (all prompt-length x resolution
-combinations, stages, outcomes, chain steps) is created in the constructor, so it exists from the
-first scrape, and the hot path addresses series by list index, never by label lookup.
+declared once, in ``FAMILIES`` below, and listed in ``docs/instrumentation.md``. Bucket
+boundaries and label edges live in :mod:`exporters.instrumentation.buckets`. Every series (all
+prompt-length x resolution combinations, stages, outcomes, chain steps) is created in the
+constructor, so it exists from the first scrape, and the hot path addresses series by list
+index, never by label lookup.
 
 Two value stores render the same exposition (a test compares them):
 
@@ -31,11 +32,12 @@ Two value stores render the same exposition (a test compares them):
   must be in the environment *before the process starts* (prometheus-client picks its value store
   when first imported; :func:`multiprocess_enabled` refuses a mismatch). Gauges merge across
   workers with ``livesum`` (in flight, queued) and ``livemax`` (model info), and the exposition is
-  built by ``MultiProcessCollector`` on a fresh registry per scrape — :mod:`exporters.instrumentation.asgi` does
-  that. The launcher empties the directory before starting the workers
-  (:func:`prepare_multiproc_dir`), and each worker calls :func:`mark_process_dead` as it exits so
-  its live gauges stop counting. prometheus-client's ``Info`` does not work in multiprocess mode,
-  so ``mrc_model_info`` is a gauge set to 1 in both modes: one type, one query, whatever the mode.
+  built by ``MultiProcessCollector`` on a fresh registry per scrape —
+  :mod:`exporters.instrumentation.asgi` does that. The launcher empties the directory before
+  starting the workers (:func:`prepare_multiproc_dir`), and each worker calls
+  :func:`mark_process_dead` as it exits so its live gauges stop counting. prometheus-client's
+  ``Info`` does not work in multiprocess mode, so ``mrc_model_info`` is a gauge set to 1 in
+  both modes: one type, one query, whatever the mode.
 
 This module imports neither torch nor the agent: the caller passes the peak GPU memory it measured.
 """
@@ -386,7 +388,8 @@ class MRCMetrics:
 
     ``registry`` defaults to a fresh ``CollectorRegistry`` (never the global one unless passed).
     ``prompt_edges`` (characters) and ``resolution_edges_mp`` (megapixels) set the label buckets;
-    see :mod:`exporters.instrumentation.buckets` for the ``[lo, hi)`` rule and the generated label values.
+    see :mod:`exporters.instrumentation.buckets` for the ``[lo, hi)`` rule and the generated
+    label values.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None,
