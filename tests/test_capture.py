@@ -213,7 +213,7 @@ def test_run_rejects_bad_capture_settings(tmp_path: Path) -> None:
             (["--webhook-token-file", str(tmp_path / "missing")], "cannot read webhook token"),
             (["--webhook-token-file", str(short)], "at least 16 characters"),
             (["--capture-max-bytes", "lots"], "invalid value 'lots' for capture_max_bytes"),
-            (["--capture-retention", "1w"], "invalid value '1w' for capture_retention"),
+            (["--capture-retention", "7 days"], "invalid value '7 days' for capture_retention"),
             (["--capture-duration", "0.5"], "capture-duration 0.5 is out of range"),
             (["--capture-max-per-hour", "0"], "capture-max-per-hour 0 is out of range")):
         r = subprocess.run([sys.executable, "-m", "agent", "run", "--listen", "127.0.0.1:0",

@@ -74,3 +74,36 @@ def test_parse_listen_forms() -> None:
     assert parse_listen(":9478") == ("0.0.0.0", 9478)
     assert parse_listen("127.0.0.1:0") == ("127.0.0.1", 0)
     assert parse_listen("[::1]:9478") == ("[::1]", 9478)
+
+
+def test_every_setting_is_declared_once_and_offered_with_its_environment_name() -> None:
+    from dataclasses import fields
+
+    from agent.cli import build_parser
+    from agent.core.config import SETTINGS, AgentConfig
+
+    assert list(SETTINGS) == [f.name for f in fields(AgentConfig)]
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices  # type: ignore[union-attr]
+    for command in ("run", "doctor", "diagnose"):
+        offered = {a.dest: a for a in sub[command]._actions}
+        for spec in SETTINGS.values():
+            if command not in spec.commands or spec.flag_name is None:
+                continue
+            dest = "enable" if spec.name == "collectors" else spec.name
+            assert dest in offered, (command, spec.name)
+            assert spec.env in (offered[dest].help or ""), (command, spec.name)
+        assert "MRC_AGENT_CONFIG" in (offered["config"].help or "")
+    # The token is read from the environment or a file, never a flag or the config file.
+    assert SETTINGS["webhook_token"].flag_name is None
+
+
+def test_a_setting_reads_the_same_from_file_env_and_flag(tmp_path) -> None:
+    f = tmp_path / "a.yaml"
+    f.write_text("capture_retention: 90m\ncapture_max_bytes: 2Mi\n")
+    from_file = load({}, env={}, config_path=str(f))
+    from_env = load({}, env={"MRC_AGENT_CAPTURE_RETENTION": "90m",
+                             "MRC_AGENT_CAPTURE_MAX_BYTES": "2Mi"})
+    from_flag = load({"capture_retention": "90m", "capture_max_bytes": "2Mi"}, env={})
+    for cfg in (from_file, from_env, from_flag):
+        assert cfg.capture_retention == 5400.0 and cfg.capture_max_bytes == 2 * 1024 * 1024

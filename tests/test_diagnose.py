@@ -171,9 +171,9 @@ def test_busy_gpu_with_few_instructions_per_byte_is_memory_bound(tmp_path: Path,
                                                                  procs: Procs) -> None:
     p = procs.spawn(PTRACER_ANY + IDLE)
     trace = tmp_path / "busy.jsonl"
-    trace.write_text(subprocess.run([sys.executable, "-m", "agent.tools.tracegen", "busy", "1", "12"],
-                                    capture_output=True, text=True, check=True,
-                                    cwd=REPO).stdout)
+    trace.write_text(subprocess.run(
+        [sys.executable, "-m", "agent.tools.tracegen", "busy", "1", "12"],
+        capture_output=True, text=True, check=True, cwd=REPO).stdout)
     out = tmp_path / "diag"
     r = mrc("diagnose", "--pid", str(p.pid), "--duration", "2", "--gpu-backend",
             f"replay:{trace}", "--out", str(out))
@@ -336,5 +336,6 @@ def test_a_thread_waiting_for_a_cpu_still_counts_as_hot() -> None:
     assert run == pytest.approx({"runnable_ratio": 0.98, "on_cpu_ratio": 0.4,
                                  "waiting_ratio": 0.58})
     assert runnable(before, {}, 1.0) is None
+    assert run is not None
     assert analyse_cpu([], 7, 0.9, run)["hot"]
     assert not analyse_cpu([], 7, 0.9, {**run, "runnable_ratio": 0.5})["hot"]

@@ -85,7 +85,7 @@ def paging(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Paging]:
 
 
 def _fired(paging: Paging, name: str, timeout: float) -> tuple[dict[str, Any], float]:
-    alert = wait_until(lambda: (paging.webhook.alerts(name) or [None])[0], timeout, 0.5,
+    alert = wait_until(lambda: next(iter(paging.webhook.alerts(name)), None), timeout, 0.5,
                        f"{name} delivered to the webhook")
     return alert, time.monotonic() - paging.started
 

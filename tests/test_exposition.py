@@ -14,7 +14,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from prometheus_client.registry import CollectorRegistry
 
 from agent.core.catalog import CATALOG
-from agent.core.collectors.base import SampleContext, TargetState
+from agent.core.collectors.base import Collector, SampleContext, TargetState
 from agent.core.collectors.derived import DerivedCollector
 from agent.core.collectors.gpm import GpmCollector
 from agent.core.collectors.gpu import GpuCollector
@@ -33,8 +33,8 @@ FIXED_TRACE = DATA / "fixed_device.jsonl"
 def _fixed_snapshot() -> Snapshot:
     clock_t = [50.0]
     backend = ReplayBackend(str(FIXED_TRACE), clock=lambda: clock_t[0])
-    collectors = [GpuCollector(backend), GpmCollector(backend), ProfilingCollector(backend),
-                  DerivedCollector()]
+    collectors: list[Collector] = [GpuCollector(backend), GpmCollector(backend),
+                                   ProfilingCollector(backend), DerivedCollector()]
     samples = []
     for now in (50.0, 50.5, 51.0):
         clock_t[0] = now

@@ -24,6 +24,7 @@ from agent.core.collectors.base import SampleContext
 from agent.core.collectors.process import ProcessCollector, ratio
 from agent.core.hw import procfs
 from agent.core.hw.procfs import ProcFS
+from agent.core.sample import Value
 from agent.core.targets import Target, TargetResolver
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "proc"
@@ -73,7 +74,7 @@ class ProcRoot:
             (self.path / rel).write_bytes((src / rel).read_bytes())  # truncates in place
 
 
-Out = dict[str, dict[tuple[str, ...], float]]
+Out = dict[str, dict[tuple[str, ...], Value]]
 
 
 class Agent:
@@ -285,9 +286,6 @@ def test_procfs_reads_a_tree() -> None:
     assert fs._fds == {}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "parse_stat takes guest time from fields[39], which is proc(5) field 42 "
-    "(delayacct_blkio_ticks); guest_time is field 43, fields[40]"))
 def test_user_time_excludes_guest_time_like_pidstat() -> None:
     fs = ProcFS(root=str(FIXTURES / "t0"))
     st = fs.stat(600)  # utime 1000, delayacct_blkio_ticks 7, guest_time 400
@@ -328,6 +326,6 @@ def test_fixture_sums_hold() -> None:
             st = fs.stat(pid)
             threads = fs.thread_user_ticks(pid)
             assert len(threads) == st.num_threads, (moment, pid)
-            if pid != 600:  # guest time: see the xfail above
+            if pid != 600:  # threads' utime includes the guest time the process total drops
                 assert sum(threads.values()) <= st.user_ticks + 1, (moment, pid)
         assert os.path.isfile(FIXTURES / moment / "stat")

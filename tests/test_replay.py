@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 import pytest
 
@@ -18,7 +19,7 @@ class Clock:
         return self.t
 
 
-def _write(tmp_path, rows: list[object]) -> str:
+def _write(tmp_path, rows: Sequence[object]) -> str:
     path = tmp_path / "trace.jsonl"
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return str(path)
@@ -68,7 +69,8 @@ def test_plays_at_wall_clock_pace_and_loops_with_monotonic_counters(tmp_path) ->
         seen.append((s.gpu_util, s.nvlink_tx_bytes_total))
     assert [u for u, _ in seen] == [0.1, 0.1, 0.2, 0.3, 0.1, 0.2, 0.1, 0.1]
     counters = [c for _, c in seen]
-    assert counters == sorted(counters)  # monotonic across loops
+    assert None not in counters
+    assert counters == sorted(c or 0.0 for c in counters)  # monotonic across loops
     # Each loop adds the trace's rise (200) plus one mean step (100).
     assert counters[4] == 300 and counters[6] == 600 and counters[7] == 900
     assert s.gpu.uuid == "GPU-x" and s.gpu.name == "NVIDIA H200"

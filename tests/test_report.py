@@ -35,11 +35,11 @@ from typing import Any
 import httpx
 import pytest
 
+from agent.core.units import parse_duration
 from agent.tools.report import (
     heat_colour,
     legend_for,
     nice_step,
-    parse_duration,
     rate_interval,
     time_ticks,
     y_domain,
@@ -391,7 +391,8 @@ def test_png_is_a_real_screenshot(stack: Stack) -> None:
     assert white < 0.9 * rgb.width * rgb.height
     # The threshold lines' red and the heatmap scale's green end are on the picture (within
     # a small distance: edges are anti-aliased).
-    present = [c for _, c in colours]
+    assert colours is not None
+    present = [c for _, c in colours if isinstance(c, tuple)]
     for colour in ("#d0021b", heat_colour(0.0, 10.0)):
         want = tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
         assert min(sum(abs(a - b) for a, b in zip(c, want, strict=True)) for c in present) <= 12

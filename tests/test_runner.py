@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 from agent.core.collectors import PASS_FINISHERS
 from agent.core.collectors.base import SampleContext
 from agent.core.hw.base import HardwareError, SourceUnavailable
-from agent.core.runner import Runner
-from agent.core.sample import Sample
+from agent.core.runner import INTERVAL, SAMPLES, Runner
+from agent.core.sample import Sample, first
 from agent.core.targets import TargetResolver
 
 
 class Scripted:
     """A collector that follows a script of results: a value, or an exception to raise."""
 
-    def __init__(self, name: str, script: list[object]) -> None:
+    def __init__(self, name: str, script: Sequence[float | Exception]) -> None:
         self.name = name
         self.script = list(script)
 
@@ -68,9 +69,27 @@ def test_background_loop_keeps_sampling_at_100ms() -> None:
         time.sleep(1.0)
     finally:
         runner.stop()
-    samples = dict((n, v) for n, _, v in runner.latest().samples if not _)
-    assert samples["mrc_agent_samples_total"] >= 6
-    assert samples["mrc_agent_interval_seconds"] == 0.1
+    snap = runner.latest()
+    assert (first(snap, SAMPLES) or 0) >= 6
+    assert first(snap, INTERVAL) == 0.1
     seq = runner.version()
     time.sleep(0.3)
     assert runner.version() == seq  # stopped means stopped
+
+
+def test_collectors_register_in_an_order_that_honours_what_they_read() -> None:
+    import pytest
+
+    from agent.core.catalog import CATALOG
+    from agent.core.collectors import COLLECTORS, derived, gpu, process
+    from agent.core.collectors.base import check_order
+
+    with pytest.raises(ValueError, match="derived"):
+        check_order([process.DEFINITION, derived.DEFINITION, gpu.DEFINITION])
+    with pytest.raises(ValueError, match="twice"):
+        check_order([process.DEFINITION, process.DEFINITION])
+    # Every metric a collector declares is in the catalogue under that collector's name.
+    for c in COLLECTORS:
+        assert c.metrics and all(spec.collector == c.name for spec in c.metrics), c.name
+        assert set(c.metrics) <= set(CATALOG)
+    assert len({spec.name for spec in CATALOG}) == len(CATALOG)

@@ -41,9 +41,9 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.core.collectors import PASS_FINISHERS
 from agent.core.config import AgentConfig
 from agent.core.hw.nvml import NvmlBackend
-from agent.core.collectors import PASS_FINISHERS
 from agent.core.hw.sources import Sources
 from agent.core.runner import Runner
 from agent.core.targets import TargetResolver

@@ -11,7 +11,7 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from agent import __version__
 from agent.core.config import AgentConfig, ConfigError
@@ -20,6 +20,11 @@ from agent.core.wiring import build_runner, build_server, make_sources
 from exporters.exposition.http import Routes
 
 log = logging.getLogger("agent")
+
+
+@runtime_checkable
+class _Stoppable(Protocol):
+    def stop(self) -> None: ...
 
 
 #: Builds the extra routes for a config and its runner (or None); raises ConfigError.
@@ -68,9 +73,8 @@ def run_agent(cfg: AgentConfig, routes_factory: RoutesFactory | None = None) -> 
         pass
     server.stop()
     # Routes that own background work (a capture in progress) stop it here.
-    stopper = getattr(routes, "stop", None)
-    if callable(stopper):
-        stopper()
+    if isinstance(routes, _Stoppable):
+        routes.stop()
     runner.stop()
     sources.close()
     log.info("stopped")

@@ -3,7 +3,7 @@
 A collector returns :data:`Sample` tuples ``(metric name, label values, value)``, with label
 values in the order its :class:`~exporters.exposition.snapshot.MetricSpec` declares them. The
 runner publishes them as one immutable :class:`Snapshot`. Consumers (the exposition, diagnose,
-captures, the demo) read a snapshot through the spec — :func:`series` and :func:`first` —
+captures, the demo) read a snapshot through the spec — :func:`readings` and :func:`first` —
 never by a name literal or a label position.
 """
 
@@ -78,7 +78,7 @@ EMPTY = Snapshot(seq=0, timestamp=0.0, samples=())
 
 
 @dataclass(frozen=True)
-class Series:
+class Reading:
     """One sample read through its spec: labels by name."""
 
     spec: MetricSpec
@@ -90,8 +90,8 @@ class Series:
         return tuple(self.labels[n] for n in names)
 
 
-def series(samples: Snapshot | tuple[Sample, ...] | list[Sample], spec: MetricSpec,
-           **match: str) -> Iterator[Series]:
+def readings(samples: Snapshot | tuple[Sample, ...] | list[Sample], spec: MetricSpec,
+             **match: str) -> Iterator[Reading]:
     """Every sample of ``spec`` whose labels equal ``match`` (``pid="12"``)."""
     items = samples.samples if isinstance(samples, Snapshot) else samples
     for name, values, value in items:
@@ -99,13 +99,13 @@ def series(samples: Snapshot | tuple[Sample, ...] | list[Sample], spec: MetricSp
             continue
         labels = dict(zip(spec.labels, values, strict=True))
         if all(labels.get(k) == v for k, v in match.items()):
-            yield Series(spec, labels, value)
+            yield Reading(spec, labels, value)
 
 
 def first(samples: Snapshot | tuple[Sample, ...] | list[Sample], spec: MetricSpec,
           **match: str) -> float | None:
     """The first float value of ``spec`` matching ``match``, or None."""
-    for s in series(samples, spec, **match):
+    for s in readings(samples, spec, **match):
         if isinstance(s.value, float):
             return s.value
     return None

@@ -1,10 +1,10 @@
 """The one parser of durations and byte sizes, for the agent's settings, its tools' flags and
 the alert rules' windows.
 
-Durations are Prometheus' syntax (``1h30m``, ``5m``, ``500ms``: units ``y w d h m s ms`` in that
-order, each at most once). Where a setting or flag takes one, a plain number of seconds and a
-decimal with one unit (``1.5h``) are accepted too; :func:`check_prometheus_duration` accepts
-only what Prometheus itself parses, for text that goes into a rule file.
+Durations are Prometheus' syntax (``1h30m``, ``5m``, ``500ms``: whole numbers, units
+``y w d h m s ms`` in that order, each at most once). Where a setting or flag takes one, a plain
+number of seconds is accepted too; :func:`check_prometheus_duration` accepts only what
+Prometheus itself parses, for text that goes into a rule file.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ _UNIT_SECONDS = {"y": 365 * 86400.0, "w": 7 * 86400.0, "d": 86400.0, "h": 3600.0
                  "s": 1.0, "ms": 0.001}
 _PROMETHEUS = re.compile(r"(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?"
                          r"(?:(\d+)ms)?")
-_DECIMAL_ONE_UNIT = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|[ywdhms])", re.IGNORECASE)
 _BYTE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2,
                "gi": 1024**3}
 _BYTES = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmg]i?)?b?\s*", re.IGNORECASE)
@@ -32,8 +31,8 @@ def _prometheus_seconds(text: str) -> float | None:
 
 
 def parse_duration(value: Any) -> float:
-    """Seconds in ``value``: a number, a Prometheus duration (``1h30m``) or a decimal with one
-    unit (``1.5h``). Raises ValueError for anything else, or a negative or infinite value."""
+    """Seconds in ``value``: a number or a Prometheus duration (``1h30m``). Raises ValueError
+    for anything else, or a negative or infinite value."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
     else:
@@ -43,11 +42,8 @@ def parse_duration(value: Any) -> float:
         except ValueError:
             parsed = _prometheus_seconds(text)
             if parsed is None:
-                m = _DECIMAL_ONE_UNIT.fullmatch(text)
-                if m is None:
-                    raise ValueError(f"{text!r} is not a duration such as 3600, 90s, 30m, "
-                                     "1h30m or 7d") from None
-                parsed = float(m.group(1)) * _UNIT_SECONDS[m.group(2).lower()]
+                raise ValueError(f"{text!r} is not a duration such as 3600, 90s, 30m, 1h30m, "
+                                 "7d or 500ms") from None
             seconds = parsed
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"{value!r} is not a finite, non-negative duration")

@@ -59,7 +59,7 @@ def make_sources(cfg: AgentConfig, nvml_lib: Any | None = None, *, profiling: bo
     if backend is None:
         return Sources()
     if isinstance(backend, ReplayBackend):
-        return Sources(backend, backend, backend)
+        return Sources(backend, backend, backend, (backend,))
     lazy = LazyProfiling(backend, profiling_interval_s) if profiling else None
     owned: tuple[Closable, ...] = (backend,) if lazy is None else (backend, lazy)
     return Sources(backend, backend, lazy, owned)

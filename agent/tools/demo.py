@@ -22,7 +22,7 @@ from typing import Any
 from agent.core.collectors import DEFAULT_ON, derived, gpm, gpu, process, profiling
 from agent.core.config import AgentConfig, validate
 from agent.core.hw.base import SourceUnavailable
-from agent.core.sample import HistogramValue, Snapshot, first, series
+from agent.core.sample import HistogramValue, Snapshot, first, readings
 from agent.core.wiring import build_runner, build_server, make_sources, open_gpu_backend
 from exporters.exposition.snapshot import MetricSpec
 
@@ -184,7 +184,7 @@ def run_demo(duration: float, listen: str, trace: str | None, port: int = 8000,
         if outcome is not None:
             print("\nlatency per bucket (client side):\n" + table(outcome))
         last = runner.latest()
-        windows = next((s.value.total for s in series(last, derived.IDLE_WINDOW)
+        windows = next((s.value.total for s in readings(last, derived.IDLE_WINDOW)
                         if isinstance(s.value, HistogramValue)), 0)
         print(f"GPU idle windows measured: {windows}; target starved for "
               f"{_value(last, derived.STARVED_SECONDS) or 0.0:.1f} s")

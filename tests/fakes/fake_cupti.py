@@ -1,4 +1,5 @@
-"""Hand-written fake of the slice of ``cupti-python`` (>= 13.3) that ``agent.core.hw.cupti_pm`` uses.
+"""Hand-written fake of the slice of ``cupti-python`` (>= 13.3) that
+``agent.core.hw.cupti_pm`` uses.
 
 It mirrors the real library's shape and the behaviour its docstrings promise:
 

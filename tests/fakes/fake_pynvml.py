@@ -1,4 +1,4 @@
-"""A hand-written, data-driven stand-in for the parts of ``pynvml`` that ``agent/core/hw/nvml.py``
+"""A hand-written, data-driven stand-in for the parts of ``pynvml`` that ``agent/core/hw/nvml/``
 calls, so the NVML adapter can be tested on machines without a GPU.
 
 Build it from plain dicts (see :func:`gpu` for every key and its default), hand it to

@@ -60,7 +60,7 @@ def parse_stat(pid: int, raw: bytes) -> ProcStat:
     fields = raw[close_paren + 2 :].split()
     # fields[0] is field 3 (state) of proc(5); field N is fields[N - 3].
     utime, stime = int(fields[11]), int(fields[12])
-    guest = int(fields[39]) if len(fields) > 39 else 0
+    guest = int(fields[40]) if len(fields) > 40 else 0  # field 43, guest_time
     return ProcStat(
         pid=pid,
         comm=comm,

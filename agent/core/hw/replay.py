@@ -243,3 +243,6 @@ class ReplayBackend:
             raise SourceUnavailable(
                 "not_in_trace", f"{self.path} has no profiling-counter fields")
         return [ProfilingSample(gpu=i, **v) for i, v in self._current("profiling") if v]
+
+    def close(self) -> None:
+        """Nothing to release: the trace was read whole when the backend was made."""

@@ -38,7 +38,6 @@ from agent.tools.capture.api import (
     CAPTURE_ALERTS,
     CaptureAPI,
     build_capture_api,
-    build_server,
 )
 from agent.tools.capture.manager import (
     CAPTURE_INTERVAL,
@@ -70,6 +69,5 @@ __all__ = [
     "Token",
     "WebhookError",
     "build_capture_api",
-    "build_server",
     "parse_webhook",
 ]

@@ -1,5 +1,7 @@
 """The HTTP side (:class:`CaptureAPI`): ``POST /hooks/alertmanager`` and ``GET /captures...``
-behind the bearer token, and the wiring of the endpoints into the agent's exposition server.
+behind the bearer token. :func:`build_capture_api` is the routes factory ``mrc-agent run``
+hands to the core (:func:`agent.core.run.run_agent`), which serves the routes beside
+``/metrics``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from agent.tools.capture.manager import CaptureManager
 from agent.tools.capture.store import CaptureStore
 from agent.tools.capture.webhook import MAX_BODY_BYTES, Token, WebhookError, parse_webhook
 from agent.tools.diagnose import PySpyError, find_py_spy
-from exporters.exposition.http import ExpositionServer, Request, Response
+from exporters.exposition.http import Request, Response
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,11 @@ class CaptureAPI:
         #: PIDs are per pod (shareProcessNamespace): an alert about pid 7 of another pod must
         #: not capture our pid 7. A pod's hostname is its name unless spec.hostname is set.
         self.hostname = hostname or socket.gethostname()
+
+    def stop(self) -> None:
+        """Stop a capture in progress (at shutdown)."""
+        if self.manager is not None:
+            self.manager.stop()
 
     def handle(self, request: Request) -> Response | None:
         path = request.path
@@ -193,13 +200,3 @@ def build_capture_api(cfg: AgentConfig, runner: Runner) -> CaptureAPI:
              cfg.capture_dir, cfg.capture_max_per_hour, cfg.capture_max_count,
              cfg.capture_max_bytes, cfg.capture_retention)
     return CaptureAPI(CaptureManager(cfg, store, runner), token)
-
-
-def build_server(cfg: AgentConfig, runner: Runner, api: CaptureAPI) -> ExpositionServer:
-    """The agent's exposition server with the capture endpoints."""
-    from agent.core.wiring import build_registry
-
-    host, port = cfg.host_port
-    return ExpositionServer(build_registry(runner), host, port, runner.version,
-                            runner.ready.is_set, routes=api)
-

@@ -11,10 +11,11 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 
-from agent.core.collectors import COLLECTOR_NAMES
+from agent.core.collectors import COLLECTOR_NAMES, process, profiling
 from agent.core.collectors.base import Collector
 from agent.core.config import AgentConfig, ConfigError
 from agent.core.runner import Runner
+from agent.core.sample import readings
 from agent.tools.capture.store import CaptureStore, _iso
 from agent.tools.diagnose import Borrowed, PySpyError, diagnose
 
@@ -26,7 +27,9 @@ log = logging.getLogger(__name__)
 CAPTURE_INTERVAL = 0.2
 
 
-_PROFILING_METRICS = {"mrc_gpu_sm_instructions_executed_total", "mrc_gpu_dram_read_bytes_total"}
+#: What a capture borrows from the running agent's profiling collector (the CUPTI sampler
+#: belongs to it: a second one could not open the same performance monitors).
+_PROFILING_METRICS = {spec.name for spec in profiling.METRICS}
 
 
 class CaptureManager:
@@ -65,8 +68,9 @@ class CaptureManager:
         targets = self.targets()
         if not targets:
             return None
-        cpu = {int(labels[0]): float(v) for name, labels, v in self.runner.latest().samples
-               if name == "mrc_process_cpu_user_ratio" and isinstance(v, (int, float))}
+        cpu = {int(r.labels["pid"]): float(r.value)
+               for r in readings(self.runner.latest(), process.CPU_USER_RATIO)
+               if isinstance(r.value, (int, float))}
         return max(targets, key=lambda p: cpu.get(p, -1.0))
 
     def request(self, alert: str, pid: int) -> tuple[str, str]:

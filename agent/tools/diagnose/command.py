@@ -19,13 +19,13 @@ from agent.core.collectors.base import Collector
 from agent.core.config import AgentConfig, ConfigError
 from agent.core.hw.procfs import ProcFS
 from agent.core.runner import Runner
+from agent.core.sample import Snapshot
 from agent.core.targets import TargetResolver
 from agent.tools.diagnose.pyspy import PY_SPY_RATE, PySpy, PySpyError, find_py_spy
 from agent.tools.diagnose.sampling import IdleWindows, _Watched, runnable
 from agent.tools.diagnose.stacks import image_share, parse_collapsed, thread_samples, top_functions
 from agent.tools.diagnose.verdict import Rules, analyse_cpu, analyse_gpu, decide
 from agent.tools.diagnose.writers import FILES, render_text, write_golden_triangle, write_samples
-from agent.core.sample import Snapshot
 
 EXIT_OK, EXIT_PY_SPY = 0, 1
 MIN_DURATION, MAX_DURATION = 1.0, 600.0
@@ -158,17 +158,16 @@ def diagnose(
 
 def run_diagnose_command(args: Any) -> int:
     """``mrc-agent diagnose``; bad input raises ConfigError (exit 2 in cli.py)."""
-    from agent.core.config import load
+    from agent.core.config import config_from_args
     from agent.core.hw.replay import ReplayFormatError
 
     if not MIN_DURATION <= args.duration <= MAX_DURATION:
         raise ConfigError(f"--duration must be {MIN_DURATION:g}-{MAX_DURATION:g} seconds")
     if not 0.05 <= args.interval <= args.duration:
         raise ConfigError("--interval must be 0.05 seconds or more and at most --duration")
-    cli = {"pids": [args.pid], "gpu_backend": args.gpu_backend, "interval": args.interval,
-           "starvation_cpu_threshold": args.starvation_cpu_threshold,
-           "idle_util_threshold": args.idle_util_threshold}
-    cfg = load({k: v for k, v in cli.items() if v is not None}, config_path=args.config)
+    # The settings flags diagnose takes (agent/core/config.py), its window's own interval and
+    # the one target.
+    cfg = config_from_args(args, pids=[args.pid], interval=args.interval)
     check_pid(args.pid)
     out = args.out or f"mrc-diagnose-{args.pid}-{time.strftime('%Y%m%dT%H%M%S')}"
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,

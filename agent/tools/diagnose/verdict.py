@@ -9,9 +9,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.core.collectors.base import DerivedThresholds as Thresholds
+from agent.core.collectors import derived, gpm, gpu, process, profiling
+from agent.core.collectors.base import GPU, DerivedThresholds
+from agent.core.sample import Reading, Snapshot, readings
 from agent.tools.diagnose.sampling import IdleWindows, _WindowTracker
-from agent.core.sample import Snapshot
+from exporters.exposition.snapshot import MetricSpec
 
 VERDICTS = ("preprocessing-bound", "cpu-bound", "transfer-bound", "memory-bound", "healthy")
 
@@ -50,30 +52,34 @@ def _r(value: float | None, digits: int = 4) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def _values(snaps: Sequence[Snapshot], name: str,
-            match: Callable[[tuple[str, ...]], bool]) -> list[tuple[float, tuple[str, ...], float]]:
-    out = []
-    for snap in snaps:
-        for n, labels, value in snap.samples:
-            if n == name and isinstance(value, (int, float)) and match(labels):
-                out.append((snap.timestamp, labels, float(value)))
-    return out
+def _values(snaps: Sequence[Snapshot], spec: MetricSpec,
+            **match: str) -> list[tuple[float, Reading]]:
+    """(snapshot time, reading) of every numeric sample of ``spec`` matching ``match``."""
+    return [(snap.timestamp, r) for snap in snaps for r in readings(snap, spec, **match)
+            if isinstance(r.value, (int, float))]
 
 
-def _per_gpu_mean(snaps: Sequence[Snapshot], name: str,
+def _num(r: Reading) -> float:
+    assert isinstance(r.value, (int, float))
+    return float(r.value)
+
+
+def _per_gpu_mean(snaps: Sequence[Snapshot], spec: MetricSpec,
                   gpus: set[tuple[str, ...]]) -> dict[tuple[str, ...], float]:
     acc: dict[tuple[str, ...], list[float]] = {}
-    for _, labels, v in _values(snaps, name, lambda ls: ls[:3] in gpus):
-        acc.setdefault(labels[:3], []).append(v)
+    for _, r in _values(snaps, spec):
+        if r.key(GPU) in gpus:
+            acc.setdefault(r.key(GPU), []).append(_num(r))
     return {g: sum(vs) / len(vs) for g, vs in acc.items()}
 
 
-def _per_gpu_rate(snaps: Sequence[Snapshot], name: str,
+def _per_gpu_rate(snaps: Sequence[Snapshot], spec: MetricSpec,
                   gpus: set[tuple[str, ...]]) -> dict[tuple[str, ...], float]:
-    """Increase of a cumulative counter per second over the window, per GPU."""
+    """Increase of a cumulative per-GPU counter per second over the window, per GPU."""
     seen: dict[tuple[str, ...], list[tuple[float, float]]] = {}
-    for t, labels, v in _values(snaps, name, lambda ls: len(ls) == 3 and ls in gpus):
-        seen.setdefault(labels, []).append((t, v))
+    for t, r in _values(snaps, spec):
+        if r.key(GPU) in gpus:
+            seen.setdefault(r.key(GPU), []).append((t, _num(r)))
     out = {}
     for g, points in seen.items():
         (t0, v0), (t1, v1) = points[0], points[-1]
@@ -82,34 +88,37 @@ def _per_gpu_rate(snaps: Sequence[Snapshot], name: str,
     return out
 
 
-def _per_gpu_delta(snaps: Sequence[Snapshot], name: str,
+def _per_gpu_delta(snaps: Sequence[Snapshot], spec: MetricSpec,
                    gpus: set[tuple[str, ...]]) -> dict[tuple[str, ...], float]:
     seen: dict[tuple[str, ...], list[float]] = {}
-    for _, labels, v in _values(snaps, name, lambda ls: ls[:3] in gpus):
-        seen.setdefault(labels[:3], []).append(v)
+    for _, r in _values(snaps, spec):
+        if r.key(GPU) in gpus:
+            seen.setdefault(r.key(GPU), []).append(_num(r))
     return {g: vs[-1] - vs[0] for g, vs in seen.items() if len(vs) > 1}
 
+
+#: Per direction: NVML's PCIe throughput, GPM's PCIe rate, GPM's NVLink rate, NVLink counter.
+_PCIE = {"tx": (gpu.PCIE_TX, gpm.PCIE_TX), "rx": (gpu.PCIE_RX, gpm.PCIE_RX)}
+_NVLINK = {"tx": (gpm.NVLINK_TX, gpu.NVLINK_TX), "rx": (gpm.NVLINK_RX, gpu.NVLINK_RX)}
 
 
 def analyse_gpu(snaps: Sequence[Snapshot], pid: int, idle: IdleWindows | None,
                 reasons: dict[str, str], start: float) -> dict[str, Any]:
     """What the GPU did over the window, for the GPUs the target uses (all when none is
     attributed to it)."""
-    all_gpus = {labels[:3] for _, labels, _ in _values(
-        snaps, "mrc_gpu_utilization_ratio", lambda ls: True)}
+    all_gpus = {r.key(GPU) for _, r in _values(snaps, gpu.UTILIZATION)}
     if not all_gpus:
         reason = reasons.get("gpu") or "no GPU utilisation samples"
         return {"available": False, "reason": reason}
-    mine = {labels[:3] for _, labels, _ in _values(
-        snaps, "mrc_gpu_process_memory_used_bytes", lambda ls: ls[3] == str(pid))}
+    mine = {r.key(GPU) for _, r in _values(snaps, gpu.PROCESS_MEMORY_USED, pid=str(pid))}
     gpus = mine or all_gpus
-    util_mean = _per_gpu_mean(snaps, "mrc_gpu_utilization_ratio", gpus)
+    util_mean = _per_gpu_mean(snaps, gpu.UTILIZATION, gpus)
     per_gpu: dict[str, dict[str, Any]] = {}
     idle_fraction: dict[tuple[str, ...], float] = {}
     windows: list[dict[str, Any]] = []
     trackers: dict[tuple[str, ...], _WindowTracker] = (
         {} if idle is None else {gid.labels: t for gid, t in idle.trackers.items()})
-    threshold = Thresholds.idle_util if idle is None else idle.threshold
+    threshold = DerivedThresholds.idle_util if idle is None else idle.threshold
     for g in sorted(gpus):
         tracker = trackers.get(g)
         points = tracker.points if tracker else []
@@ -133,20 +142,20 @@ def analyse_gpu(snaps: Sequence[Snapshot], pid: int, idle: IdleWindows | None,
         per_gpu[g[0]] = {"uuid": g[1], "model": g[2], "utilization_mean": _r(fine_mean),
                          "idle_fraction": _r(idle_fraction[g]), "utilization_points": len(points)}
     pcie = {}
-    for direction in ("tx", "rx"):
-        nvml = _per_gpu_mean(snaps, f"mrc_gpu_pcie_{direction}_bytes_per_second", gpus)
-        gpm = _per_gpu_mean(snaps, f"mrc_gpu_gpm_pcie_{direction}_bytes_per_second", gpus)
-        pcie[direction] = {**gpm, **nvml}
+    for direction, (nvml_spec, gpm_spec) in _PCIE.items():
+        nvml_rate = _per_gpu_mean(snaps, nvml_spec, gpus)
+        gpm_rate = _per_gpu_mean(snaps, gpm_spec, gpus)
+        pcie[direction] = {**gpm_rate, **nvml_rate}
     nvlink = {}
-    for direction in ("tx", "rx"):
-        gpm = _per_gpu_mean(snaps, f"mrc_gpu_gpm_nvlink_{direction}_bytes_per_second", gpus)
-        counted = _per_gpu_rate(snaps, f"mrc_gpu_nvlink_{direction}_bytes_total", gpus)
-        nvlink[direction] = {**counted, **gpm}
-    sm_active = _per_gpu_mean(snaps, "mrc_gpu_sm_active_ratio", gpus)
-    dram_bw = _per_gpu_mean(snaps, "mrc_gpu_dram_bandwidth_utilization_ratio", gpus)
-    proxy = _per_gpu_mean(snaps, "mrc_gpu_gpm_sm_to_dram_activity", gpus)
-    inst = _per_gpu_delta(snaps, "mrc_gpu_sm_instructions_executed_total", gpus)
-    dram = _per_gpu_delta(snaps, "mrc_gpu_dram_read_bytes_total", gpus)
+    for direction, (gpm_spec, counter_spec) in _NVLINK.items():
+        gpm_rate = _per_gpu_mean(snaps, gpm_spec, gpus)
+        counted = _per_gpu_rate(snaps, counter_spec, gpus)
+        nvlink[direction] = {**counted, **gpm_rate}
+    sm_active = _per_gpu_mean(snaps, gpm.SM_ACTIVE, gpus)
+    dram_bw = _per_gpu_mean(snaps, gpm.DRAM_BANDWIDTH, gpus)
+    proxy = _per_gpu_mean(snaps, gpm.SM_TO_DRAM_ACTIVITY, gpus)
+    inst = _per_gpu_delta(snaps, profiling.SM_INSTRUCTIONS, gpus)
+    dram = _per_gpu_delta(snaps, profiling.DRAM_READ_BYTES, gpus)
     inst_per_byte = {g: inst[g] / dram[g] for g in inst if dram.get(g, 0) > 0}
     for g in gpus:
         row = per_gpu[g[0]]
@@ -158,18 +167,18 @@ def analyse_gpu(snaps: Sequence[Snapshot], pid: int, idle: IdleWindows | None,
         row["dram_bandwidth_utilization_mean"] = _r(dram_bw.get(g))
         row["gpm_sm_to_dram_activity_mean"] = _r(proxy.get(g))
         row["sm_instructions_per_dram_byte"] = _r(inst_per_byte.get(g), 3)
-    starved = [v for _, _, v in _values(snaps, "mrc_gpu_starved", lambda ls: ls[0] == str(pid))]
+    starved = [_num(r) for _, r in _values(snaps, derived.STARVED, pid=str(pid))]
 
     def worst(d: dict[tuple[str, ...], float], pick: Callable[..., float]) -> float | None:
         vals = [v for g, v in d.items() if g in gpus]
         return pick(vals) if vals else None
 
     if inst_per_byte:
-        source = "cupti_pm_sampling"
+        source = profiling.SOURCE_PROFILING
     elif proxy or dram_bw:
-        source = "gpm_activity_proxy"
+        source = profiling.SOURCE_GPM
     else:
-        source = "none"
+        source = profiling.SOURCE_NONE
     return {
         "available": True,
         "gpus": per_gpu,
@@ -201,13 +210,13 @@ def analyse_cpu(snaps: Sequence[Snapshot], pid: int, threshold: float,
     """Mean user CPU of the process and of its hottest thread over the window; hot when either,
     or the hottest thread's runnable share (see :func:`runnable`), reaches ``threshold``."""
 
-    def mine(ls: tuple[str, ...]) -> bool:
-        return ls[0] == str(pid)
+    def mine(spec: MetricSpec) -> list[Reading]:
+        return [r for _, r in _values(snaps, spec, pid=str(pid))]
 
-    user = [v for _, _, v in _values(snaps, "mrc_process_cpu_user_ratio", mine)]
-    system = [v for _, _, v in _values(snaps, "mrc_process_cpu_system_ratio", mine)]
-    hottest = [v for _, _, v in _values(snaps, "mrc_process_hottest_thread_cpu_user_ratio", mine)]
-    names = [ls[1] for _, ls, _ in _values(snaps, "mrc_process_threads", mine)]
+    user = [_num(r) for r in mine(process.CPU_USER_RATIO)]
+    system = [_num(r) for r in mine(process.CPU_SYSTEM_RATIO)]
+    hottest = [_num(r) for r in mine(process.HOTTEST_THREAD_USER_RATIO)]
+    names = [r.labels["process"] for r in mine(process.THREADS)]
     u, h = _mean(user), _mean(hottest)
     peak = max(u or 0.0, h or 0.0)
     run = hottest_runnable or {}

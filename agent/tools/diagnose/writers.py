@@ -10,7 +10,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from agent.core.catalog import CATALOG
-from agent.core.sample import HistogramValue, Snapshot
+from agent.core.collectors import derived, gpm, gpu, process, profiling
+from agent.core.collectors.base import GPU
+from agent.core.sample import HistogramValue, Snapshot, first, readings
 
 #: The files of one diagnosis, in the order report.txt lists them.
 FILES = {
@@ -51,6 +53,12 @@ CSV_COLUMNS = ("time", "elapsed_seconds", "pid", "cpu_user_ratio", "hottest_thre
                "sm_instructions_per_dram_byte", "gpu_starved")
 
 
+#: Every per-GPU series with only the GPU's labels: a GPU with any of them gets a row.
+_PER_GPU = [spec for spec in CATALOG if spec.labels == GPU]
+#: Counters whose column is their increase per second since the previous pass.
+_COUNTERS = (gpu.NVLINK_TX, gpu.NVLINK_RX, profiling.SM_INSTRUCTIONS, profiling.DRAM_READ_BYTES)
+
+
 def write_golden_triangle(path: str, snaps: Sequence[Snapshot], pid: int,
                           start_wall: float) -> None:
     """One row per pass and GPU: the three corners side by side. Counter-based columns are the
@@ -60,55 +68,47 @@ def write_golden_triangle(path: str, snaps: Sequence[Snapshot], pid: int,
         w = csv.writer(f)
         w.writerow(CSV_COLUMNS)
         for snap in snaps:
-            proc: dict[str, float] = {}
-            gpu: dict[tuple[str, ...], dict[str, float]] = {}
-            for n, labels, v in snap.samples:
-                if not isinstance(v, (int, float)):
-                    continue
-                if n.startswith("mrc_process_") or n == "mrc_gpu_starved":
-                    if labels and labels[0] == str(pid):
-                        proc[n] = float(v)
-                elif n.startswith("mrc_gpu_") and len(labels) == 3:
-                    gpu.setdefault(labels, {})[n] = float(v)
+            cpu_user = first(snap, process.CPU_USER_RATIO, pid=str(pid))
+            hottest = first(snap, process.HOTTEST_THREAD_USER_RATIO, pid=str(pid))
+            starved = first(snap, derived.STARVED, pid=str(pid))
+            per_gpu: dict[tuple[str, ...], dict[str, float]] = {}
+            for spec in _PER_GPU:
+                for reading in readings(snap, spec):
+                    if isinstance(reading.value, (int, float)):
+                        per_gpu.setdefault(reading.key(GPU), {})[spec.name] = float(reading.value)
             rates: dict[tuple[str, ...], dict[str, float]] = {}
-            for g, vals in gpu.items():
-                for n in ("mrc_gpu_nvlink_tx_bytes_total", "mrc_gpu_nvlink_rx_bytes_total",
-                          "mrc_gpu_sm_instructions_executed_total",
-                          "mrc_gpu_dram_read_bytes_total"):
-                    if n in vals:
-                        before = prev.get((n, g))
+            for g, vals in per_gpu.items():
+                for spec in _COUNTERS:
+                    if spec.name in vals:
+                        before = prev.get((spec.name, g))
                         if before is not None and snap.timestamp > before[0]:
-                            rates.setdefault(g, {})[n] = (vals[n] - before[1]) / (
-                                snap.timestamp - before[0])
-                        prev[(n, g)] = (snap.timestamp, vals[n])
+                            rates.setdefault(g, {})[spec.name] = (
+                                vals[spec.name] - before[1]) / (snap.timestamp - before[0])
+                        prev[(spec.name, g)] = (snap.timestamp, vals[spec.name])
 
             def fmt(v: float | None) -> str:
                 return "" if v is None else f"{v:.6g}"
 
             base = [f"{snap.timestamp:.3f}", f"{snap.timestamp - start_wall:.3f}", str(pid),
-                    fmt(proc.get("mrc_process_cpu_user_ratio")),
-                    fmt(proc.get("mrc_process_hottest_thread_cpu_user_ratio"))]
-            if not gpu:
-                w.writerow(base + [""] * (len(CSV_COLUMNS) - len(base) - 1)
-                           + [fmt(proc.get("mrc_gpu_starved"))])
-            for g, vals in sorted(gpu.items()):
+                    fmt(cpu_user), fmt(hottest)]
+            if not per_gpu:
+                w.writerow(base + [""] * (len(CSV_COLUMNS) - len(base) - 1) + [fmt(starved)])
+            for g, vals in sorted(per_gpu.items()):
                 r = rates.get(g, {})
                 ipb = None
-                if r.get("mrc_gpu_dram_read_bytes_total"):
-                    ipb = (r.get("mrc_gpu_sm_instructions_executed_total", 0.0)
-                           / r["mrc_gpu_dram_read_bytes_total"])
+                if r.get(profiling.DRAM_READ_BYTES.name):
+                    ipb = (r.get(profiling.SM_INSTRUCTIONS.name, 0.0)
+                           / r[profiling.DRAM_READ_BYTES.name])
                 w.writerow(base + [
-                    g[0], fmt(vals.get("mrc_gpu_utilization_ratio")),
-                    fmt(vals.get("mrc_gpu_pcie_tx_bytes_per_second")),
-                    fmt(vals.get("mrc_gpu_pcie_rx_bytes_per_second")),
-                    fmt(vals.get("mrc_gpu_gpm_nvlink_tx_bytes_per_second",
-                                 r.get("mrc_gpu_nvlink_tx_bytes_total"))),
-                    fmt(vals.get("mrc_gpu_gpm_nvlink_rx_bytes_per_second",
-                                 r.get("mrc_gpu_nvlink_rx_bytes_total"))),
-                    fmt(vals.get("mrc_gpu_sm_active_ratio")),
-                    fmt(vals.get("mrc_gpu_dram_bandwidth_utilization_ratio")),
-                    fmt(vals.get("mrc_gpu_gpm_sm_to_dram_activity")),
-                    fmt(ipb), fmt(proc.get("mrc_gpu_starved"))])
+                    g[0], fmt(vals.get(gpu.UTILIZATION.name)),
+                    fmt(vals.get(gpu.PCIE_TX.name)),
+                    fmt(vals.get(gpu.PCIE_RX.name)),
+                    fmt(vals.get(gpm.NVLINK_TX.name, r.get(gpu.NVLINK_TX.name))),
+                    fmt(vals.get(gpm.NVLINK_RX.name, r.get(gpu.NVLINK_RX.name))),
+                    fmt(vals.get(gpm.SM_ACTIVE.name)),
+                    fmt(vals.get(gpm.DRAM_BANDWIDTH.name)),
+                    fmt(vals.get(gpm.SM_TO_DRAM_ACTIVITY.name)),
+                    fmt(ipb), fmt(starved)])
 
 
 def render_text(report: dict[str, Any]) -> str:

@@ -2,7 +2,7 @@
 self-contained HTML file (inline SVG, no scripts, no network, no external CSS or fonts) or a PNG
 of it, for people without Grafana.
 
-The report runs the dashboards' own expressions (``dashboards.queries.Queries``, with Grafana's
+The report runs the dashboards' own expressions (``dashboards.queries.PanelQueries``, with Grafana's
 macros replaced by :func:`dashboards.queries.substitute_macros`) and draws the alerts' threshold
 lines from the same :class:`alerts.config.Config`, so the report, the dashboards and the pages
 show the same numbers against the same lines.
@@ -22,10 +22,8 @@ Every drawn element carries stable ids, classes and ``data-*`` attributes (``dat
 ``data-points``, ``data-value``, ``data-cell="<1MP|0-50"``) so a test can check what is drawn in
 the DOM a real browser built. ``--format png`` screenshots the HTML with headless Chromium.
 
-The rooms, each importing only those before it (``data`` names ``command.ReportOptions`` for
-type checking only):
+The rooms, each importing only those before it:
 
-* :mod:`~agent.tools.report.durations`: Prometheus durations (``1h30m``) to seconds and back;
 * :mod:`~agent.tools.report.prom`: the Prometheus HTTP client, its errors, result parsing and
   Grafana's ``$__rate_interval``;
 * :mod:`~agent.tools.report.charts`: the chart specs and the heatmap's query;
@@ -35,7 +33,10 @@ type checking only):
   as SVG;
 * :mod:`~agent.tools.report.page`: the CSS and the whole HTML page, and its height;
 * :mod:`~agent.tools.report.chromium`: headless Chromium for ``--format png``;
-* :mod:`~agent.tools.report.command`: the flags and the command.
+* :mod:`~agent.tools.report.options`: the validated flags;
+* :mod:`~agent.tools.report.command`: the command.
+
+Durations (``1h30m``) are parsed and written by :mod:`agent.core.units`.
 
 Every public name of these rooms is re-exported here, so ``from agent.tools.report import X``
 works as it did when the report was one module.
@@ -62,9 +63,6 @@ from agent.tools.report.chromium import (
 )
 from agent.tools.report.command import (
     EXIT_UNREACHABLE,
-    MAX_POINTS,
-    ReportOptions,
-    options_from_args,
     run_report,
     run_report_command,
 )
@@ -77,10 +75,7 @@ from agent.tools.report.data import (
     collect,
     legend_for,
 )
-from agent.tools.report.durations import (
-    format_duration,
-    parse_duration,
-)
+from agent.tools.report.options import MAX_POINTS, ReportOptions, options_from_args
 from agent.tools.report.page import (
     page_height,
     render_html,
@@ -155,7 +150,6 @@ __all__ = [
     "chromium_args",
     "collect",
     "find_chromium",
-    "format_duration",
     "format_ms",
     "format_value",
     "heat_colour",
@@ -164,7 +158,6 @@ __all__ = [
     "nice_step",
     "options_from_args",
     "page_height",
-    "parse_duration",
     "rate_interval",
     "render_chart",
     "render_chart_panel",

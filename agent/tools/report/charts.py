@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from alerts.config import Config
-from dashboards.queries import Queries, Query
+from dashboards.queries import PanelQueries, Query
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ HEATMAP_QUANTILE = 0.9
 def chart_specs(cfg: Config, sources: Iterable[str]) -> list[ChartSpec]:
     """The golden-triangle charts, titled as the dashboard's panels; the compute-to-memory chart
     is the one of the live source (both where agents differ, the true counters where none)."""
-    q = Queries(cfg)
+    q = PanelQueries(cfg)
     t = cfg.thresholds
     live = set(sources)
     cpu = ChartSpec(
@@ -98,5 +98,5 @@ def chart_specs(cfg: Config, sources: Iterable[str]) -> list[ChartSpec]:
 
 
 def heatmap_query(cfg: Config) -> Query:
-    return Queries(cfg).latency_quantile_matrix(HEATMAP_QUANTILE)
+    return PanelQueries(cfg).latency_quantile_matrix(HEATMAP_QUANTILE)
 

@@ -21,13 +21,13 @@ from agent.tools.report.prom import (
 from dashboards.queries import (
     PROMPT_LENGTH_ORDER,
     RESOLUTION_ORDER,
-    Queries,
+    PanelQueries,
     Query,
     substitute_macros,
 )
 
 if TYPE_CHECKING:
-    from agent.tools.report.command import ReportOptions
+    from agent.tools.report.options import ReportOptions
 
 
 #: Series drawn per chart at most: a fleet-wide selector would otherwise draw a thousand lines
@@ -134,7 +134,7 @@ def collect(client: PromClient, opts: ReportOptions, now: float | None = None) -
         return substitute_macros(query.expr, range_s=opts.range_s, rate_interval_s=rate_s,
                                  interval_s=opts.step_s)
 
-    q = Queries(opts.cfg)
+    q = PanelQueries(opts.cfg)
     sources: list[tuple[str, str]] = []
     source_error = None
     try:

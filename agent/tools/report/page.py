@@ -6,9 +6,9 @@ the heatmap as one self-contained HTML document, and an estimate of its height f
 from __future__ import annotations
 
 from agent import __version__
+from agent.core.units import format_duration
 from agent.tools.report.charts import SOURCE_GPM, SOURCE_PROFILING
 from agent.tools.report.data import Report
-from agent.tools.report.durations import format_duration
 from agent.tools.report.prom import DEFAULT_SCRAPE_INTERVAL_S
 from agent.tools.report.svg import (
     CHART_H,

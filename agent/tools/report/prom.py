@@ -14,7 +14,7 @@ import urllib.request
 from typing import Any, NoReturn
 
 from agent import __version__
-from agent.tools.report.durations import parse_duration
+from agent.core.units import parse_duration
 
 #: Answers larger than this are refused (a selector matching a whole fleet over a long range).
 MAX_BODY_BYTES = 64 << 20

@@ -1,0 +1,79 @@
+"""The validated flags of ``mrc-agent report`` (:class:`ReportOptions`): one clear line and
+exit code 2 (a :class:`ConfigError`) for each bad one.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.core.config import ConfigError
+from agent.core.units import parse_duration
+from agent.tools.report.chromium import find_chromium
+from alerts.config import Config
+
+#: Prometheus refuses a range query that would return more points per series than this.
+MAX_POINTS = 11_000
+
+
+@dataclass(frozen=True)
+class ReportOptions:
+    """The validated flags of ``mrc-agent report``."""
+
+    prometheus: str
+    out: Path
+    range_s: float
+    step_s: float
+    cfg: Config
+    fmt: str = "html"
+    timeout_s: float = 10.0
+    chromium: str | None = None
+
+
+def options_from_args(args: Any) -> ReportOptions:
+    """Validate the CLI flags; raises :class:`ConfigError` (exit code 2) with one clear line."""
+    from alerts.build import BuildError, config_for
+
+    url = (args.prometheus or "").strip().rstrip("/")
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ConfigError(f"--prometheus {args.prometheus!r} is not an http(s) URL such as "
+                          "http://prometheus:9090")
+    try:
+        range_s = parse_duration(args.range)
+    except ValueError as exc:
+        raise ConfigError(f"--range {exc}") from None
+    try:
+        step_s = parse_duration(args.step)
+    except ValueError as exc:
+        raise ConfigError(f"--step {exc}") from None
+    if step_s < 0.001:
+        raise ConfigError("--step must be at least 1ms")
+    if step_s > range_s:
+        raise ConfigError(f"--step {args.step} is longer than --range {args.range}")
+    points = range_s / step_s + 1
+    if points > MAX_POINTS:
+        raise ConfigError(f"--range {args.range} at --step {args.step} is {points:.0f} points per "
+                          f"series; Prometheus allows {MAX_POINTS}: use a longer --step")
+    try:
+        cfg = config_for(args.selector)
+    except BuildError as exc:
+        raise ConfigError(str(exc)) from None
+    out = Path(args.out)
+    fmt = args.format or ("png" if out.suffix.lower() == ".png" else "html")
+    if not out.name or out.is_dir():
+        raise ConfigError(f"--out {args.out!r} must be a file path")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--out {args.out!r}: directory {str(out.parent)!r} does not exist")
+    timeout = float(args.timeout)
+    if not 0 < timeout <= 300:
+        raise ConfigError("--timeout must be > 0 and at most 300 seconds")
+    chromium = None
+    if fmt == "png":
+        chromium = find_chromium(args.chromium)
+        if chromium is None:
+            raise ConfigError("--format png needs Chromium (Debian package chromium); none "
+                              "found: install it or pass --chromium PATH")
+    return ReportOptions(url, out, range_s, step_s, cfg, fmt, timeout, chromium)

@@ -1,0 +1,141 @@
+"""The house's rooms hold: which code runs inside ``mrc-agent run`` is visible from the folders,
+imports run one way, no module imports itself back, and no hand-written module grows past the
+size at which it is usually two.
+
+Imports are read from the source (every ``import`` statement, including those inside
+functions), so a lazy import counts as much as a top-level one.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+PACKAGES = ("agent", "exporters", "dashboards", "alerts", "reference_service")
+MAX_LINES = 700
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Modules of this repository that ``name`` imports, resolved to module names."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".")
+                anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
+                base = ".".join([*anchor, base] if base else anchor)
+            # ``from pkg import mod`` imports mod (the package comes first, as for any
+            # submodule); ``from mod import name`` imports mod.
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+    return {m for m in found if m in MODULES and m != name}
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _reaches(start: str, prefix: str) -> list[str]:
+    return sorted(m for m in GRAPH[start] if m == prefix or m.startswith(prefix + "."))
+
+
+def test_the_rooms_exist() -> None:
+    for room in ("agent.core", "agent.core.collectors", "agent.core.hw", "agent.tools",
+                 "exporters.exposition", "exporters.instrumentation"):
+        assert room in MODULES, room
+        assert ast.get_docstring(ast.parse(MODULES[room].read_text())), f"{room} has no docstring"
+
+
+def test_the_core_never_imports_a_tool() -> None:
+    bad = {m: _reaches(m, "agent.tools") for m in GRAPH if m.startswith("agent.core")}
+    assert not {m: t for m, t in bad.items() if t}
+
+
+def test_exporters_and_the_service_never_import_the_agent() -> None:
+    for module in GRAPH:
+        if module.startswith(("exporters", "reference_service")):
+            assert not _reaches(module, "agent"), module
+        if module.startswith("exporters.exposition"):
+            assert not _reaches(module, "exporters.instrumentation"), module
+        if module.startswith("exporters.instrumentation"):
+            assert not _reaches(module, "exporters.exposition"), module
+
+
+def test_no_import_cycle() -> None:
+    # Tarjan's strongly connected components over the import graph.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(GRAPH[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    assert cycles == []
+
+
+def test_cycle_detection_sees_a_lazy_import(tmp_path: Path) -> None:
+    a = tmp_path / "a.py"
+    a.write_text("def f():\n    from agent.cli import main\n")
+    assert "agent.cli" in _imports("agent.fake", a)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_every_module_is_small_and_says_what_it_is_for(module: str) -> None:
+    text = MODULES[module].read_text()
+    assert len(text.splitlines()) <= MAX_LINES, f"{module}: split it by concern"
+    if text.strip():
+        assert ast.get_docstring(ast.parse(text)), f"{module} has no module docstring"
+
+
+def test_no_two_public_classes_share_a_name() -> None:
+    where: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where.setdefault(node.name, []).append(module)
+    assert {name: mods for name, mods in where.items() if len(mods) > 1} == {}
