@@ -19,13 +19,9 @@ import pytest
 from agent.core.config import AgentConfig, ConfigError
 from agent.core.runner import Runner
 from agent.core.targets import TargetResolver
-from agent.tools.capture import (
-    CaptureManager,
-    CaptureStore,
-    Token,
-    WebhookError,
-    parse_webhook,
-)
+from agent.tools.capture.manager import CaptureManager
+from agent.tools.capture.store import CaptureStore
+from agent.tools.capture.webhook import Token, WebhookError, parse_webhook
 from tests.conftest import IDLE, REPO, Procs
 from tests.test_diagnose import PTRACER_ANY, spawn_preprocess, starved_trace
 

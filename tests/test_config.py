@@ -77,6 +77,7 @@ def test_parse_listen_forms() -> None:
 
 
 def test_every_setting_is_declared_once_and_offered_with_its_environment_name() -> None:
+    import argparse
     from dataclasses import fields
 
     from agent.cli import build_parser
@@ -84,7 +85,8 @@ def test_every_setting_is_declared_once_and_offered_with_its_environment_name() 
 
     assert list(SETTINGS) == [f.name for f in fields(AgentConfig)]
     parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command").choices  # type: ignore[union-attr]
+    sub = next(a for a in parser._actions
+               if isinstance(a, argparse._SubParsersAction)).choices
     for command in ("run", "doctor", "diagnose"):
         offered = {a.dest: a for a in sub[command]._actions}
         for spec in SETTINGS.values():

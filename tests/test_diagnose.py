@@ -15,16 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.tools.diagnose import (
-    Rules,
-    analyse_cpu,
-    decide,
-    explain_failure,
-    image_share,
-    parse_collapsed,
-    runnable,
-    top_functions,
-)
+from agent.tools.diagnose.pyspy import explain_failure, find_py_spy
+from agent.tools.diagnose.sampling import runnable
+from agent.tools.diagnose.stacks import image_share, parse_collapsed, top_functions
+from agent.tools.diagnose.verdict import Rules, analyse_cpu, decide
 from tests.conftest import BUSY, IDLE, REPO, Procs
 
 #: Targets let any process of their user read them (prctl PR_SET_PTRACER_ANY), so py-spy can
@@ -224,8 +218,6 @@ def test_non_python_target_exits_1_and_says_why(tmp_path: Path) -> None:
                     reason="needs root to drop to another user with setpriv")
 def test_no_ptrace_permission_exits_1_and_names_the_capability(tmp_path: Path,
                                                                 procs: Procs) -> None:
-    from agent.tools.diagnose import find_py_spy
-
     # py-spy run as nobody against our process: what a sidecar without CAP_SYS_PTRACE sees.
     bindir = Path(tempfile.mkdtemp(prefix="mrc-pyspy-"))
     try:

@@ -36,14 +36,10 @@ import httpx
 import pytest
 
 from agent.core.units import parse_duration
-from agent.tools.report import (
-    heat_colour,
-    legend_for,
-    nice_step,
-    rate_interval,
-    time_ticks,
-    y_domain,
-)
+from agent.tools.report.charts import chart_specs, heatmap_query
+from agent.tools.report.data import legend_for
+from agent.tools.report.prom import rate_interval
+from agent.tools.report.svg import heat_colour, nice_step, time_ticks, y_domain
 from alerts.config import DEFAULT
 from tests.conftest import BUSY, REPO, AgentProcess, Procs
 from tests.e2e_harness import Prometheus, free_port, wait_until
@@ -445,7 +441,6 @@ def test_bad_url_and_out_exit_2(tmp_path: Path) -> None:
 
 def test_report_runs_the_dashboards_queries() -> None:
     pytest.importorskip("grafanalib")
-    from agent.tools.report import chart_specs, heatmap_query
     from dashboards.build import all_queries
 
     panels = {(panel, expr) for _, panel, expr in all_queries()}

@@ -28,46 +28,12 @@ The rooms, each importing only those before it:
 * :mod:`~agent.tools.capture.manager`: running captures, one at a time, rate-limited;
 * :mod:`~agent.tools.capture.api`: the HTTP endpoints and their wiring into the agent's server.
 
-Every public name of these rooms is re-exported here, so ``from agent.tools.capture import X``
-works as it did when the capture was one module.
+The package exports the routes factory ``mrc-agent run`` takes (:func:`build_capture_api`);
+the rest is imported from its room.
 """
 
 from __future__ import annotations
 
-from agent.tools.capture.api import (
-    CAPTURE_ALERTS,
-    CaptureAPI,
-    build_capture_api,
-)
-from agent.tools.capture.manager import (
-    CAPTURE_INTERVAL,
-    CaptureManager,
-)
-from agent.tools.capture.store import (
-    META,
-    CaptureStore,
-)
-from agent.tools.capture.webhook import (
-    MAX_ALERTS,
-    MAX_BODY_BYTES,
-    Alert,
-    Token,
-    WebhookError,
-    parse_webhook,
-)
+from agent.tools.capture.api import build_capture_api
 
-__all__ = [
-    "Alert",
-    "CAPTURE_ALERTS",
-    "CAPTURE_INTERVAL",
-    "CaptureAPI",
-    "CaptureManager",
-    "CaptureStore",
-    "MAX_ALERTS",
-    "MAX_BODY_BYTES",
-    "META",
-    "Token",
-    "WebhookError",
-    "build_capture_api",
-    "parse_webhook",
-]
+__all__ = ["build_capture_api"]

@@ -17,7 +17,7 @@ from agent.core.runner import Runner
 from agent.tools.capture.manager import CaptureManager
 from agent.tools.capture.store import CaptureStore
 from agent.tools.capture.webhook import MAX_BODY_BYTES, Token, WebhookError, parse_webhook
-from agent.tools.diagnose import PySpyError, find_py_spy
+from agent.tools.diagnose.pyspy import PySpyError, find_py_spy
 from exporters.exposition.http import Request, Response
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,9 @@ from agent.core.config import AgentConfig, ConfigError
 from agent.core.runner import Runner
 from agent.core.sample import readings
 from agent.tools.capture.store import CaptureStore, _iso
-from agent.tools.diagnose import Borrowed, PySpyError, diagnose
+from agent.tools.diagnose.command import diagnose
+from agent.tools.diagnose.pyspy import PySpyError
+from agent.tools.diagnose.sampling import Borrowed
 
 log = logging.getLogger(__name__)
 

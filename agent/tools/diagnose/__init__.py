@@ -27,98 +27,12 @@ The rooms, each importing only those before it:
 * :mod:`~agent.tools.diagnose.writers`: the files of a diagnosis and the text report;
 * :mod:`~agent.tools.diagnose.command`: :func:`diagnose` and the command.
 
-Every public name of these rooms is re-exported here, so ``from agent.tools.diagnose import X``
-works as it did when the diagnosis was one module.
+The package exports its entry points (:func:`diagnose`, :func:`run_diagnose_command`); the
+rest is imported from its room.
 """
 
 from __future__ import annotations
 
-from agent.tools.diagnose.command import (
-    EXIT_OK,
-    EXIT_PY_SPY,
-    MAX_DURATION,
-    MIN_DURATION,
-    Diagnosis,
-    check_pid,
-    diagnose,
-    run_diagnose_command,
-)
-from agent.tools.diagnose.pyspy import (
-    PY_SPY_RATE,
-    PySpy,
-    PySpyError,
-    explain_failure,
-    find_py_spy,
-)
-from agent.tools.diagnose.sampling import (
-    Borrowed,
-    IdleWindows,
-    runnable,
-)
-from agent.tools.diagnose.stacks import (
-    IMAGE_FILE,
-    IMAGE_FUNCTION,
-    Frame,
-    Stack,
-    image_share,
-    is_image_frame,
-    parse_collapsed,
-    parse_frame,
-    thread_samples,
-    top_functions,
-)
-from agent.tools.diagnose.verdict import (
-    VERDICTS,
-    Rules,
-    Verdict,
-    analyse_cpu,
-    analyse_gpu,
-    decide,
-)
-from agent.tools.diagnose.writers import (
-    CSV_COLUMNS,
-    FILES,
-    render_text,
-    write_golden_triangle,
-    write_samples,
-)
+from agent.tools.diagnose.command import diagnose, run_diagnose_command
 
-__all__ = [
-    "Borrowed",
-    "CSV_COLUMNS",
-    "Diagnosis",
-    "EXIT_OK",
-    "EXIT_PY_SPY",
-    "FILES",
-    "Frame",
-    "IMAGE_FILE",
-    "IMAGE_FUNCTION",
-    "IdleWindows",
-    "MAX_DURATION",
-    "MIN_DURATION",
-    "PY_SPY_RATE",
-    "PySpy",
-    "PySpyError",
-    "Rules",
-    "Stack",
-    "VERDICTS",
-    "Verdict",
-    "analyse_cpu",
-    "analyse_gpu",
-    "check_pid",
-    "decide",
-    "diagnose",
-    "explain_failure",
-    "find_py_spy",
-    "image_share",
-    "is_image_frame",
-    "parse_collapsed",
-    "parse_frame",
-    "render_text",
-    "run_diagnose_command",
-    "runnable",
-    "thread_samples",
-    "top_functions",
-    "write_golden_triangle",
-    "write_samples",
-]
+__all__ = ["diagnose", "run_diagnose_command"]
