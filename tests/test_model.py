@@ -25,19 +25,22 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from reference_service import model as vlm_mod  # noqa: E402
-from reference_service.model import (  # noqa: E402
+from reference_service.model import (  # noqa: E402  # noqa: E402
     EMBEDDED_DIRNAME,
     EMBEDDED_MARKER,
     VLM,
     AttentionReport,
     GenerationResult,
     ModelLoadError,
+    attention,
     attention_warning,
     backend_counts_from_ops,
     choose_backend,
     detect_attention_backend,
+    embedded,
     ensure_embedded,
     load_vlm,
+    loading,
     probe_sdpa_backend,
 )
 from reference_service.settings import Settings  # noqa: E402
@@ -153,7 +156,7 @@ def test_stale_partial_builds_of_dead_processes_are_removed(tmp_path: Path) -> N
     mine = tmp_path / f".{EMBEDDED_DIRNAME}.build-{os.getpid()}-xyz"
     dead.mkdir()
     mine.mkdir()
-    vlm_mod._remove_stale_builds(target)
+    embedded._remove_stale_builds(target)
     assert not dead.exists()
     assert mine.exists()  # possibly a build in progress in another thread of this process
 
@@ -162,9 +165,9 @@ def test_a_directory_without_the_marker_is_not_a_finished_build(tmp_path: Path) 
     target = tmp_path / EMBEDDED_DIRNAME
     target.mkdir()
     (target / "config.json").write_text("{}")
-    assert not vlm_mod._embedded_ready(target)
+    assert not embedded._embedded_ready(target)
     (target / EMBEDDED_MARKER).write_text(json.dumps({"format": vlm_mod.EMBEDDED_FORMAT}))
-    assert vlm_mod._embedded_ready(target)
+    assert embedded._embedded_ready(target)
 
 
 # --- generation ---------------------------------------------------------------------------------
@@ -347,7 +350,7 @@ def test_detection_reports_eager_when_the_model_does_not_use_sdpa(built: Built) 
         with torch.inference_mode():
             return model(input_ids=ids, pixel_values=pixels)
 
-    report = detect_attention_backend(forward, vlm_mod._attn_implementation(model.config))
+    report = detect_attention_backend(forward, attention._attn_implementation(model.config))
     assert report.backend == "eager"
     assert report.attn_implementation == "eager"
 
@@ -474,11 +477,11 @@ def test_a_pre_quantised_checkpoint_reports_its_quantisation() -> None:
         def __init__(self, qc: dict[str, Any] | None) -> None:
             self.config = Config(qc)
 
-    assert vlm_mod._quantization_of(Model(None), "none") == "none"
-    assert vlm_mod._quantization_of(Model(None), "nf4") == "nf4"
+    assert loading._quantization_of(Model(None), "none") == "none"
+    assert loading._quantization_of(Model(None), "nf4") == "nf4"
     bnb4 = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
-    assert vlm_mod._quantization_of(Model(bnb4), "none") == "nf4"
-    assert vlm_mod._quantization_of(Model({"quant_method": "awq"}), "none") == "awq"
+    assert loading._quantization_of(Model(bnb4), "none") == "nf4"
+    assert loading._quantization_of(Model({"quant_method": "awq"}), "none") == "awq"
 
 
 def test_loads_and_detects_attention_on_a_worker_thread(built: Built) -> None:

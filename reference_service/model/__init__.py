@@ -46,7 +46,6 @@ from reference_service.model.attention import (
     probe_sdpa_backend,
     sdpa_priority_order,
 )
-from reference_service.model.attention import _attn_implementation as _attn_implementation
 from reference_service.model.common import ModelLoadError, Progress
 from reference_service.model.embedded import (
     EMBEDDED_DIRNAME,
@@ -62,8 +61,6 @@ from reference_service.model.embedded import (
     build_tokenizer,
     ensure_embedded,
 )
-from reference_service.model.embedded import _embedded_ready as _embedded_ready
-from reference_service.model.embedded import _remove_stale_builds as _remove_stale_builds
 from reference_service.model.generation import (
     FALLBACK_TEMPLATE,
     VLM,
@@ -77,7 +74,6 @@ from reference_service.model.loading import (
     resolve_device,
     resolve_dtype,
 )
-from reference_service.model.loading import _quantization_of as _quantization_of
 
 __all__ = [
     "ATTENTION_BACKENDS",
