@@ -110,8 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--chromium", metavar="PATH", help="Chromium for --format png "
                      "(chromium on PATH)")
 
-    cat = sub.add_parser("catalog", help="print the metric catalogue as Markdown")
+    cat = sub.add_parser("catalog", help="print the metric catalogue (or, with --settings, the "
+                         "settings reference) as Markdown")
     cat.add_argument("--out", metavar="FILE")
+    cat.add_argument("--settings", action="store_true",
+                     help="the settings: key, flag, environment name, default, meaning")
 
     alerts = sub.add_parser("alerts", help="Prometheus rules and an Alertmanager example")
     alerts_sub = alerts.add_subparsers(dest="alerts_command", required=True, parser_class=_Parser)
@@ -174,9 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_report_command(args)
         if args.command == "catalog":
-            from agent.tools.metrics_doc import write_catalog
+            from agent.tools.reference_docs import write_catalog
 
-            return write_catalog(args.out)
+            return write_catalog(args.out, settings=args.settings)
         if args.command in ("alerts", "dashboards"):
             from alerts.build import BuildError, config_for, run_build
 

@@ -22,7 +22,7 @@ from agent.core.collectors.profiling import ProfilingCollector
 from agent.core.hw.replay import ReplayBackend
 from agent.core.sample import Snapshot
 from agent.core.targets import Target
-from agent.tools.metrics_doc import render
+from agent.tools.reference_docs import render, render_settings
 from exporters.exposition.snapshot import MetricSpec, SnapshotCollector
 from tests.conftest import BUSY, DATA, REPO, Procs, parse_metrics, series
 
@@ -77,6 +77,8 @@ def test_every_spec_is_exposed_even_without_samples() -> None:
 def test_catalogue_matches_the_code() -> None:
     assert (REPO / "docs" / "metrics.md").read_text() == render(), (
         "regenerate with: mrc-agent catalog --out docs/metrics.md")
+    assert (REPO / "docs" / "settings.md").read_text() == render_settings(), (
+        "regenerate with: mrc-agent catalog --settings --out docs/settings.md")
     names = [s.name for s in CATALOG]
     assert len(names) == len(set(names))
     for s in CATALOG:

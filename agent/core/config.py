@@ -285,7 +285,8 @@ class AgentConfig:
         help="the shared webhook token itself (environment only)")
     capture_dir: str = setting(
         DEFAULT_CAPTURE_DIR, parse=_text, check=_check_nonempty, commands=(RUN,), metavar="DIR",
-        group=CAPTURES_GROUP, help="where captures are kept")
+        group=CAPTURES_GROUP, default_text="$TMPDIR/mrc-agent-captures",
+        help="where captures are kept ($TMPDIR is /tmp when unset)")
     #: Seconds one on-alert capture samples for: long enough for a few hundred stacks and a
     #: few GPU idle windows, short enough that the moment the alert caught is still going on.
     capture_duration: float = setting(
