@@ -80,7 +80,7 @@ def make_app(kind: str) -> Any:
     from fastapi import FastAPI
     from prometheus_client import CollectorRegistry
 
-    from exporters.instrumentation.metrics import MRCMetrics
+    from exporters.instrumentation import MRCMetrics
 
     app = FastAPI()
     metrics = MRCMetrics() if kind == "mrc" else None
@@ -137,7 +137,7 @@ async def bench_http(requests: int, repeats: int) -> dict[str, list[float]]:
 
 
 def bench_tracker(iterations: int, repeats: int) -> list[float]:
-    from exporters.instrumentation.metrics import MRCMetrics
+    from exporters.instrumentation import MRCMetrics
 
     m = MRCMetrics()
     prompt, width, height = BODY["prompt"], BODY["width"], BODY["height"]

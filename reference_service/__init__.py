@@ -11,9 +11,11 @@ error handlers, and the lifespan that loads the model.
 * :mod:`~reference_service.pipeline`: one request's chain, each stage timed.
 * :mod:`~reference_service.model`: the VLM layer (embedded tiny model or a local checkpoint,
   NF4, attention-kernel detection, generation with timings).
-* :mod:`~reference_service.preprocess`, :mod:`~reference_service.fetch`,
-  :mod:`~reference_service.ocr`, :mod:`~reference_service.cache`: image decoding and limits,
-  SSRF-safe ``image_url`` fetching, the OCR step, the context-aware answer cache.
+* :mod:`~reference_service.preprocess`: image decoding and limits, one room per concern
+  (base64, header checks, draft-mode decode, the CPU and GPU resize paths, the decode pool).
+* :mod:`~reference_service.fetch`, :mod:`~reference_service.ocr`,
+  :mod:`~reference_service.cache`: SSRF-safe ``image_url`` fetching, the OCR step, the
+  context-aware answer cache.
 * :mod:`~reference_service.settings`, :mod:`~reference_service.state`,
   :mod:`~reference_service.limiter`, :mod:`~reference_service.middleware`,
   :mod:`~reference_service.errors`, :mod:`~reference_service.logs`: limits, lifetime state,

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from exporters.instrumentation.metrics import prepare_multiproc_dir
+from exporters.instrumentation import prepare_multiproc_dir
 from tests.conftest import REPO, parse_metrics, series
 
 N = 40
@@ -30,8 +30,7 @@ APP = textwrap.dedent('''
 
     from fastapi import FastAPI, Request
 
-    from exporters.instrumentation.asgi import metrics_endpoint
-    from exporters.instrumentation.metrics import MRCMetrics, mark_process_dead
+    from exporters.instrumentation import MRCMetrics, mark_process_dead, metrics_endpoint
 
     metrics = MRCMetrics()
 
@@ -199,12 +198,12 @@ SCRIPT = textwrap.dedent("""
     import itertools, json, sys
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
-    import exporters.instrumentation.metrics as mm
-    from exporters.instrumentation.asgi import exposition_registry
+    import exporters.instrumentation.metrics as mm  # where the tracker looks up perf_counter
+    from exporters.instrumentation import STAGES, MRCMetrics, exposition_registry
 
     ticks = itertools.count()
     mm.perf_counter = lambda: next(ticks) * 0.037  # a fake clock: the same values in both runs
-    m = mm.MRCMetrics()
+    m = MRCMetrics()
     m.set_model_info(model_id="a", revision="1", device="cpu")
     m.set_model_info(model_id="b", revision="2", device="cpu", attention_backend="flash")
     for i, (chars, w, h) in enumerate([(3, 640, 480), (60, 1500, 1000), (500, 4000, 3000)] * 5):
@@ -213,7 +212,7 @@ SCRIPT = textwrap.dedent("""
                 with r.queued():
                     pass
                 m.cache_lookup(hit=i % 2 == 0)
-                for s in mm.STAGES[: 1 + i % 7]:
+                for s in STAGES[: 1 + i % 7]:
                     with r.stage(s):
                         pass
                 r.set_image(w, h)
@@ -263,7 +262,7 @@ def test_env_var_set_after_import_is_refused(tmp_path: Path) -> None:
         import os
         import prometheus_client
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = {str(tmp_path)!r}
-        from exporters.instrumentation.metrics import MRCMetrics
+        from exporters.instrumentation import MRCMetrics
         try:
             MRCMetrics()
         except RuntimeError as e:
@@ -279,7 +278,7 @@ def test_env_var_set_after_import_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize("missing", [True, False])
 def test_multiprocess_dir_must_exist(tmp_path: Path, missing: bool) -> None:
     d = tmp_path / "nope" if missing else tmp_path
-    code = ("from exporters.instrumentation.metrics import MRCMetrics\n"
+    code = ("from exporters.instrumentation import MRCMetrics\n"
             "m = MRCMetrics()\nprint(m.multiprocess)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                          env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(d)}, timeout=60)

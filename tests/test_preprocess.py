@@ -21,6 +21,7 @@ from PIL import Image, ImageDraw, ImageFile, ImageFont, ImageOps
 
 from reference_service import preprocess as P
 from reference_service.errors import ServiceError
+from reference_service.preprocess import core, decoding, gpu
 from reference_service.settings import Settings
 
 MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's
@@ -274,7 +275,7 @@ def test_jpeg_draft_picks_smallest_covering_scale(
     assert r.decoded_size == expected
     assert (r.width, r.height, r.format) == (2400, 1800, "JPEG")
     # Covers the model input and the OCR image in both dimensions...
-    ocr_w, ocr_h = P._ocr_size((2400, 1800), ocr) if ocr else (0, 0)
+    ocr_w, ocr_h = decoding._ocr_size((2400, 1800), ocr) if ocr else (0, 0)
     dw, dh = r.decoded_size
     assert dw >= max(target[1], ocr_w) and dh >= max(target[0], ocr_h)
     # ...and the next DCT scale down would not have.
@@ -401,7 +402,7 @@ def test_exif_orientation_matches_exif_transpose(asym: Image.Image, orientation:
     assert psnr(to_uint8(r.pixel_values), ref) >= 25.0
     assert r.ocr_image is not None
     ref_ocr = upright.convert("L").resize(r.ocr_image.size, Image.Resampling.LANCZOS)
-    assert r.ocr_image.size == P._ocr_size(upright.size, 300)
+    assert r.ocr_image.size == decoding._ocr_size(upright.size, 300)
     assert psnr(r.ocr_image, ref_ocr) >= 28.0
 
 
@@ -446,9 +447,9 @@ def test_kornia_without_antialias_is_measurably_worse() -> None:
 def test_orient_tensor_matches_pil_transpose() -> None:
     img = photo(7, 5, seed=9)
     t = torch.from_numpy(np.array(img)).permute(2, 0, 1)
-    for o, method in P._ORIENT_TRANSPOSE.items():
+    for o, method in decoding._ORIENT_TRANSPOSE.items():
         want = np.array(img.transpose(method))
-        got = P._orient_tensor(t, o).permute(1, 2, 0).numpy()
+        got = gpu._orient_tensor(t, o).permute(1, 2, 0).numpy()
         assert np.array_equal(got, want), o
 
 
@@ -458,7 +459,7 @@ def test_orient_tensor_matches_pil_transpose() -> None:
 def test_hung_decode_gets_504_and_the_pool_keeps_serving(
         monkeypatch: pytest.MonkeyPatch, settings: Settings) -> None:
     release = threading.Event()
-    real = P._decode
+    real = core._decode
     calls = {"n": 0}
 
     def decode(*args: object) -> object:
@@ -467,7 +468,7 @@ def test_hung_decode_gets_504_and_the_pool_keeps_serving(
             release.wait(30)  # a decoder stuck on a corrupted stream
         return real(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(P, "_decode", decode)
+    monkeypatch.setattr(core, "_decode", decode)
     data = encode(photo(200, 150))
 
     async def main() -> None:

@@ -5,6 +5,13 @@ resolution, time to first token, stage timings, cache and chain-break metrics, a
 Used by MRC services such as :mod:`reference_service`; its public API is importable from here
 (``from exporters.instrumentation import MRCMetrics, metrics_endpoint``). The agent's own
 exposition is :mod:`exporters.exposition`; the two halves share only :mod:`exporters.render`.
+
+Its rooms: :mod:`~exporters.instrumentation.families` (the contract: names, labels, label
+values), :mod:`~exporters.instrumentation.buckets` (boundaries and label edges),
+:mod:`~exporters.instrumentation.metrics` (``MRCMetrics`` and ``RequestTracker``),
+:mod:`~exporters.instrumentation.stores` (where the values live, per mode),
+:mod:`~exporters.instrumentation.multiprocess` (the multiprocess-mode helpers) and
+:mod:`~exporters.instrumentation.asgi` (``GET /metrics``).
 """
 
 from exporters.instrumentation import buckets
@@ -14,20 +21,35 @@ from exporters.instrumentation.asgi import (
     metrics_endpoint,
     metrics_route,
 )
-from exporters.instrumentation.metrics import (
+from exporters.instrumentation.families import (
+    CHAIN_BREAK_STEPS,
     FAMILIES,
-    MRCMetrics,
+    LATENCY_OUTCOMES,
+    MODEL_INFO_LABELS,
+    OUTCOMES,
+    STAGES,
+    ChainBreakStep,
+    Family,
     Outcome,
-    RequestTracker,
     Stage,
+    outcome_for_status,
+)
+from exporters.instrumentation.metrics import MRCMetrics, RequestTracker
+from exporters.instrumentation.multiprocess import (
     mark_process_dead,
     multiprocess_enabled,
-    outcome_for_status,
     prepare_multiproc_dir,
 )
 
 __all__ = [
+    "CHAIN_BREAK_STEPS",
     "FAMILIES",
+    "LATENCY_OUTCOMES",
+    "MODEL_INFO_LABELS",
+    "OUTCOMES",
+    "STAGES",
+    "ChainBreakStep",
+    "Family",
     "MRCMetrics",
     "Outcome",
     "RequestTracker",

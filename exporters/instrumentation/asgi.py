@@ -29,7 +29,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from exporters import render as _render
-from exporters.instrumentation.metrics import multiprocess_enabled
+from exporters.instrumentation.multiprocess import multiprocess_enabled
 
 Handler = Callable[[Request], Awaitable[Response]]
 

@@ -15,372 +15,54 @@ creates one :class:`MRCMetrics` at startup and wraps each request in ``metrics.r
     # on exit: duration, TTFT, TPOT observed; mrc_requests_total{outcome} incremented
 
 The metric names and labels are a contract that dashboards, alerts and users depend on; they are
-declared once, in ``FAMILIES`` below, and listed in ``docs/instrumentation.md``. Bucket
-boundaries and label edges live in :mod:`exporters.instrumentation.buckets`. Every series (all
-prompt-length x resolution combinations, stages, outcomes, chain steps) is created in the
-constructor, so it exists from the first scrape, and the hot path addresses series by list
-index, never by label lookup.
-
-Two value stores render the same exposition (a test compares them):
-
-* single process — ``_LocalStore``: plain floats under one lock, rendered by a custom collector
-  on the registry. A request's observations are written in one update when it ends, which keeps a
-  fully tracked request at a few microseconds (prometheus-client's metric objects take a lock and
-  validate on every call: about 1 us per histogram observation).
-* multiprocess (several uvicorn/gunicorn workers) — ``_PromStore``: prometheus-client's own
-  metrics, whose values live in memory-mapped files in ``PROMETHEUS_MULTIPROC_DIR``. That variable
-  must be in the environment *before the process starts* (prometheus-client picks its value store
-  when first imported; :func:`multiprocess_enabled` refuses a mismatch). Gauges merge across
-  workers with ``livesum`` (in flight, queued) and ``livemax`` (model info), and the exposition is
-  built by ``MultiProcessCollector`` on a fresh registry per scrape —
-  :mod:`exporters.instrumentation.asgi` does that. The launcher empties the directory before
-  starting the workers (:func:`prepare_multiproc_dir`), and each worker calls
-  :func:`mark_process_dead` as it exits so its live gauges stop counting. prometheus-client's
-  ``Info`` does not work in multiprocess mode, so ``mrc_model_info`` is a gauge set to 1 in
-  both modes: one type, one query, whatever the mode.
+declared once, in :mod:`exporters.instrumentation.families`, and listed in
+``docs/instrumentation.md``. Bucket boundaries and label edges live in
+:mod:`exporters.instrumentation.buckets`. Every series (all prompt-length x resolution
+combinations, stages, outcomes, chain steps) is created in the constructor, so it exists from the
+first scrape, and the hot path addresses series by list index, never by label lookup. The values
+live in one of two stores, single process or multiprocess, that render the same exposition:
+:mod:`exporters.instrumentation.stores` explains both, and
+:mod:`exporters.instrumentation.multiprocess` the rules of multiprocess mode.
 
 This module imports neither torch nor the agent: the caller passes the peak GPU memory it measured.
 """
 
 from __future__ import annotations
 
-import asyncio
-import math
 import os
-import threading
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 from types import TracebackType
-from typing import Any, Literal, Protocol, get_args
 
-from prometheus_client import values as _prom_values
-from prometheus_client.metrics import Counter, Gauge, Histogram
-from prometheus_client.metrics_core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-from prometheus_client.multiprocess import mark_process_dead as _mark_process_dead
 from prometheus_client.registry import CollectorRegistry
-from prometheus_client.utils import floatToGoString
 
 from exporters.instrumentation import buckets
-
-Stage = Literal["fetch", "decode", "preprocess", "ocr", "prefill", "generate", "postprocess"]
-Outcome = Literal["ok", "client_error", "overloaded", "timeout", "error"]
-ChainBreakStep = Literal["ocr", "fetch", "preprocess"]
-
-#: The ``stage`` label values, in chain order.
-STAGES: tuple[str, ...] = get_args(Stage)
-#: The ``outcome`` label values of ``mrc_requests_total``.
-OUTCOMES: tuple[str, ...] = get_args(Outcome)
-#: The ``step`` label values of ``mrc_chain_breaks_total``: the intermediate steps whose output
-#: feeds the model — the image could not be fetched, preprocessing gave nothing usable, or OCR
-#: found no text. A step outside this set is a programming error (ValueError), never a new series.
-CHAIN_BREAK_STEPS: tuple[str, ...] = get_args(ChainBreakStep)
-#: Label names of ``mrc_model_info``.
-MODEL_INFO_LABELS = ("model_id", "revision", "dtype", "quantization", "device",
-                     "attention_backend")
-#: Outcomes whose latency is observed: requests the service took on. ``overloaded`` (refused before
-#: any work) and ``client_error`` (bad input) are only counted, so a flood of instant 4xx answers
-#: cannot make the latency distribution look better exactly when things go wrong.
-LATENCY_OUTCOMES = frozenset({"ok", "timeout", "error"})
-
-_ENV = "PROMETHEUS_MULTIPROC_DIR"
-
-
-def multiprocess_enabled() -> bool:
-    """Whether prometheus-client runs in multiprocess mode in this process.
-
-    Raises ``RuntimeError`` when the environment and prometheus-client disagree: the variable was
-    set after prometheus-client was imported (values would silently stay per process), or removed
-    after (values could not be written).
-    """
-    env = bool(os.environ.get(_ENV))
-    store = _prom_values.ValueClass is not _prom_values.MutexValue
-    if env and not store:
-        raise RuntimeError(f"{_ENV} was set after prometheus_client was imported; set it in the "
-                           "environment before the process starts")
-    if store and not env:
-        raise RuntimeError(f"prometheus_client runs in multiprocess mode but {_ENV} is unset")
-    return env
-
-
-def prepare_multiproc_dir(path: str | os.PathLike[str] | None = None) -> Path:
-    """Create the multiprocess directory and delete stale ``*.db`` files from a previous run.
-
-    Call it in the launcher, once, before any worker starts (never from a worker: it would delete
-    the files of the workers already running). ``path`` defaults to ``$PROMETHEUS_MULTIPROC_DIR``.
-    """
-    raw = path if path is not None else os.environ.get(_ENV)
-    if not raw:
-        raise ValueError(f"no multiprocess directory given and {_ENV} is unset")
-    d = Path(raw)
-    d.mkdir(parents=True, exist_ok=True)
-    for f in d.glob("*.db"):
-        f.unlink()
-    return d
-
-
-def mark_process_dead(pid: int | None = None) -> None:
-    """Drop the live gauges (in flight, queued, model info) of an exited worker; no-op otherwise.
-
-    Call it from the worker's shutdown (lifespan) with no argument, or from a process manager's
-    child-exit hook with the child's pid. Counters and histograms of dead workers are kept, as
-    they must be for ``rate()``.
-    """
-    if multiprocess_enabled():
-        _mark_process_dead(os.getpid() if pid is None else pid)
-
-
-def outcome_for_status(status_code: int) -> Outcome:
-    """Map an HTTP status to an outcome: 429/503 overloaded, 504 timeout, 4xx client_error,
-    5xx error, anything else ok."""
-    if status_code < 400:
-        return "ok"
-    if status_code in (429, 503):
-        return "overloaded"
-    if status_code == 504:
-        return "timeout"
-    if status_code < 500:
-        return "client_error"
-    return "error"
-
-
-def _outcome_for_exception(exc: BaseException | None) -> Outcome:
-    status = getattr(exc, "status_code", None)
-    if isinstance(status, int):  # starlette/fastapi HTTPException, without importing them
-        return outcome_for_status(status)
-    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
-        return "timeout"
-    return "error"
-
-
-@dataclass(frozen=True)
-class _Family:
-    """One metric of the contract: everything both value stores need to create or render it."""
-
-    name: str
-    kind: Literal["histogram", "counter", "gauge"]
-    help: str
-    labelnames: tuple[str, ...] = ()
-    buckets: tuple[float, ...] = ()
-    #: How prometheus-client merges this gauge across workers in multiprocess mode.
-    mp_mode: Literal["livesum", "livemax"] = "livesum"
-
-
-_REQ_LABELS = ("prompt_length", "resolution")
-REQUEST_DURATION = _Family(
-    "mrc_request_duration_seconds", "histogram",
-    "Time from the arrival of a request to its answer, queueing included, for requests the "
-    "service took on (outcomes ok, timeout and error).",
-    _REQ_LABELS, buckets.REQUEST_DURATION_BUCKETS)
-TIME_TO_FIRST_TOKEN = _Family(
-    "mrc_time_to_first_token_seconds", "histogram",
-    "Time from the arrival of a request to the first generated token; the SLA is 0.5 seconds.",
-    _REQ_LABELS, buckets.TIME_TO_FIRST_TOKEN_BUCKETS)
-TIME_PER_OUTPUT_TOKEN = _Family(
-    "mrc_time_per_output_token_seconds", "histogram",
-    "Mean time per generated token after the first one, per request.",
-    _REQ_LABELS, buckets.TIME_PER_OUTPUT_TOKEN_BUCKETS)
-STAGE_DURATION = _Family(
-    "mrc_stage_duration_seconds", "histogram",
-    "Time spent in one stage of the reasoning chain (fetch, decode, preprocess, ocr, prefill, "
-    "generate, postprocess).",
-    ("stage",), buckets.STAGE_DURATION_BUCKETS)
-REQUESTS_IN_FLIGHT = _Family(
-    "mrc_requests_in_flight", "gauge",
-    "Requests being processed now, not counting those waiting in the queue.")
-REQUESTS_QUEUED = _Family(
-    "mrc_requests_queued", "gauge", "Requests waiting in the queue for a processing slot now.")
-REQUESTS = _Family(
-    "mrc_requests_total", "counter",
-    "Requests answered, by outcome (ok, client_error, overloaded, timeout, error).",
-    ("outcome",))
-PEAK_GPU_MEMORY = _Family(
-    "mrc_request_peak_gpu_memory_bytes", "histogram",
-    "Peak GPU memory allocated while serving one request, model weights included (CUDA only).",
-    (), buckets.PEAK_GPU_MEMORY_BUCKETS)
-CACHE_LOOKUPS = _Family("mrc_cache_lookups_total", "counter", "Lookups in the answer cache.")
-CACHE_HITS = _Family("mrc_cache_hits_total", "counter",
-                     "Lookups in the answer cache that found an answer.")
-CHAIN_BREAKS = _Family(
-    "mrc_chain_breaks_total", "counter",
-    "Requests in which an intermediate step of the chain failed or gave nothing usable, by step "
-    "(ocr, fetch, preprocess).",
-    ("step",))
-MODEL_INFO = _Family(
-    "mrc_model_info", "gauge",
-    "Always 1; the labels describe the model being served and the attention backend actually "
-    "selected.",
-    MODEL_INFO_LABELS, mp_mode="livemax")
-#: Every metric of the contract, in exposition order.
-FAMILIES = (REQUEST_DURATION, TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, STAGE_DURATION,
-            REQUESTS_IN_FLIGHT, REQUESTS_QUEUED, REQUESTS, PEAK_GPU_MEMORY, CACHE_LOOKUPS,
-            CACHE_HITS, CHAIN_BREAKS, MODEL_INFO)
-
-#: A series: its family and label values. Stores address series by their index in a list of these.
-_Series = tuple[_Family, tuple[str, ...]]
-
-
-class _Store(Protocol):
-    """Where the values live. Every method is one atomic update; ids index the series lists."""
-
-    def observe(self, hid: int, value: float) -> None: ...
-    def count(self, *cids: int) -> None: ...
-    def gauge_add(self, gid: int, delta: float) -> None: ...
-    def gauge_move(self, src: int, dst: int) -> None: ...
-    def finish(self, gid: int, cid: int, observations: list[tuple[int, float]]) -> None: ...
-    def set_info(self, old: tuple[str, ...] | None, new: tuple[str, ...]) -> None: ...
-
-
-class _LocalStore:
-    """Single-process values: plain floats under one lock, rendered by ``collect()``.
-
-    prometheus-client's metric objects take a lock and validate on every call (about 1 us per
-    histogram observation); one lock per update and a ``bisect`` keep a fully tracked request
-    several times cheaper, and a request's final observations are one update.
-    """
-
-    def __init__(self, hist: list[_Series], counters: list[_Series],
-                 gauges: list[_Series]) -> None:
-        self._lock = threading.Lock()
-        self._hist, self._counters, self._gauges = hist, counters, gauges
-        self._bounds = [f.buckets for f, _ in hist]
-        self._hcounts = [[0.0] * (len(f.buckets) + 1) for f, _ in hist]  # last: above all
-        self._hsums = [0.0] * len(hist)
-        self._c = [0.0] * len(counters)
-        self._g = [0.0] * len(gauges)
-        self._info: dict[tuple[str, ...], float] = {}
-
-    def observe(self, hid: int, value: float) -> None:
-        with self._lock:
-            # bisect_left: the first bound >= value, i.e. Prometheus' ``value <= le``.
-            self._hcounts[hid][bisect_left(self._bounds[hid], value)] += 1.0
-            self._hsums[hid] += value
-
-    def count(self, *cids: int) -> None:
-        with self._lock:
-            for cid in cids:
-                self._c[cid] += 1.0
-
-    def gauge_add(self, gid: int, delta: float) -> None:
-        with self._lock:
-            self._g[gid] += delta
-
-    def gauge_move(self, src: int, dst: int) -> None:
-        with self._lock:
-            self._g[src] -= 1.0
-            self._g[dst] += 1.0
-
-    def finish(self, gid: int, cid: int, observations: list[tuple[int, float]]) -> None:
-        with self._lock:
-            self._g[gid] -= 1.0
-            self._c[cid] += 1.0
-            for hid, value in observations:
-                self._hcounts[hid][bisect_left(self._bounds[hid], value)] += 1.0
-                self._hsums[hid] += value
-
-    def set_info(self, old: tuple[str, ...] | None, new: tuple[str, ...]) -> None:
-        with self._lock:
-            if old is not None and old != new:
-                self._info[old] = 0.0  # as in multiprocess mode, where it cannot be removed
-            self._info[new] = 1.0
-
-    def describe(self) -> list[Metric]:
-        return [self._family(f) for f in FAMILIES]
-
-    def collect(self) -> list[Metric]:
-        with self._lock:
-            hcounts = [list(c) for c in self._hcounts]
-            hsums, c, g, info = list(self._hsums), list(self._c), list(self._g), dict(self._info)
-        out = {f.name: self._family(f) for f in FAMILIES}
-        for hid, (f, lv) in enumerate(self._hist):
-            hist = out[f.name]
-            assert isinstance(hist, HistogramMetricFamily)
-            cumulative, acc = [], 0.0
-            for bound, n in zip((*f.buckets, math.inf), hcounts[hid], strict=True):
-                acc += n
-                cumulative.append((floatToGoString(bound), acc))
-            hist.add_metric(list(lv), cumulative, hsums[hid])
-        for cid, (f, lv) in enumerate(self._counters):
-            counter = out[f.name]
-            assert isinstance(counter, CounterMetricFamily)
-            counter.add_metric(list(lv), c[cid])
-        for gid, (f, lv) in enumerate(self._gauges):
-            gauge = out[f.name]
-            assert isinstance(gauge, GaugeMetricFamily)
-            gauge.add_metric(list(lv), g[gid])
-        model = out[MODEL_INFO.name]
-        assert isinstance(model, GaugeMetricFamily)
-        for lv, v in info.items():
-            model.add_metric(list(lv), v)
-        return list(out.values())
-
-    @staticmethod
-    def _family(f: _Family) -> Metric:
-        labels = list(f.labelnames)
-        if f.kind == "histogram":
-            return HistogramMetricFamily(f.name, f.help, labels=labels)
-        if f.kind == "counter":
-            return CounterMetricFamily(f.name, f.help, labels=labels)
-        return GaugeMetricFamily(f.name, f.help, labels=labels)
-
-
-class _PromStore:
-    """Multiprocess values: prometheus-client's own metrics, whose values are memory-mapped files
-    that ``MultiProcessCollector`` merges across workers."""
-
-    def __init__(self, registry: CollectorRegistry, hist: list[_Series],
-                 counters: list[_Series], gauges: list[_Series]) -> None:
-        made: dict[str, Any] = {}
-        for f in FAMILIES:
-            if f.kind == "histogram":
-                made[f.name] = Histogram(f.name, f.help, f.labelnames, registry=registry,
-                                         buckets=f.buckets)
-            elif f.kind == "counter":
-                made[f.name] = Counter(f.name, f.help, f.labelnames, registry=registry)
-            else:
-                made[f.name] = Gauge(f.name, f.help, f.labelnames, registry=registry,
-                                     multiprocess_mode=f.mp_mode)
-
-        def child(s: _Series) -> Any:
-            return made[s[0].name].labels(*s[1]) if s[1] else made[s[0].name]
-
-        self._h = [child(s) for s in hist]
-        self._c = [child(s) for s in counters]
-        self._g = [child(s) for s in gauges]
-        self._model = made[MODEL_INFO.name]
-
-    def observe(self, hid: int, value: float) -> None:
-        self._h[hid].observe(value)
-
-    def count(self, *cids: int) -> None:
-        for cid in cids:
-            self._c[cid].inc()
-
-    def gauge_add(self, gid: int, delta: float) -> None:
-        self._g[gid].inc(delta)
-
-    def gauge_move(self, src: int, dst: int) -> None:
-        self._g[src].dec()
-        self._g[dst].inc()
-
-    def finish(self, gid: int, cid: int, observations: list[tuple[int, float]]) -> None:
-        self._g[gid].dec()
-        self._c[cid].inc()
-        for hid, value in observations:
-            self._h[hid].observe(value)
-
-    def set_info(self, old: tuple[str, ...] | None, new: tuple[str, ...]) -> None:
-        if old is not None and old != new:
-            # Removing a child is not implemented for memory-mapped values; 0 marks it stale.
-            self._model.labels(*old).set(0)
-        self._model.labels(*new).set(1)
+from exporters.instrumentation.families import (
+    CACHE_HITS,
+    CACHE_LOOKUPS,
+    CHAIN_BREAK_STEPS,
+    CHAIN_BREAKS,
+    LATENCY_OUTCOMES,
+    OUTCOMES,
+    PEAK_GPU_MEMORY,
+    REQUEST_DURATION,
+    REQUESTS,
+    REQUESTS_IN_FLIGHT,
+    REQUESTS_QUEUED,
+    STAGE_DURATION,
+    STAGES,
+    TIME_PER_OUTPUT_TOKEN,
+    TIME_TO_FIRST_TOKEN,
+    ChainBreakStep,
+    Outcome,
+    Stage,
+    _outcome_for_exception,
+    outcome_for_status,
+)
+from exporters.instrumentation.multiprocess import _ENV, multiprocess_enabled
+from exporters.instrumentation.stores import _LocalStore, _PromStore, _Series, _Store
 
 
 class MRCMetrics:

@@ -1,0 +1,111 @@
+"""One request image from bytes to model input: :func:`preprocess`, its async form, its result.
+
+:func:`preprocess` runs the decoder of :mod:`~reference_service.preprocess.decoding` (header
+checks first) and then one resize path: :mod:`~reference_service.preprocess.cpu` ("pil") or
+:mod:`~reference_service.preprocess.gpu` ("kornia", the default on CUDA), timing the two stages.
+:func:`preprocess_async` runs it on a :class:`~reference_service.preprocess.pool.DecodePool`
+under the decode timeout, so the event loop never blocks. :class:`Preprocessed` is the result.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from PIL import Image
+
+from reference_service.preprocess.cpu import _resize_pil
+from reference_service.preprocess.decoding import _SWAPS_AXES, _decode
+from reference_service.preprocess.gpu import _resize_kornia
+from reference_service.preprocess.pool import DecodePool
+from reference_service.settings import Settings
+
+ResizeBackend = Literal["auto", "pil", "kornia"]
+
+
+@dataclass
+class Preprocessed:
+    """One decoded request image, ready for the model and the OCR step."""
+
+    #: Full-resolution size as received (upright, after EXIF orientation), for the resolution label.
+    width: int
+    height: int
+    format: str
+    #: float32 [1, 3, H, W], resized and normalised, on the requested device.
+    pixel_values: torch.Tensor
+    #: Greyscale, long side <= ocr_max_side (never upscaled); None when OCR is off.
+    ocr_image: Image.Image | None
+    #: Seconds in header parsing + (draft) decode + colour conversion: the "decode" stage.
+    decode_s: float
+    #: Seconds in resize, orientation and normalisation: the "preprocess" stage.
+    preprocess_s: float
+    #: What the decoder actually produced (smaller than width x height in draft mode, stored
+    #: orientation): tells whether the fast path was taken.
+    decoded_size: tuple[int, int]
+
+
+def preprocess(
+    data: bytes,
+    target_hw: tuple[int, int],
+    mean: Sequence[float],
+    std: Sequence[float],
+    device: str,
+    ocr_max_side: int | None,
+    settings: Settings,
+    *,
+    resize_backend: ResizeBackend = "auto",
+) -> Preprocessed:
+    """Decode ``data`` and build the model input (and the OCR image) under ``settings`` limits.
+
+    ``target_hw`` is the model's (height, width); the image is resized to exactly that (the
+    processor's "resize to size" convention) and normalised as ``(x/255 - mean) / std``.
+    ``resize_backend``: "auto" is kornia on CUDA devices and Pillow otherwise; "kornia" forces
+    the GPU path's code on any device (tests). Blocking and CPU-heavy: call it through
+    :func:`preprocess_async` from the event loop. Raises :class:`ServiceError` for bad images.
+    """
+    if len(mean) != 3 or len(std) != 3:
+        raise ValueError("mean and std need 3 values (RGB)")
+    backend = resize_backend
+    if backend == "auto":
+        backend = "kornia" if device.startswith("cuda") else "pil"
+    t0 = time.perf_counter()
+    dec = _decode(data, settings, target_hw, ocr_max_side)
+    t1 = time.perf_counter()
+    if backend == "kornia":
+        pixel_values, ocr_img = _resize_kornia(dec, target_hw, mean, std, device, ocr_max_side)
+    else:
+        pixel_values, ocr_img = _resize_pil(dec, target_hw, mean, std, device, ocr_max_side)
+    t2 = time.perf_counter()
+    w, h = dec.full_size
+    if dec.orientation in _SWAPS_AXES:
+        w, h = h, w
+    return Preprocessed(
+        width=w, height=h, format=dec.format, pixel_values=pixel_values, ocr_image=ocr_img,
+        decode_s=t1 - t0, preprocess_s=t2 - t1, decoded_size=dec.image.size)
+
+
+async def preprocess_async(
+    pool: DecodePool,
+    data: bytes,
+    target_hw: tuple[int, int],
+    mean: Sequence[float],
+    std: Sequence[float],
+    device: str,
+    ocr_max_side: int | None,
+    settings: Settings,
+    *,
+    resize_backend: ResizeBackend = "auto",
+    timeout: float | None = None,
+) -> Preprocessed:
+    """:func:`preprocess` on ``pool``, cut after ``timeout`` (default
+    ``settings.decode_timeout_s``) with 504 ``decode_timeout``. The event loop never blocks."""
+    limit = settings.decode_timeout_s if timeout is None else timeout
+
+    def job() -> Preprocessed:
+        return preprocess(data, target_hw, mean, std, device, ocr_max_side, settings,
+                          resize_backend=resize_backend)
+
+    return await pool.run(job, timeout=limit)

@@ -1,0 +1,134 @@
+"""Decoding on the CPU, shared by both resize paths: header checks, draft-mode decode, RGB.
+
+:func:`_decode` starts from the header checks of :mod:`~reference_service.preprocess.header`,
+then decodes. A JPEG is decoded in draft mode — libjpeg scales by 1/2, 1/4 or 1/8 inside the
+IDCT, so it never builds the full-resolution picture — at the smallest scale whose output still
+covers both the model's input size and the OCR size; other formats are decoded in full. Every
+colour mode ends as 8-bit RGB (transparency composited on white).
+
+EXIF orientation is honoured on every path in one way: targets are computed in the stored
+orientation (:func:`_stored`), and the *small* results are transposed afterwards with
+``_ORIENT_TRANSPOSE`` (cheaper than transposing a full photo, and identical to
+``ImageOps.exif_transpose`` followed by a resize). The geometry helpers here are what the
+decoder and both resize paths share.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from reference_service.errors import ServiceError
+from reference_service.preprocess.header import _open
+from reference_service.settings import Settings
+
+log = logging.getLogger("reference_service.preprocess")
+
+_EXIF_ORIENTATION = 0x0112
+#: EXIF orientation -> the transpose that displays the image upright (as ImageOps.exif_transpose).
+_ORIENT_TRANSPOSE: dict[int, Image.Transpose] = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+#: Orientations whose upright picture has width and height swapped.
+_SWAPS_AXES = frozenset({5, 6, 7, 8})
+
+
+@dataclass
+class _Decoded:
+    image: Image.Image  # RGB, stored orientation, possibly draft-scaled
+    format: str
+    full_size: tuple[int, int]  # stored orientation, from the header
+    orientation: int
+
+
+def _orientation(img: Image.Image) -> int:
+    try:
+        value = img.getexif().get(_EXIF_ORIENTATION, 1)
+    except Exception:  # a malformed EXIF block must not fail an otherwise good image
+        log.debug("unreadable EXIF, orientation ignored", exc_info=True)
+        return 1
+    return value if isinstance(value, int) and value in _ORIENT_TRANSPOSE else 1
+
+
+def _stored(size_hw: tuple[int, int], orientation: int) -> tuple[int, int]:
+    """An upright (H, W) target as (W, H) in the stored orientation, as Pillow sizes go."""
+    h, w = size_hw
+    return (h, w) if orientation in _SWAPS_AXES else (w, h)
+
+
+def _ocr_size(full: tuple[int, int], ocr_max_side: int) -> tuple[int, int]:
+    w, h = full
+    long_side = max(w, h)
+    if long_side <= ocr_max_side:
+        return w, h
+    s = ocr_max_side / long_side
+    return max(1, round(w * s)), max(1, round(h * s))
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    """Any decoded mode to 8-bit RGB; transparency is composited on white (what a viewer shows)."""
+    mode = img.mode
+    if mode == "RGB":
+        return img
+    if mode.startswith("I") or mode == "F":
+        # 16-/32-bit greyscale: Pillow's convert() would clip at 255, not rescale.
+        arr = np.asarray(img).astype(np.float32)
+        if mode.startswith("I;16") or (arr.size and float(arr.max()) > 255.0):
+            arr *= 255.0 / 65535.0
+        grey = Image.fromarray(np.clip(arr + 0.5, 0, 255).astype(np.uint8), "L")
+        return grey.convert("RGB")
+    if mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info:
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    try:
+        return img.convert("RGB")
+    except ValueError as e:  # e.g. LAB without a colour profile
+        raise ServiceError.of("not_an_image", f"unsupported colour mode {mode}") from e
+
+
+def _decode(data: bytes, settings: Settings, target_hw: tuple[int, int] | None,
+            ocr_max_side: int | None) -> _Decoded:
+    """Header checks, then decode, in draft mode when a JPEG's outputs are known to be smaller.
+
+    ``target_hw`` (upright model size) and ``ocr_max_side`` say what the decoded picture must
+    cover; ``target_hw=None`` asks for a full decode. Module-level, and looked up by
+    :func:`~reference_service.preprocess.core.preprocess` as a global of its module
+    (``core._decode``), so tests can inject a slow decoder there.
+    """
+    img = _open(data, settings)
+    fmt = str(img.format)
+    full = img.size
+    orientation = _orientation(img) if fmt in ("JPEG", "MPO") else 1
+    if target_hw is not None and fmt in ("JPEG", "MPO"):
+        need_w, need_h = _stored(target_hw, orientation)
+        if ocr_max_side is not None:
+            ow, oh = _ocr_size(full, ocr_max_side)
+            need_w, need_h = max(need_w, ow), max(need_h, oh)
+        # Pillow picks the largest of 1/8, 1/4, 1/2 that keeps both sides >= the request:
+        # exactly "the smallest DCT scale whose output still covers the target".
+        img.draft("RGB", (max(1, need_w), max(1, need_h)))
+    try:
+        img.load()
+    except (OSError, EOFError) as e:
+        msg = str(e)
+        if isinstance(e, EOFError) or "truncated" in msg or "premature" in msg.lower():
+            raise ServiceError.of("image_truncated", f"image data ends early: {msg}") from e
+        raise ServiceError.of("image_corrupt", f"image data cannot be decoded: {msg}") from e
+    except MemoryError:
+        raise  # not the client's fault: pixel limits are checked; let it surface as a 500
+    except Exception as e:  # any other decoder failure on client bytes is a bad image
+        log.debug("image decode failed", exc_info=True)
+        raise ServiceError.of("image_corrupt", f"image data cannot be decoded: {e}") from e
+    if fmt not in ("JPEG", "MPO"):
+        orientation = _orientation(img)  # PNG/WebP/TIFF may carry EXIF after the header
+    return _Decoded(_to_rgb(img), fmt, full, orientation)

@@ -1,0 +1,113 @@
+"""Header checks of an image: every limit its header can decide, before any pixel is decoded.
+
+:func:`probe` (and :func:`_open`, which the decoder starts from) reads only the header: size in
+bytes, format (a fixed allowlist, so Pillow never hands a stream to Ghostscript or another
+exotic plugin), pixel count (a 50000×50000 PNG is refused here from 33 bytes of IHDR, with no
+allocation), including Pillow's own decompression-bomb check. When Pillow cannot identify the
+bytes, their magic number says whether they are a damaged image (422) or not an image (415).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import struct
+import threading
+import warnings
+
+from PIL import Image, UnidentifiedImageError
+
+from reference_service.errors import ServiceError
+from reference_service.settings import Settings
+
+log = logging.getLogger("reference_service.preprocess")
+
+#: Formats the service decodes. An allowlist, not Pillow's full registry: EPS would run
+#: Ghostscript, and rarely used plugins are where decoder bugs live. (Phone-camera JPEGs with a
+#: preview frame come back as format "MPO" through the JPEG opener; they are JPEGs for us.)
+ALLOWED_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+
+#: Magic numbers of the allowed formats: bytes that *look* like an image but that Pillow cannot
+#: open are a damaged image (422), not "not an image" (415).
+_MAGIC: tuple[tuple[bytes, str], ...] = (
+    (b"\xff\xd8\xff", "JPEG"),
+    (b"\x89PNG\r\n\x1a\n", "PNG"),
+    (b"GIF87a", "GIF"),
+    (b"GIF89a", "GIF"),
+    (b"BM", "BMP"),
+    (b"II*\x00", "TIFF"),
+    (b"MM\x00*", "TIFF"),
+)
+
+# Image.open may warn (DecompressionBombWarning) and we want that as an exception. The warnings
+# filter is process-global and catch_warnings is not thread-safe before Python 3.14, so the few
+# microseconds of header parsing under the filter are serialised.
+_OPEN_LOCK = threading.Lock()
+
+
+def _sniff(data: bytes) -> str | None:
+    for magic, fmt in _MAGIC:
+        if data.startswith(magic):
+            return fmt
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    return None
+
+
+def _check_bytes(data: bytes, settings: Settings) -> None:
+    if not data:
+        raise ServiceError.of("image_empty", "the image is empty (0 bytes)")
+    if len(data) > settings.max_image_bytes:
+        raise ServiceError.of(
+            "image_too_large",
+            f"image is {len(data)} bytes, over the {settings.max_image_bytes}-byte limit")
+
+
+def _open(data: bytes, settings: Settings) -> Image.Image:
+    """Parse the header only and apply every limit that the header can decide."""
+    _check_bytes(data, settings)
+    try:
+        with _OPEN_LOCK, warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ServiceError.of("decompression_bomb", f"refused before decoding: {e}") from e
+    except UnidentifiedImageError as e:
+        fmt = _sniff(data)
+        if (fmt == "PNG" and len(data) >= 24 and data[12:16] == b"IHDR"
+                and 0 in struct.unpack(">II", data[16:24])):
+            # Pillow refuses a 0-pixel PNG as unidentifiable; say what it really is.
+            raise ServiceError.of("image_empty", "PNG header says the image has no pixels") from e
+        if fmt is not None:
+            raise ServiceError.of(
+                "image_corrupt",
+                f"looks like {fmt} but its header cannot be read (truncated or corrupt)") from e
+        raise ServiceError.of(
+            "not_an_image",
+            f"not an image in a supported format ({', '.join(ALLOWED_FORMATS)})") from e
+    except Exception as e:  # any parser failure on client bytes is the client's bad image
+        log.debug("image header parse failed", exc_info=True)
+        if "truncat" in str(e).lower():
+            raise ServiceError.of("image_truncated", f"image header ends early: {e}") from e
+        raise ServiceError.of("image_corrupt", f"image header cannot be parsed: {e}") from e
+    w, h = img.size
+    if w <= 0 or h <= 0:
+        raise ServiceError.of("image_empty", f"image has no pixels ({w}x{h})")
+    if w * h > settings.max_image_pixels:
+        raise ServiceError.of(
+            "decompression_bomb",
+            f"image is {w}x{h} = {w * h} pixels, over the {settings.max_image_pixels}-pixel limit")
+    return img
+
+
+def probe(data: bytes, settings: Settings) -> tuple[str, int, int]:
+    """Format and stored size from the header alone, with byte, format and pixel limits applied.
+
+    Raises :class:`ServiceError`: 400 ``image_empty``, 413 ``image_too_large`` /
+    ``decompression_bomb``, 415 ``not_an_image``, 422 ``image_corrupt``.
+    """
+    img = _open(data, settings)
+    try:
+        return str(img.format), img.size[0], img.size[1]
+    finally:
+        img.close()
