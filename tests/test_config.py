@@ -73,7 +73,7 @@ def test_bad_config_files(tmp_path) -> None:
 def test_parse_listen_forms() -> None:
     assert parse_listen(":9478") == ("0.0.0.0", 9478)
     assert parse_listen("127.0.0.1:0") == ("127.0.0.1", 0)
-    assert parse_listen("[::1]:9478") == ("[::1]", 9478)
+    assert parse_listen("[::1]:9478") == ("::1", 9478)  # the bare address, as bind() takes it
 
 
 def test_every_setting_is_declared_once_and_offered_with_its_environment_name() -> None:

@@ -24,6 +24,7 @@ import yaml
 
 from agent.core.collectors import COLLECTOR_NAMES, DEFAULT_ON
 from agent.core.collectors.base import DerivedThresholds
+from agent.core.files import describe, read_bounded
 from agent.core.units import parse_bytes, parse_duration
 
 #: 9478: clear of dcgm-exporter (9400), node_exporter (9100), the OpenTelemetry Prometheus
@@ -41,6 +42,8 @@ MIN_TOKEN_LENGTH = 16
 #: filesystem is read-only.
 DEFAULT_CAPTURE_DIR = os.path.join(tempfile.gettempdir(), "mrc-agent-captures")
 GPU_BACKENDS = "auto, nvml, replay:PATH, none"
+#: A config file is a few dozen settings; more than this is not a config file.
+MAX_CONFIG_BYTES = 1 << 20
 
 #: Subcommands whose flags a setting appears among.
 RUN, DOCTOR, DIAGNOSE = "run", "doctor", "diagnose"
@@ -146,6 +149,22 @@ def _pids(value: Any, _cfg: Any) -> list[int]:
     return pids
 
 
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def _switch(value: Any, name: object) -> bool:
+    """A collector switch: a YAML boolean, or one of true/false, yes/no, on/off, 1/0."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"collector {name!r}: {value!r} is not true or false")
+
+
 def _unknown_collector(name: object) -> ConfigError:
     return ConfigError(f"unknown collector {name!r} (known: {', '.join(COLLECTOR_NAMES)})")
 
@@ -157,7 +176,7 @@ def _collectors(value: Any, cfg: Any) -> dict[str, bool]:
         for name, on in value.items():
             if name not in COLLECTOR_NAMES:
                 raise _unknown_collector(name)
-            out[name] = bool(on)
+            out[name] = _switch(on, name)
         return out
     for raw in value.split(",") if isinstance(value, str) else list(value):
         item = str(raw).strip()
@@ -354,9 +373,15 @@ def default_of(name: str) -> Any:
 # -- values ------------------------------------------------------------------------------------
 
 def parse_listen(value: str) -> tuple[str, int]:
-    """``HOST:PORT``, ``:PORT`` (all interfaces) or ``[::1]:PORT``."""
+    """``HOST:PORT``, ``:PORT`` (all interfaces) or ``[::1]:PORT`` -> (host, port); an IPv6
+    host comes back without its brackets."""
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+    # ASCII digits only: str.isdigit() also passes "²", which int() refuses.
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"listen address {value!r} is not HOST:PORT")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if "[" in host or "]" in host:
         raise ConfigError(f"listen address {value!r} is not HOST:PORT")
     return (host or "0.0.0.0", int(port))
 
@@ -364,10 +389,9 @@ def parse_listen(value: str) -> tuple[str, int]:
 def read_token_file(path: str) -> str:
     """The webhook token in ``path`` (surrounding whitespace removed), checked."""
     try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read(4096).strip()
+        token = read_bounded(path, 4096, "webhook token file", truncate=True).decode().strip()
     except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        why = describe(exc) if isinstance(exc, OSError) else "not UTF-8 text"
         raise ConfigError(f"cannot read webhook token file {path}: {why}") from exc
     check_token(token, f"webhook token file {path}")
     return token
@@ -399,14 +423,19 @@ def apply(cfg: AgentConfig, values: Mapping[str, Any], origin: str) -> None:
 
 def from_file(path: str) -> dict[str, Any]:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        text = read_bounded(path, MAX_CONFIG_BYTES, "config file").decode("utf-8")
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        raise ConfigError(f"cannot read config file {path}: {describe(exc)}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text") from exc
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"config file {path}{where} is not valid YAML") from exc
+    except RecursionError as exc:
+        raise ConfigError(f"config file {path} is nested too deeply") from exc
     if data is None:
         return {}
     if not isinstance(data, dict):

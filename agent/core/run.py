@@ -66,8 +66,9 @@ def run_agent(cfg: AgentConfig, routes_factory: RoutesFactory | None = None) -> 
     signal.signal(signal.SIGINT, on_signal)
     runner.start()
     server.start()
+    shown = f"[{host}]" if ":" in host else host
     log.info("mrc-agent %s listening on http://%s:%d/metrics (interval %.3gs, collectors %s, "
-             "gpu backend %s)", __version__, host, server.port, cfg.interval,
+             "gpu backend %s)", __version__, shown, server.port, cfg.interval,
              ",".join(cfg.enabled), cfg.gpu_backend)
     while not stop.wait(1.0):
         pass

@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from agent.core.files import describe, read_bounded
 from agent.core.hw.procfs import ProcessGone, ProcFS
 
 log = logging.getLogger(__name__)
@@ -30,15 +31,23 @@ class PidfileError(Exception):
     """The pidfile cannot be read or does not hold a PID."""
 
 
+#: Linux's PID_MAX_LIMIT: no PID is larger.
+PID_MAX = 1 << 22
+#: A pidfile's first line is a PID; more than this is not read.
+PIDFILE_READ_BYTES = 64
+
+
 def read_pidfile(path: str) -> int:
-    """The PID in ``path`` (first line, surrounding whitespace allowed)."""
+    """The PID in ``path`` (first line, surrounding whitespace allowed). Only a regular file is
+    read, without blocking, and only its first bytes."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read(64)
+        data = read_bounded(path, PIDFILE_READ_BYTES, "pidfile", truncate=True)
     except OSError as exc:
-        raise PidfileError(f"cannot read pidfile {path}: {exc.strerror}") from exc
+        raise PidfileError(f"cannot read pidfile {path}: {describe(exc)}") from exc
+    text = data.decode("utf-8", errors="replace")
     first = text.strip().split("\n", 1)[0].strip()
-    if not first.isdigit() or int(first) <= 0:
+    # ASCII digits only: str.isdigit() also passes "²", which int() refuses.
+    if not (first.isascii() and first.isdigit()) or not 0 < int(first) <= PID_MAX:
         raise PidfileError(f"pidfile {path} does not hold a PID (found {first[:20]!r})")
     return int(first)
 

@@ -213,9 +213,10 @@ class ExpositionServer:
             allow_reuse_address = True
             request_queue_size = 128  # 50+ concurrent scrapers must not see refused connects
 
-        if ":" in host and not host.startswith("["):
+        host = host.strip("[]")  # "[::1]" or "::1": an IPv6 address either way
+        if ":" in host:
             Server.address_family = socket.AF_INET6
-        self._httpd = Server((host.strip("[]"), port), Handler)
+        self._httpd = Server((host, port), Handler)
         self._thread: threading.Thread | None = None
 
     @property

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
+from agent.core.files import describe, read_bounded
 from agent.core.hw.base import (
     DeviceSample,
     GpmSample,
@@ -62,6 +63,16 @@ TRACE_FIELDS: dict[str, tuple[str, str, str]] = {
 _MAX_UTIL_POINTS = 10_000
 
 
+#: A trace is read whole and kept parsed in memory: 16 MiB is about 50,000 lines (8 GPUs at
+#: 10 Hz for 10 minutes) and some 50 MB parsed, within the sidecar's memory limit. Longer
+#: recordings are cut before they are replayed.
+MAX_TRACE_BYTES = 16 << 20
+#: GPU indices a trace may use (NVML counts a node's GPUs in the tens).
+MAX_GPUS = 1024
+#: Longest ``uuid``/``name``: NVML's are 40-odd and 96 characters.
+MAX_LABEL_CHARS = 256
+
+
 class ReplayFormatError(ValueError):
     """The trace is malformed; the message names the file, the line and the reason."""
 
@@ -76,17 +87,21 @@ class _GpuTrace:
 
 
 def _number(value: Any) -> TypeGuard[float]:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
 
 
 def load_trace(path: str) -> dict[int, _GpuTrace]:
     """Parse and validate a trace; raises ReplayFormatError with ``path:line: reason``."""
     gpus: dict[int, _GpuTrace] = {}
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
+        lines = read_bounded(path, MAX_TRACE_BYTES, "replay trace").decode("utf-8").splitlines()
     except OSError as exc:
-        raise ReplayFormatError(f"{path}: cannot read replay trace: {exc.strerror}") from exc
+        raise ReplayFormatError(f"{path}: cannot read replay trace: {describe(exc)}") from exc
     except UnicodeDecodeError as exc:
         raise ReplayFormatError(f"{path}: not UTF-8 text ({exc.reason})") from exc
     for lineno, line in enumerate(lines, 1):
@@ -97,17 +112,24 @@ def load_trace(path: str) -> dict[int, _GpuTrace]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ReplayFormatError(f"{where}: not valid JSON ({exc.msg})") from exc
+        except RecursionError as exc:
+            raise ReplayFormatError(f"{where}: nested too deeply") from exc
+        except ValueError as exc:  # an integer literal longer than Python converts
+            raise ReplayFormatError(f"{where}: not valid JSON ({exc})") from exc
         if not isinstance(obj, dict):
             raise ReplayFormatError(f"{where}: expected a JSON object")
         t, gpu = obj.get("t"), obj.get("gpu")
         if not _number(t) or t < 0:
             raise ReplayFormatError(f"{where}: 't' must be a number >= 0")
-        if not isinstance(gpu, int) or isinstance(gpu, bool) or gpu < 0:
-            raise ReplayFormatError(f"{where}: 'gpu' must be an integer >= 0")
+        if not isinstance(gpu, int) or isinstance(gpu, bool) or not 0 <= gpu < MAX_GPUS:
+            raise ReplayFormatError(f"{where}: 'gpu' must be an integer 0-{MAX_GPUS - 1}")
         uuid = obj.get("uuid", f"GPU-replay-{gpu}")
         name = obj.get("name", "replay")
         if not isinstance(uuid, str) or not isinstance(name, str):
             raise ReplayFormatError(f"{where}: 'uuid' and 'name' must be strings")
+        if len(uuid) > MAX_LABEL_CHARS or len(name) > MAX_LABEL_CHARS:
+            raise ReplayFormatError(f"{where}: 'uuid' and 'name' must be at most "
+                                    f"{MAX_LABEL_CHARS} characters (they become labels)")
         trace = gpus.get(gpu)
         if trace is None:
             trace = gpus[gpu] = _GpuTrace(GPUIdentity(gpu, uuid, name))

@@ -114,7 +114,9 @@ class CaptureAPI:
                 if pid is None:
                     row["outcome"] = "ignored: no pid label and the agent has no target"
                     continue
-            elif not raw.isdigit() or int(raw) not in watched:
+            # ASCII digits of a plausible length: "²" passes isdigit() and int() refuses it.
+            elif not (raw.isascii() and raw.isdigit() and len(raw) <= 7) or (
+                    int(raw) not in watched):
                 row["outcome"] = f"ignored: pid {raw[:16]!r} is not a target of this agent"
                 continue
             else:

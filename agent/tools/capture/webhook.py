@@ -101,6 +101,8 @@ def parse_webhook(body: bytes) -> list[Alert]:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise WebhookError(f"not JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise WebhookError("the payload is nested too deeply") from exc
     if not isinstance(data, dict):
         raise WebhookError("the payload must be a JSON object")
     if data.get("version") != "4":

@@ -170,6 +170,12 @@ def run_diagnose_command(args: Any) -> int:
     cfg = config_from_args(args, pids=[args.pid], interval=args.interval)
     check_pid(args.pid)
     out = args.out or f"mrc-diagnose-{args.pid}-{time.strftime('%Y%m%dT%H%M%S')}"
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"--out {out!r} exists and is not a directory")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {out!r}: {exc.strerror or exc}") from exc
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

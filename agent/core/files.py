@@ -1,0 +1,48 @@
+"""Reading the files the agent is pointed at — pidfile, token file, config file, replay trace —
+without trusting them: only regular files, opened without blocking (a FIFO or a device cannot
+hang the sampler or the start-up), and never more than a stated number of bytes (``/dev/zero``
+or a runaway file cannot fill memory).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+
+class FileRefused(OSError):
+    """The path is not a regular file, or holds more than the reader accepts."""
+
+
+def read_bounded(path: str, max_bytes: int, what: str, *, truncate: bool = False) -> bytes:
+    """At most ``max_bytes`` of the regular file ``path``. Larger files raise
+    :class:`FileRefused` (``truncate``: their first ``max_bytes`` are returned instead).
+    Other errors (missing file, no permission) raise the usual :class:`OSError`."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileRefused(f"{what} {path} is not a regular file")
+        if st.st_size > max_bytes and not truncate:
+            raise FileRefused(f"{what} {path} is {st.st_size} bytes; at most {max_bytes} are read")
+        chunks: list[bytes] = []
+        left = max_bytes + (0 if truncate else 1)  # one more byte tells a file that grew
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:
+        raise FileRefused(f"{what} {path} holds more than {max_bytes} bytes")
+    return data
+
+
+def describe(exc: OSError) -> str:
+    """The reason to print for ``exc``: FileRefused says it all, others their strerror."""
+    if isinstance(exc, FileRefused):
+        return str(exc)
+    return exc.strerror or str(exc)

@@ -1,0 +1,279 @@
+"""The agent's hostile-input corpus: files, flags and payloads an attacker or an accident can
+hand it. Each gets one clear line and exit code 2 (or a 4xx), never a traceback, a hang or a
+500 — and the agent keeps sampling.
+
+Files are read only when regular, without blocking and up to a bound (``agent/core/files.py``),
+so FIFOs and devices are refused at once; every case runs under a timeout that a blocking read
+would exceed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agent.cli import main as cli_main
+from agent.core.config import ConfigError, load, parse_listen
+from agent.core.files import FileRefused, read_bounded
+from agent.core.hw.replay import MAX_TRACE_BYTES, ReplayFormatError, load_trace
+from agent.core.runner import Runner
+from agent.core.targets import PidfileError, TargetResolver, read_pidfile
+from agent.tools.capture.api import CaptureAPI
+from agent.tools.capture.manager import CaptureManager
+from agent.tools.capture.store import CaptureStore
+from agent.tools.capture.webhook import Token, WebhookError, parse_webhook
+from exporters.exposition.http import Request
+
+TOKEN = "s3cret-token-0123456789abcdef"
+
+
+def _in_time(fn, seconds: float = 5.0):
+    """``fn()``'s result, failing (instead of hanging the suite) when it blocks."""
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"blocked for more than {seconds} s"
+    if "error" in out:
+        raise out["error"]  # type: ignore[misc]
+    return out.get("value")
+
+
+@pytest.fixture
+def fifo(tmp_path: Path) -> Path:
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+    return path
+
+
+# -- the bounded reader -------------------------------------------------------------------------
+
+
+def test_reader_refuses_fifos_devices_and_oversized_files(tmp_path: Path, fifo: Path) -> None:
+    with pytest.raises(FileRefused, match="not a regular file"):
+        _in_time(lambda: read_bounded(str(fifo), 100, "thing"))
+    with pytest.raises(FileRefused, match="not a regular file"):
+        _in_time(lambda: read_bounded("/dev/zero", 100, "thing"))
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 101)
+    with pytest.raises(FileRefused, match="101 bytes; at most 100"):
+        read_bounded(str(big), 100, "thing")
+    assert read_bounded(str(big), 10, "thing", truncate=True) == b"x" * 10
+    with pytest.raises(FileNotFoundError):
+        read_bounded(str(tmp_path / "missing"), 100, "thing")
+
+
+# -- pidfile ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content", ["²\n", "⁵", "12x", "0", "-4", "99999999999", "", "٣"])
+def test_pidfile_without_a_pid_is_one_clear_error(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "pid"
+    path.write_text(content)
+    with pytest.raises(PidfileError, match="does not hold a PID"):
+        read_pidfile(str(path))
+
+
+def test_pidfile_that_is_a_fifo_or_a_device_never_blocks(fifo: Path) -> None:
+    for path in (str(fifo), "/dev/zero"):
+        with pytest.raises(PidfileError, match="not a regular file"):
+            _in_time(lambda p=path: read_pidfile(p))  # type: ignore[misc]
+
+
+def test_pidfile_turned_hostile_costs_the_target_not_the_pass(tmp_path: Path) -> None:
+    path = tmp_path / "pid"
+    path.write_text(f"{os.getpid()}\n")
+    resolver = TargetResolver(pidfile=str(path))
+    assert [t.pid for t in resolver.resolve()] == [os.getpid()]
+    path.write_text("²")
+    assert resolver.resolve() == []
+    path.unlink()
+    os.mkfifo(path)
+    assert _in_time(resolver.resolve) == []
+    runner = Runner([], resolver, 1.0)
+    snap = _in_time(runner.sample_once)
+    assert snap is not None and snap.seq == 1  # the pass completed
+
+
+# -- flags and the config file ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:²", "127.0.0.1:⁵", ":٩٠", "[::1:80", "x]:1",
+                                    "127.0.0.1:65536", "127.0.0.1"])
+def test_bad_listen_addresses(listen: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["run", "--listen", listen, "--gpu-backend", "none"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not HOST:PORT" in err
+
+
+def test_ipv6_listen_address_as_documented() -> None:
+    assert parse_listen("[::1]:9478") == ("::1", 9478)
+    from agent.core.config import AgentConfig
+    from agent.core.hw.sources import Sources
+    from agent.core.wiring import build_runner, build_server
+
+    cfg = AgentConfig(listen="[::1]:0", gpu_backend="none")
+    runner = build_runner(cfg, Sources())
+    runner.sample_once()
+    server = build_server(cfg, runner)
+    server.start()
+    try:
+        r = httpx.get(f"http://[::1]:{server.port}/metrics", timeout=5)
+        assert r.status_code == 200 and "mrc_agent_samples_total 1.0" in r.text
+        assert server._httpd.socket.family == socket.AF_INET6
+    finally:
+        server.stop()
+
+
+def _config(tmp_path: Path, data: bytes) -> str:
+    path = tmp_path / "agent.yaml"
+    path.write_bytes(data)
+    return str(path)
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    (b"interval: 1\nlisten: \xff\xfe\n", "is not UTF-8 text"),
+    (b"[" * 100_000, "nested too deeply"),
+    (b"interval: [1\n", "is not valid YAML"),
+    (b"collectors: {gpu: maybe}\n", "'maybe' is not true or false"),
+    (b"pids: true\n", "invalid value True for pids"),
+    (b"interval: true\n", "invalid value True for interval"),
+    (b"capture_max_count: 5.5\n", "invalid value 5.5 for capture_max_count"),
+    (b"x" * ((1 << 20) + 1), "at most 1048576 are read"),
+])
+def test_bad_config_files_are_one_line(tmp_path: Path, data: bytes, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load({}, env={}, config_path=_config(tmp_path, data))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_config_file_that_is_a_fifo_or_a_device(fifo: Path) -> None:
+    for path in (str(fifo), "/dev/zero"):
+        with pytest.raises(ConfigError, match="not a regular file"):
+            _in_time(lambda p=path: load({}, env={}, config_path=p))  # type: ignore[misc]
+
+
+def test_collector_switches_read_as_booleans(tmp_path: Path) -> None:
+    cfg = load({}, env={}, config_path=_config(
+        tmp_path, b'collectors: {gpu: "false", gpm: "off", profiling: "yes", derived: 0}\n'))
+    assert cfg.enabled == ["process", "profiling"]
+
+
+def test_token_file_that_is_a_fifo(fifo: Path) -> None:
+    from agent.core.config import read_token_file
+
+    with pytest.raises(ConfigError, match="not a regular file"):
+        _in_time(lambda: read_token_file(str(fifo)))
+
+
+def test_cli_exits_2_on_hostile_files(tmp_path: Path, fifo: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    bad = _config(tmp_path, b"\xff\xfe")
+    for argv in (["run", "--config", bad], ["run", "--config", str(fifo)],
+                 ["run", "--pidfile", str(fifo)], ["run", "--gpu-backend", f"replay:{fifo}"],
+                 ["run", "--gpu-backend", "replay:/dev/zero"],
+                 ["doctor", "--config", bad]):
+        assert _in_time(lambda a=argv: cli_main(a)) == 2, argv  # type: ignore[misc]
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, (argv, err)
+
+
+def test_diagnose_out_on_an_existing_file(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    taken = tmp_path / "report"
+    taken.write_text("mine")
+    assert cli_main(["diagnose", "--pid", str(os.getpid()), "--out", str(taken),
+                     "--gpu-backend", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "exists and is not a directory" in err and err.count("\n") == 1
+    assert taken.read_text() == "mine"
+
+
+# -- replay traces ------------------------------------------------------------------------------
+
+
+def _trace(tmp_path: Path, lines: list[str]) -> str:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+GOOD = '{"t": 0, "gpu": 0, "gpu_util": 0.5}'
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ('{"t": 0, "gpu": 0, "gpu_util": 1' + "0" * 400 + "}", "'gpu_util' must be a number"),
+    ('{"t": 1' + "0" * 400 + ', "gpu": 0}', "'t' must be a number"),
+    ('{"t": 0, "gpu": 1' + "0" * 5000 + "}", "not valid JSON"),
+    ('{"t": 0, "gpu": 0, "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+    ('{"t": 0, "gpu": 1' + "0" * 400 + "}", "'gpu' must be an integer 0-1023"),
+    ('{"t": 0, "gpu": 0, "uuid": "' + "U" * 300 + '"}', "at most 256 characters"),
+    ('{"t": 0, "gpu": true}', "'gpu' must be an integer"),
+])
+def test_hostile_trace_lines_name_the_line(tmp_path: Path, line: str, message: str) -> None:
+    path = _trace(tmp_path, [GOOD, line])
+    with pytest.raises(ReplayFormatError) as err:
+        load_trace(path)
+    assert f"{path}:2: " in str(err.value) and message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_trace_larger_than_the_bound_is_refused_before_reading(tmp_path: Path) -> None:
+    path = tmp_path / "huge.jsonl"
+    with open(path, "wb") as f:  # sparse: costs no disk
+        f.truncate(MAX_TRACE_BYTES + 1)
+    with pytest.raises(ReplayFormatError, match="at most 16777216 are read"):
+        _in_time(lambda: load_trace(str(path)), 2.0)
+
+
+# -- webhook payloads ---------------------------------------------------------------------------
+
+
+def test_deeply_nested_webhook_is_a_client_error() -> None:
+    with pytest.raises(WebhookError, match="nested too deeply"):
+        parse_webhook(b"[" * 100_000 + b"]" * 100_000)
+
+
+@pytest.fixture
+def api(tmp_path: Path) -> CaptureAPI:
+    from agent.core.config import AgentConfig
+
+    cfg = AgentConfig(pids=[os.getpid()], gpu_backend="none", webhook_token=TOKEN)
+    store = CaptureStore(str(tmp_path / "captures"), 10, 1 << 20, 3600)
+    manager = CaptureManager(cfg, store, Runner([], TargetResolver([os.getpid()]), 1.0))
+    return CaptureAPI(manager, Token(value=TOKEN), hostname="pod-a")
+
+
+def _post(api: CaptureAPI, body: bytes) -> tuple[int, dict[str, object]]:
+    resp = api.handle(Request("POST", "/hooks/alertmanager",
+                              {"authorization": f"Bearer {TOKEN}"}, body))
+    assert resp is not None
+    return resp.status, json.loads(resp.body)
+
+
+@pytest.mark.parametrize("pid", ["²", "⁵", "1" + "0" * 5000, "-1", "0x10", " 7", "٣"])
+def test_webhook_with_odd_pid_labels_ignores_them(api: CaptureAPI, pid: str) -> None:
+    payload = {"version": "4", "status": "firing", "alerts": [
+        {"status": "firing", "labels": {"alertname": "MRCGPUStarved", "pid": pid}}]}
+    status, body = _post(api, json.dumps(payload).encode())
+    assert status == 200, body
+    assert "is not a target of this agent" in json.dumps(body)
+    assert api.manager is not None and api.manager.running is None
+
+
+def test_webhook_nested_deeply_gets_400(api: CaptureAPI) -> None:
+    status, body = _post(api, b"[" * 100_000 + b"]" * 100_000)
+    assert status == 400 and "nested too deeply" in json.dumps(body)
