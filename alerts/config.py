@@ -48,6 +48,14 @@ class Thresholds:
     chain_break_for: str = "15m"
     #: How long an agent, collector or target may be missing before anyone is told.
     absent_for: str = "5m"
+    #: An agent that still answers but whose snapshot stopped moving (a wedged collector, a
+    #: failing pass) is as blind as one that is down, and looks healthy: the golden-triangle
+    #: alerts cannot fire for its pod (MRCAgentSamplingStale). Five sampling intervals, and
+    #: never under a minute, because a 15 s scrape plus rule evaluation can make a fresh
+    #: sample look 30 s old.
+    stale_intervals: float = 5.0
+    stale_min_seconds: float = 60.0
+    stale_for: str = "1m"
 
     # --- Windows (added with the alert rules; see alerts/README.md "Windows") -----------------
     #: rate() window of the GPU counters (NVLink bytes, SM instructions, DRAM bytes) and the

@@ -408,6 +408,13 @@ class RuleQueries:
     def targets_absent_expr(self) -> str:
         return f"{self.m('mrc_agent_targets')} == 0"
 
+    def sampling_stale_expr(self) -> str:
+        """Seconds since the served snapshot was taken, above a few of the agent's own
+        intervals (and a floor for scrape and evaluation lag)."""
+        return (f"time() - {self.m('mrc_agent_last_sample_timestamp_seconds')}\n"
+                f"> clamp_min({num(self._t.stale_intervals)} * "
+                f"{self.m('mrc_agent_interval_seconds')}, {num(self._t.stale_min_seconds)})")
+
 
 def duration_seconds(value: str) -> float:
     """Seconds in a Prometheus duration (``1h30m`` → 5400)."""

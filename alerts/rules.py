@@ -220,6 +220,15 @@ def agent_health(cfg: Config) -> Group:
             "source is available on the host.",
         ),
         alert(
+            cfg, "MRCAgentSamplingStale", q.sampling_stale_expr(), t.stale_for, PAGE,
+            "An mrc-agent serves a snapshot that stopped updating.",
+            "The mrc-agent at {{ $labels.instance }} serves a snapshot taken "
+            "{{ printf \"%.0f\" $value }} s ago, more than "
+            f"{num(t.stale_intervals)} sampling intervals: its /metrics answers but the "
+            "golden-triangle series are frozen, so no golden-triangle alert can fire for its "
+            "pod. Its /readyz says which collector is stuck or why the pass fails.",
+        ),
+        alert(
             cfg, "MRCAgentTargetAbsent", q.targets_absent_expr(), t.absent_for, TICKET,
             "An mrc-agent watches no target process.",
             "The mrc-agent at {{ $labels.instance }} has watched {{ $value | humanize }} target "

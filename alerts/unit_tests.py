@@ -320,6 +320,22 @@ CASES: dict[str, AlertTest] = {
             s("mrc_agent_collector_available", AGENT, collector="process"): "1x30",
         }, [At("11m", []), At("25m", [])]),
     ]),
+    "MRCAgentSamplingStale": AlertTest("1m", [
+        # The snapshot's timestamp is Unix time (promtool's clock starts at 0): moving with
+        # the clock is fresh; frozen at 300 from 5 minutes on is a wedged agent.
+        Scenario("the snapshot stops moving at 5 minutes (1 s sampling)", "1m", {
+            s("mrc_agent_last_sample_timestamp_seconds", AGENT): "0+60x5 300x30",
+            s("mrc_agent_interval_seconds", AGENT): "1x36",
+        }, [At("7m", []), At("8m", [Fire(AGENT, 180)])]),
+        Scenario("fresh, 45 s behind (scrape and evaluation lag) at 1 s sampling", "1m", {
+            s("mrc_agent_last_sample_timestamp_seconds", AGENT): "-45+60x30",
+            s("mrc_agent_interval_seconds", AGENT): "1x30",
+        }, [At("10m", []), At("25m", [])]),
+        Scenario("100 s old at 30 s sampling: under five intervals", "1m", {
+            s("mrc_agent_last_sample_timestamp_seconds", AGENT): "-100+60x30",
+            s("mrc_agent_interval_seconds", AGENT): "30x30",
+        }, [At("10m", []), At("25m", [])]),
+    ]),
     "MRCAgentTargetAbsent": AlertTest("1m", [
         Scenario("the target process goes away at 6 minutes", "1m", {
             s("mrc_agent_targets", AGENT): "1x5 0x30",

@@ -527,13 +527,15 @@ def test_service_probes_hit_its_routes() -> None:
 
 def test_agent_probes_answer_on_the_real_agent(tmp_path: Path) -> None:
     """The agent started with the container's own arguments (loopback port, a temporary
-    capture directory): every probe path answers 200 once it has sampled."""
+    capture directory): every probe path answers 200 once it has sampled. It has no readiness
+    probe: its /readyz turns 503 when sampling stalls, which must not unready the pod."""
     c = _container(VARIANTS["base"], AGENT)
     args = [a for a in c["args"] if not a.startswith(("--listen=", "--capture-dir="))]
     assert len(args) == len(c["args"]) - 2
     agent = AgentProcess(*args, f"--capture-dir={tmp_path / 'captures'}")
     try:
-        probes = {k: c[k]["httpGet"] for k in ("livenessProbe", "readinessProbe")}
+        assert "readinessProbe" not in c
+        probes = {k: c[k]["httpGet"] for k in ("livenessProbe", "startupProbe")}
         assert {p["path"] for p in probes.values()} == {"/healthz", "/readyz"}
         assert {p["port"] for p in probes.values()} == {"agent-metrics"}
         deadline = time.monotonic() + 10

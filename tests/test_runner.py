@@ -10,7 +10,7 @@ from agent.core.collectors import PASS_FINISHERS
 from agent.core.collectors.base import SampleContext
 from agent.core.hw.base import HardwareError, SourceUnavailable
 from agent.core.runner import INTERVAL, SAMPLES, Runner
-from agent.core.sample import Sample, first
+from agent.core.sample import Sample, Snapshot, first
 from agent.core.targets import TargetResolver
 
 
@@ -93,3 +93,128 @@ def test_collectors_register_in_an_order_that_honours_what_they_read() -> None:
         assert c.metrics and all(spec.collector == c.name for spec in c.metrics), c.name
         assert set(c.metrics) <= set(CATALOG)
     assert len({spec.name for spec in CATALOG}) == len(CATALOG)
+
+
+class ManualClock:
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Stalling:
+    """A gpu collector that, when told to, stays in update() for ``seconds`` of the runner's
+    clock and lets a scrape look at the runner meanwhile."""
+
+    name = "gpu"
+
+    def __init__(self, clock: ManualClock) -> None:
+        self.clock = clock
+        self.stall = 0.0
+        self.runner: Runner | None = None
+        self.seen: list[tuple[object, str | None, int]] = []
+
+    def update(self, ctx: SampleContext) -> list[Sample]:
+        if self.stall and self.runner is not None:
+            self.clock.t += self.stall
+            r = self.runner
+            self.seen.append((r.latest(), r.not_ready_reason(), r.version()))
+        return [("mrc_gpu_power_watts", ("0", "GPU-a", "H"), 1.0)]
+
+
+def test_a_stuck_collector_shows_as_failed_and_not_ready_while_it_is_stuck() -> None:
+    clock = ManualClock()
+    stalling = Stalling(clock)
+    runner = Runner([stalling], TargetResolver(), interval=1.0, clock=clock)
+    stalling.runner = runner
+    first = runner.sample_once()
+    assert runner.not_ready_reason() is None
+    assert _health(first, "mrc_agent_collector_success") == {"gpu": 1.0}
+    stalling.stall = 2.5  # more than two intervals inside one update()
+    runner.sample_once()
+    (snap, reason, version), = stalling.seen
+    assert isinstance(snap, Snapshot)
+    assert _health(snap, "mrc_agent_collector_success") == {"gpu": 0.0}
+    assert snap.timestamp == first.timestamp  # the data is the old pass's: not passed off as new
+    assert version > first.seq  # a new version, so cached renders are not reused
+    assert reason is not None and "collector gpu has run for 2.5 s" in reason
+    # The pass finished: current again.
+    assert runner.not_ready_reason() is None
+    assert _health(runner.latest(), "mrc_agent_collector_success") == {"gpu": 1.0}
+
+
+def test_a_short_hiccup_is_not_a_stall() -> None:
+    clock = ManualClock()
+    stalling = Stalling(clock)
+    runner = Runner([stalling], TargetResolver(), interval=1.0, clock=clock)
+    stalling.runner = runner
+    runner.sample_once()
+    stalling.stall = 1.5  # late, but within two intervals
+    runner.sample_once()
+    (snap, reason, _), = stalling.seen
+    assert reason is None and _health(snap, "mrc_agent_collector_success") == {"gpu": 1.0}
+
+
+def test_no_completed_pass_within_two_intervals_is_not_ready() -> None:
+    clock = ManualClock()
+    runner = Runner([Scripted("gpu", [1.0])], TargetResolver(), interval=1.0, clock=clock)
+    assert runner.not_ready_reason() == "no sample taken yet"
+    runner.sample_once()
+    clock.t += 2.0
+    assert runner.not_ready_reason() is None
+    clock.t += 0.5
+    reason = runner.not_ready_reason()
+    assert reason is not None and "no sampling pass completed for 2.5 s" in reason
+
+
+class BreaksAfterOnePass(TargetResolver):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def resolve(self):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        if self.calls > 1:
+            raise OSError("the /proc mount went away")
+        return []
+
+
+def test_a_failing_pass_turns_not_ready_and_is_logged_once(caplog) -> None:
+    resolver = BreaksAfterOnePass()
+    runner = Runner([Scripted("gpu", [1.0])], resolver, interval=0.05)
+    with caplog.at_level(logging.ERROR, logger="agent.core.runner"):
+        runner.start()
+        try:
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and resolver.calls < 6:
+                time.sleep(0.02)
+        finally:
+            runner.stop()
+    assert resolver.calls >= 6
+    reason = runner.not_ready_reason()
+    assert reason is not None and "failed: OSError: the /proc mount went away" in reason
+    assert sum("sampling pass failed" in r.message for r in caplog.records) == 1
+
+
+def test_readyz_says_why_it_is_not_ready() -> None:
+    import httpx
+
+    from agent.core.config import AgentConfig
+    from agent.core.wiring import build_server
+
+    clock = ManualClock()
+    runner = Runner([Scripted("gpu", [1.0])], TargetResolver(), interval=1.0, clock=clock)
+    server = build_server(AgentConfig(listen="127.0.0.1:0"), runner)
+    server.start()
+    try:
+        url = f"http://127.0.0.1:{server.port}/readyz"
+        first = httpx.get(url, timeout=5)
+        assert first.status_code == 503 and "no sample taken yet" in first.text
+        runner.sample_once()
+        assert httpx.get(url, timeout=5).status_code == 200
+        clock.t += 10
+        stale = httpx.get(url, timeout=5)
+        assert stale.status_code == 503 and "no sampling pass completed for 10.0 s" in stale.text
+    finally:
+        server.stop()

@@ -24,6 +24,10 @@ from agent.core.targets import TargetResolver
 
 log = logging.getLogger(__name__)
 
+#: A pass that has not completed this many intervals after the last one makes the agent
+#: not ready (``/readyz`` 503) and, while a collector is stuck, reports that collector failed.
+STALE_INTERVALS = 2.0
+
 #: The runner's own metrics: health of each collector and of the sampling loop.
 AGENT = "agent"
 BUILD_INFO = info(AGENT, "mrc_agent_build_info", (),
@@ -77,13 +81,58 @@ class Runner:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()
+        # Staleness: the collector being updated now and since when, when the last pass
+        # completed, and why the last pass failed ("" when it completed).
+        self._running: tuple[str, float] | None = None
+        self._last_end: float | None = None
+        self._failed = ""
+        self._stall_lock = threading.Lock()
+        self._stalled: tuple[int, str, Snapshot] | None = None  # (from seq, collector, copy)
 
     # -- snapshot -----------------------------------------------------------------------------
     def latest(self) -> Snapshot:
-        return self._snapshot
+        """The snapshot to serve: the last pass's, or — while a collector has been stuck for
+        more than :data:`STALE_INTERVALS` intervals — a copy of it whose success series says
+        that collector failed, so a scrape never shows stale data as healthy."""
+        snap = self._snapshot
+        stuck = self._stuck()
+        if stuck is None:
+            return snap
+        name = stuck[0]
+        with self._stall_lock:
+            if self._stalled is None or self._stalled[:2] != (snap.seq, name):
+                self._seq += 1
+                samples = tuple(
+                    (n, labels, 0.0) if n == COLLECTOR_SUCCESS.name and labels == (name,)
+                    else (n, labels, v) for n, labels, v in snap.samples)
+                self._stalled = (snap.seq, name, Snapshot(self._seq, snap.timestamp, samples))
+            return self._stalled[2]
 
     def version(self) -> int:
-        return self._snapshot.seq
+        return self.latest().seq
+
+    # -- staleness ----------------------------------------------------------------------------
+    def _stuck(self) -> tuple[str, float] | None:
+        """(collector, seconds it has run) when the pass in progress is stuck in it."""
+        running = self._running
+        if running is None:
+            return None
+        seconds = self._clock() - running[1]
+        return (running[0], seconds) if seconds > STALE_INTERVALS * self.interval else None
+
+    def not_ready_reason(self) -> str | None:
+        """None while sampling is current; else why ``/readyz`` answers 503: no pass yet, the
+        last pass failed, or none completed within :data:`STALE_INTERVALS` intervals."""
+        if not self.ready.is_set() or self._last_end is None:
+            return "no sample taken yet"
+        if self._failed:
+            return f"the last sampling pass failed: {self._failed}"
+        age = self._clock() - self._last_end
+        if age > STALE_INTERVALS * self.interval:
+            stuck = self._stuck()
+            where = f" (collector {stuck[0]} has run for {stuck[1]:.1f} s)" if stuck else ""
+            return f"no sampling pass completed for {age:.1f} s{where}"
+        return None
 
     # -- one pass -----------------------------------------------------------------------------
     def sample_once(self) -> Snapshot:
@@ -94,6 +143,7 @@ class Runner:
         health: list[Sample] = []
         for collector in self.collectors:
             t0 = time.perf_counter()
+            self._running = (collector.name, self._clock())
             success, available = 1.0, 1.0
             try:
                 samples.extend(collector.update(ctx))
@@ -110,11 +160,14 @@ class Runner:
             health.append((COLLECTOR_SUCCESS.name, name, success))
             health.append((COLLECTOR_AVAILABLE.name, name, available))
             health.append((COLLECTOR_DURATION.name, name, time.perf_counter() - t0))
+        self._running = None
         finished: list[Sample] = []
         for finish in self._finishers:
             finished.extend(finish(ctx))
         self._samples_total += 1
-        self._seq += 1
+        with self._stall_lock:  # scrapes number stalled copies from the same sequence
+            self._seq += 1
+            seq = self._seq
         agent: list[Sample] = [
             (BUILD_INFO.name, (), {"version": __version__, "python": platform.python_version()}),
             (SAMPLES.name, (), float(self._samples_total)),
@@ -124,9 +177,11 @@ class Runner:
             (INTERVAL.name, (), self.interval),
             (TARGETS.name, (), float(len(ctx.processes))),
         ]
-        snap = Snapshot(seq=self._seq, timestamp=ctx.wall,
+        snap = Snapshot(seq=seq, timestamp=ctx.wall,
                         samples=tuple(agent + finished + health + samples))
         self._snapshot = snap
+        self._last_end = self._clock()
+        self._failed = ""
         self.ready.set()
         return snap
 
@@ -149,8 +204,12 @@ class Runner:
         while not self._stop.is_set():
             try:
                 self.sample_once()
-            except Exception:  # keep sampling whatever happens; the error is in the log
-                log.exception("sampling pass failed")
+            except Exception as exc:  # keep sampling whatever happens; /readyz says so
+                self._running = None
+                why = f"{type(exc).__name__}: {exc}"
+                if why != self._failed:  # once per distinct failure, not once per pass
+                    log.exception("sampling pass failed")
+                self._failed = why
             next_tick += self.interval
             now = self._clock()
             if now > next_tick:

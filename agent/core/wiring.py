@@ -93,4 +93,4 @@ def build_server(cfg: AgentConfig, runner: Runner,
     (the on-alert capture endpoints). Binds now: "address in use" raises OSError here."""
     host, port = cfg.host_port
     return ExpositionServer(build_registry(runner), host, port, runner.version,
-                            runner.ready.is_set, routes=routes)
+                            runner.not_ready_reason, routes=routes)

@@ -1,6 +1,6 @@
 """HTTP exposition server: ``/metrics`` (Prometheus text or OpenMetrics, gzip when asked),
-``/healthz`` (live) and ``/readyz`` (first sample taken), plus optional extra :class:`Routes`
-(the agent's Alertmanager webhook and captures).
+``/healthz`` (live) and ``/readyz`` (sampling current; 503 with the reason otherwise), plus
+optional extra :class:`Routes` (the agent's Alertmanager webhook and captures).
 
 The rendered body is cached per snapshot version and format, so fifty scrapers of the same
 snapshot cost one render; a scrape never touches hardware. The socket is bound in the
@@ -102,7 +102,7 @@ class ExpositionServer:
         host: str,
         port: int,
         version: Callable[[], int],
-        ready: Callable[[], bool],
+        not_ready: Callable[[], str | None],
         routes: Routes | None = None,
     ) -> None:
         cache = _RenderCache(registry, version)
@@ -137,10 +137,12 @@ class ExpositionServer:
                 elif path == "/healthz":
                     self._send(200, b"ok\n", "text/plain; charset=utf-8")
                 elif path == "/readyz":
-                    if ready():
+                    reason = not_ready()
+                    if reason is None:
                         self._send(200, b"ready\n", "text/plain; charset=utf-8")
                     else:
-                        self._send(503, b"no sample taken yet\n", "text/plain; charset=utf-8")
+                        self._send(503, f"not ready: {reason}\n".encode(),
+                                   "text/plain; charset=utf-8")
                 elif path == "/":
                     self._send(200, _INDEX, "text/html; charset=utf-8")
                 elif not self._route(path, b""):
