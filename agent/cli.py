@@ -152,8 +152,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     _setup_logging(cfg.log_level)
-    # The capture endpoints answer 404 unless a webhook token is configured.
-    return run_agent(cfg, routes_factory=build_capture_api)
+    # The capture endpoints answer 404 unless a webhook token is configured. SIGHUP reads the
+    # file and the environment again; the flags given stay as given.
+    return run_agent(cfg, routes_factory=build_capture_api,
+                     reload=lambda: config_from_args(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

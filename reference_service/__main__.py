@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -95,6 +96,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m reference_ser
         return 0
     from reference_service.main import create_app
 
+    # SIGHUP (a closed terminal, a supervisor's reload) would kill the process on the spot:
+    # make it uvicorn's clean stop instead, which finishes the requests in flight and runs the
+    # shutdown handlers. (With --workers, uvicorn's supervisor restarts the workers on SIGHUP.)
+    signal.signal(signal.SIGHUP, lambda _sig, _frame: signal.raise_signal(signal.SIGTERM))
     uvicorn.run(create_app(settings), host=args.host, port=args.port,
                 log_level=args.log_level, access_log=False)
     return 0

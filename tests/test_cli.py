@@ -140,3 +140,32 @@ def test_catalog_command_prints_every_metric() -> None:
     r = _mrc("catalog")
     assert r.returncode == 0
     assert "`mrc_process_cpu_user_ratio`" in r.stdout and "`mrc_gpu_starved`" in r.stdout
+
+
+def test_sighup_rereads_the_config_file_and_keeps_running(agent_factory, procs: Procs,
+                                                          tmp_path) -> None:
+    first, second = procs.spawn(IDLE), procs.spawn(IDLE)
+    config = tmp_path / "agent.yaml"
+    config.write_text(f"pids: [{first.pid}]\ninterval: 0.2\n")
+    agent = agent_factory("--gpu-backend", "none", "--config", str(config))
+
+    def watched() -> set[str]:
+        return {dict(labels)["pid"] for name, labels in _scrape(agent.url)
+                if name == "mrc_process_threads"}
+
+    assert _wait_for(lambda: watched() == {str(first.pid)})
+    config.write_text(f"pids: [{second.pid}]\ninterval: 0.5\n")
+    agent.proc.send_signal(signal.SIGHUP)
+    assert _wait_for(lambda: watched() == {str(second.pid)})
+    # A broken file on the next SIGHUP is refused and the running configuration kept.
+    config.write_text("pids: [oops\n")
+    agent.proc.send_signal(signal.SIGHUP)
+    time.sleep(1.0)
+    assert agent.proc.poll() is None and watched() == {str(second.pid)}
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.proc.wait(10) == 0
+    assert agent.proc.stderr is not None
+    log = agent.proc.stderr.read()
+    assert "configuration reloaded" in log and "restart to apply interval" in log
+    assert "configuration not reloaded, keeping the running one" in log
+    assert "Traceback" not in log

@@ -252,3 +252,19 @@ def test_overload_is_429_with_retry_after(cache_dir: Path) -> None:
                           timeout=60).status_code == 200
     finally:
         svc.stop()
+
+
+def test_sighup_stops_the_service_cleanly(cache_dir: Path) -> None:
+    import signal
+
+    svc = Service(cache_dir)
+    try:
+        svc.proc.send_signal(signal.SIGHUP)
+        # After its clean stop uvicorn re-raises the signal it stopped for (SIGTERM here), so
+        # the exit status is that signal's, not SIGHUP's.
+        assert svc.proc.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        svc.stop()
+    log = svc.log_path.read_text()
+    # uvicorn's clean stop ran: the lifespan's shutdown, then the server's own last line.
+    assert "Waiting for application shutdown" in log and "Finished server process" in log

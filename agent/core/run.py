@@ -1,5 +1,5 @@
-"""``mrc-agent run``: the sidecar's life — build from the config, sample, serve, stop on
-SIGTERM/SIGINT and close what was opened.
+"""``mrc-agent run``: the sidecar's life — build from the config, sample, serve, re-read the
+configuration on SIGHUP (as Prometheus does), stop on SIGTERM/SIGINT and close what was opened.
 
 Extra routes (the on-alert capture endpoints of :mod:`agent.tools.capture`) come in through
 ``routes_factory``, so the core never imports a tool.
@@ -29,10 +29,34 @@ class _Stoppable(Protocol):
 
 #: Builds the extra routes for a config and its runner (or None); raises ConfigError.
 RoutesFactory = Callable[[AgentConfig, Runner], Routes | None]
+#: Reads the configuration again (file < environment < the flags given); raises ConfigError.
+Reloader = Callable[[], AgentConfig]
+
+#: Settings SIGHUP applies to the running agent: which processes to watch and how much to log.
+#: Every other setting shapes what was built at start (collectors, sources, the listening
+#: socket, captures) and needs a restart.
+RELOADABLE = ("pids", "pidfile", "process_name", "log_level")
 
 
-def run_agent(cfg: AgentConfig, routes_factory: RoutesFactory | None = None) -> int:
-    """Run until SIGTERM or SIGINT; bad input raises ConfigError (exit 2 in the CLI)."""
+def apply_reload(cfg: AgentConfig, new: AgentConfig, runner: Runner) -> list[str]:
+    """Apply ``new``'s reloadable settings to the running agent; returns the names of the
+    other settings that changed (they take effect at the next restart)."""
+    from agent.core.targets import TargetResolver
+
+    if (new.pids, new.pidfile, new.process_name) != (cfg.pids, cfg.pidfile, cfg.process_name):
+        runner.targets = TargetResolver(new.pids, new.pidfile, new.process_name)
+    if new.log_level != cfg.log_level:
+        logging.getLogger().setLevel(new.log_level.upper())
+    for name in RELOADABLE:
+        setattr(cfg, name, getattr(new, name))
+    return [name for name in vars(cfg) if getattr(new, name) != getattr(cfg, name)]
+
+
+def run_agent(cfg: AgentConfig, routes_factory: RoutesFactory | None = None,
+              reload: Reloader | None = None) -> int:
+    """Run until SIGTERM or SIGINT, re-reading the configuration through ``reload`` on
+    SIGHUP; bad input at start raises ConfigError (exit 2 in the CLI), at a reload it is
+    logged and the running configuration kept."""
     from agent.core.hw.replay import ReplayFormatError
     from agent.core.targets import PidfileError, read_pidfile
 
@@ -56,22 +80,44 @@ def run_agent(cfg: AgentConfig, routes_factory: RoutesFactory | None = None) -> 
         log.warning("no target configured (--pid, --pidfile or --process-name): "
                     "only GPU series will be exported")
 
-    stop = threading.Event()
+    wake = threading.Event()
+    pending: set[int] = set()
 
     def on_signal(signum: int, _frame: Any) -> None:
-        log.info("received %s, shutting down", signal.Signals(signum).name)
-        stop.set()
+        pending.add(signum)
+        wake.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
     runner.start()
     server.start()
     shown = f"[{host}]" if ":" in host else host
     log.info("mrc-agent %s listening on http://%s:%d/metrics (interval %.3gs, collectors %s, "
              "gpu backend %s)", __version__, shown, server.port, cfg.interval,
              ",".join(cfg.enabled), cfg.gpu_backend)
-    while not stop.wait(1.0):
-        pass
+    # The main thread sleeps until a signal comes (no periodic wake-up).
+    while True:
+        wake.wait()
+        wake.clear()
+        got = set(pending)
+        pending.difference_update(got)
+        stopping = next((s for s in got if s != signal.SIGHUP), None)
+        if stopping is not None:
+            log.info("received %s, shutting down", signal.Signals(stopping).name)
+            break
+        if reload is None:
+            log.info("received SIGHUP; nothing to re-read")
+            continue
+        try:
+            later = apply_reload(cfg, reload(), runner)
+        except ConfigError as exc:
+            log.warning("received SIGHUP; configuration not reloaded, keeping the running "
+                        "one: %s", exc)
+            continue
+        log.info("received SIGHUP; configuration reloaded (targets: pids %s, pidfile %s, "
+                 "process name %s; log level %s)%s", cfg.pids or "-", cfg.pidfile or "-",
+                 cfg.process_name or "-", cfg.log_level,
+                 f"; restart to apply {', '.join(later)}" if later else "")
     server.stop()
     # Routes that own background work (a capture in progress) stop it here.
     if isinstance(routes, _Stoppable):
