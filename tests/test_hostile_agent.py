@@ -133,7 +133,7 @@ def test_ipv6_listen_address_as_documented() -> None:
     try:
         r = httpx.get(f"http://[::1]:{server.port}/metrics", timeout=5)
         assert r.status_code == 200 and "mrc_agent_samples_total 1.0" in r.text
-        assert server._httpd.socket.family == socket.AF_INET6
+        assert server._sock.family == socket.AF_INET6
     finally:
         server.stop()
 

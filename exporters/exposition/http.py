@@ -2,24 +2,36 @@
 ``/healthz`` (live) and ``/readyz`` (sampling current; 503 with the reason otherwise), plus
 optional extra :class:`Routes` (the agent's Alertmanager webhook and captures).
 
+One asyncio event loop in one thread serves every connection: no thread per connection, no
+polling (an idle agent's loop sleeps until a packet or a timer), and a hard cap on connections
+(:class:`Limits`): at the cap the longest-idle kept-alive connection is closed to make room, so a
+flood of idle connections can neither exhaust memory nor lock Prometheus out. Every read is
+bounded in bytes and time — request head, body, idle keep-alive — and a slow reader cannot
+hold a write forever. HTTP/1.1 connections stay open unless the client says ``close``;
+HTTP/1.0 ones only when the client asks for ``keep-alive``, and the answer says so.
+
 The rendered body is cached per snapshot version and format, so fifty scrapers of the same
 snapshot cost one render; a scrape never touches hardware. The socket is bound in the
 constructor so that "address in use" surfaces before the agent starts sampling.
 
-Extra routes see a plain :class:`Request` and answer a :class:`Response`; the server reads a
-request body only when it declares a ``Content-Length`` within the routes' ``max_body_bytes``
-(else 411/413 without reading it), with a read timeout, so a slow or huge body cannot hold a
-thread or memory.
+Extra routes see a plain :class:`Request` and answer a :class:`Response`, in a worker thread
+(they may read files). A request body is read only when it declares a ``Content-Length``
+within the routes' ``max_body_bytes``; otherwise the answer is 411/413/400 and the connection
+closes after a *lingering close* (the unread body is drained for a short while), so the
+client reads the answer instead of a connection reset.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http import HTTPStatus
 from typing import Protocol
 
 from prometheus_client.registry import CollectorRegistry
@@ -28,8 +40,33 @@ from exporters.render import content_type, render, wants_gzip
 
 log = logging.getLogger(__name__)
 
-#: Seconds a client may take to send a request body.
+#: Seconds a client may take to send a request body (kept for the routes' documentation).
 BODY_READ_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one client may cost, and why these values.
+
+    ``max_connections`` 256: Prometheus holds one kept-alive connection per scraper and a
+    handful of people and tools a few more; each open connection costs a few kilobytes.
+    ``idle_timeout_s`` 120: longer than any sane scrape interval (Prometheus reuses the
+    connection between scrapes), short enough that abandoned connections go.
+    ``head_timeout_s`` 10 and ``max_head_bytes`` 16 KiB: a request line and headers arrive at
+    once from real clients; a slow-loris client is cut. ``write_timeout_s`` 10: a client that
+    does not read its answer is dropped. ``linger_s``/``linger_bytes``: how long, and how much,
+    of an unread request body is drained after an early error answer.
+    """
+
+    max_connections: int = 256
+    idle_timeout_s: float = 120.0
+    head_timeout_s: float = 10.0
+    body_timeout_s: float = BODY_READ_TIMEOUT_S
+    write_timeout_s: float = 10.0
+    max_head_bytes: int = 16 * 1024
+    max_headers: int = 100
+    linger_s: float = 2.0
+    linger_bytes: int = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -65,6 +102,7 @@ _INDEX = b"""<html><head><title>mrc-agent</title></head><body><h1>mrc-agent</h1>
 <p><a href="/metrics">/metrics</a> &middot; <a href="/healthz">/healthz</a> &middot;
 <a href="/readyz">/readyz</a></p></body></html>
 """
+_TEXT = "text/plain; charset=utf-8"
 
 
 class _RenderCache:
@@ -74,7 +112,6 @@ class _RenderCache:
         self._registry = registry
         self._version = version
         self._lock = threading.Lock()
-        self._key: tuple[int, str] | None = None
         self._bodies: dict[tuple[int, str, bool], bytes] = {}
 
     def render(self, accept: str, gzipped: bool) -> tuple[bytes, str]:
@@ -93,8 +130,39 @@ class _RenderCache:
         return body, ctype
 
 
+class _BadRequest(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Head:
+    method: str
+    target: str
+    version: str
+    headers: dict[str, str]
+
+    @property
+    def path(self) -> str:
+        return self.target.split("?", 1)[0]
+
+    def keep_alive(self) -> bool:
+        tokens = {t.strip().lower() for t in self.headers.get("connection", "").split(",")}
+        if self.version == "HTTP/1.1":
+            return "close" not in tokens
+        return "keep-alive" in tokens
+
+
+@dataclass
+class _Conn:
+    writer: asyncio.StreamWriter
+    idle: bool = True
+    idle_since: float = field(default_factory=time.monotonic)
+
+
 class ExpositionServer:
-    """A threaded HTTP server for the agent's endpoints. ``port`` 0 picks a free port."""
+    """The agent's HTTP server. ``port`` 0 picks a free port."""
 
     def __init__(
         self,
@@ -104,133 +172,311 @@ class ExpositionServer:
         version: Callable[[], int],
         not_ready: Callable[[], str | None],
         routes: Routes | None = None,
+        limits: Limits = Limits(),  # noqa: B008 - frozen, immutable
     ) -> None:
-        cache = _RenderCache(registry, version)
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive for Prometheus' connection reuse
-            # Headers and body go out in two writes; with Nagle on, the body waits for the
-            # client's delayed ACK of the headers (~40 ms per scrape on a kept-alive socket).
-            disable_nagle_algorithm = True
-            server_version = "mrc-agent"
-
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
-                log.debug("%s " + format, self.address_string(), *args)
-
-            def _send(self, status: int, body: bytes, ctype: str,
-                      extra: dict[str, str] | None = None) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                for k, v in (extra or {}).items():
-                    self.send_header(k, v)
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(body)
-
-            def do_GET(self) -> None:  # noqa: N802
-                path = self.path.split("?", 1)[0]
-                if path == "/metrics":
-                    gz = wants_gzip(self.headers.get("Accept-Encoding", ""))
-                    body, ctype = cache.render(self.headers.get("Accept", ""), gz)
-                    self._send(200, body, ctype, {"Content-Encoding": "gzip"} if gz else None)
-                elif path == "/healthz":
-                    self._send(200, b"ok\n", "text/plain; charset=utf-8")
-                elif path == "/readyz":
-                    reason = not_ready()
-                    if reason is None:
-                        self._send(200, b"ready\n", "text/plain; charset=utf-8")
-                    else:
-                        self._send(503, f"not ready: {reason}\n".encode(),
-                                   "text/plain; charset=utf-8")
-                elif path == "/":
-                    self._send(200, _INDEX, "text/html; charset=utf-8")
-                elif not self._route(path, b""):
-                    self._send(404, b"not found\n", "text/plain; charset=utf-8")
-
-            do_HEAD = do_GET
-
-            def _not_allowed(self) -> None:
-                self._send(405, b"method not allowed\n", "text/plain; charset=utf-8",
-                           {"Allow": "GET, HEAD"})
-
-            do_PUT = do_DELETE = do_PATCH = _not_allowed
-
-            def do_POST(self) -> None:  # noqa: N802
-                if routes is None:
-                    self._not_allowed()
-                    return
-                body = self._read_body(routes.max_body_bytes)
-                if body is not None and not self._route(self.path.split("?", 1)[0], body):
-                    self._not_allowed()
-
-            def _route(self, path: str, body: bytes) -> bool:
-                """Let the extra routes answer; False when they do not know the path."""
-                if routes is None:
-                    return False
-                headers = {k.lower(): v for k, v in self.headers.items()}
-                try:
-                    resp = routes.handle(Request(self.command, path, headers, body))
-                except Exception:  # a bug in a route must not kill the server thread
-                    log.exception("%s %s failed", self.command, path)
-                    resp = Response(500, b"internal error\n", "text/plain; charset=utf-8")
-                if resp is None:
-                    return False
-                self._send(resp.status, resp.body, resp.content_type, resp.headers)
-                return True
-
-            def _read_body(self, limit: int) -> bytes | None:
-                """The body, or None after answering 411/413/400 (and closing)."""
-                length = self.headers.get("Content-Length")
-                if length is None:
-                    if self.headers.get("Transfer-Encoding"):
-                        self.close_connection = True
-                        self._send(411, b"Content-Length required\n", "text/plain; charset=utf-8")
-                        return None
-                    return b""
-                if not length.strip().isdigit():
-                    self.close_connection = True
-                    self._send(400, b"bad Content-Length\n", "text/plain; charset=utf-8")
-                    return None
-                n = int(length)
-                if n > limit:
-                    self.close_connection = True  # the body stays unread
-                    self._send(413, b"request body too large\n", "text/plain; charset=utf-8")
-                    return None
-                self.connection.settimeout(BODY_READ_TIMEOUT_S)
-                try:
-                    body = self.rfile.read(n)
-                except OSError:
-                    self.close_connection = True
-                    return None
-                finally:
-                    self.connection.settimeout(None)
-                if len(body) != n:
-                    self.close_connection = True
-                    return None
-                return body
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-            allow_reuse_address = True
-            request_queue_size = 128  # 50+ concurrent scrapers must not see refused connects
-
+        self._cache = _RenderCache(registry, version)
+        self._not_ready = not_ready
+        self._routes = routes
+        self.limits = limits
         host = host.strip("[]")  # "[::1]" or "::1": an IPv6 address either way
-        if ":" in host:
-            Server.address_family = socket.AF_INET6
-        self._httpd = Server((host, port), Handler)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(128)  # 50+ concurrent scrapers must not see refused connects
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        self._conns: dict[int, _Conn] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
+        self._started = threading.Event()
 
     @property
     def port(self) -> int:
-        return int(self._httpd.server_address[1])
+        return int(self._sock.getsockname()[1])
 
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        return len(self._conns)
+
+    # -- life ----------------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.5},
-            name="mrc-agent-http", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="mrc-agent-http", daemon=True)
         self._thread.start()
+        self._started.wait(10)
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._serve())
+        finally:
+            loop.run_until_complete(loop.shutdown_default_executor())
+            loop.close()
+
+    async def _serve(self) -> None:
+        self._stopped = asyncio.Event()
+        server = await asyncio.start_server(self._client, sock=self._sock,
+                                            limit=self.limits.max_head_bytes)
+        self._started.set()
+        async with server:
+            await self._stopped.wait()
+            server.close()
+            for conn in list(self._conns.values()):
+                conn.writer.close()  # their reads see the end and the handlers return
+            if self._tasks:
+                _, late = await asyncio.wait(list(self._tasks), timeout=2.0)
+                for task in late:
+                    task.cancel()
+                await asyncio.gather(*late, return_exceptions=True)
+            # Transports close their sockets in callbacks: let those run before the loop ends.
+            for _ in range(3):
+                await asyncio.sleep(0)
+        # The listening socket is closed with the server.
 
     def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        loop, stopped = self._loop, self._stopped
+        if loop is not None and stopped is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop already ended
+                loop.call_soon_threadsafe(stopped.set)
+        if self._thread is not None:
+            self._thread.join(10)
+        else:
+            self._sock.close()
+
+    # -- one connection ------------------------------------------------------------------------
+    def _make_room(self) -> None:
+        """At the cap, close the longest-idle connection (never one being served)."""
+        if len(self._conns) < self.limits.max_connections:
+            return
+        idle = [c for c in self._conns.values() if c.idle]
+        if idle:
+            oldest = min(idle, key=lambda c: c.idle_since)
+            oldest.writer.close()
+            self._conns.pop(id(oldest), None)
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._make_room()
+        if len(self._conns) >= self.limits.max_connections:
+            writer.close()  # every connection is busy: refuse this one
+            return
+        conn = _Conn(writer)
+        self._conns[id(conn)] = conn
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                # Headers and body go out in one write, but a kept-alive scrape must never wait
+                # for the client's delayed ACK.
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = writer.get_extra_info("peername")
+        try:
+            first = True
+            while True:
+                conn.idle, conn.idle_since = True, time.monotonic()
+                wait = self.limits.head_timeout_s if first else self.limits.idle_timeout_s
+                try:
+                    line = await asyncio.wait_for(reader.readline(), wait)
+                except (TimeoutError, asyncio.TimeoutError):
+                    break
+                except ValueError:  # a request line longer than the head limit
+                    await self._send(writer, None, 414, b"request line too long\n", _TEXT,
+                                     close=True)
+                    break
+                if not line:
+                    break
+                if not line.strip():
+                    continue  # stray line breaks between requests are allowed (RFC 9112 2.2)
+                conn.idle, first = False, False
+                if not await self._one(reader, writer, line):
+                    break
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError,
+                asyncio.TimeoutError) as exc:
+            log.debug("%s: connection ended: %s", peer, exc)
+        finally:
+            self._conns.pop(id(conn), None)
+            if task is not None:
+                self._tasks.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                   first_line: bytes) -> bool:
+        """Serve one request; False when the connection must close afterwards."""
+        try:
+            head = await asyncio.wait_for(self._read_head(reader, first_line),
+                                          self.limits.head_timeout_s)
+        except _BadRequest as exc:
+            await self._send(writer, None, exc.status, f"{exc}\n".encode(), _TEXT, close=True)
+            return False
+        except (TimeoutError, asyncio.TimeoutError):
+            await self._send(writer, None, 408, b"request head too slow\n", _TEXT, close=True)
+            return False
+        keep = head.keep_alive()
+        method = head.method
+        if method in ("GET", "HEAD"):
+            status, body, ctype, extra = await self._get(head)
+        elif method == "POST" and self._routes is None:
+            # Nothing takes a body here: answer without reading it, then drain and close.
+            await self._send(writer, head, 405, b"method not allowed\n", _TEXT,
+                             {"Allow": "GET, HEAD"}, close=True)
+            await self._linger(reader, writer)
+            return False
+        elif method == "POST":
+            got = await self._read_body(reader, head)
+            if isinstance(got, Response):
+                await self._send(writer, head, got.status, got.body, got.content_type,
+                                 got.headers, close=True)
+                await self._linger(reader, writer)
+                return False
+            status, body, ctype, extra = await self._post(head, got)
+        elif method in ("PUT", "DELETE", "PATCH"):
+            status, body, ctype, extra = (405, b"method not allowed\n", _TEXT,
+                                          {"Allow": "GET, HEAD"})
+        else:
+            status, body, ctype, extra = 501, b"not implemented\n", _TEXT, {}
+            keep = False
+        await self._send(writer, head, status, body, ctype, extra, close=not keep)
+        return keep
+
+    async def _read_head(self, reader: asyncio.StreamReader, first_line: bytes) -> _Head:
+        try:
+            line = first_line.decode("latin-1").rstrip("\r\n")
+            method, target, version = line.split(" ")
+        except ValueError:
+            raise _BadRequest(400, "bad request line") from None
+        if version not in ("HTTP/1.0", "HTTP/1.1"):
+            raise _BadRequest(505, "HTTP/1.0 or HTTP/1.1 only")
+        if not method.isascii() or not method.isalpha() or not target.startswith("/"):
+            raise _BadRequest(400, "bad request line")
+        headers: dict[str, str] = {}
+        size = len(first_line)
+        for _ in range(self.limits.max_headers + 1):
+            try:
+                raw = await reader.readline()
+            except (ValueError, asyncio.LimitOverrunError):
+                raise _BadRequest(431, "request header too large") from None
+            size += len(raw)
+            if size > self.limits.max_head_bytes:
+                raise _BadRequest(431, "request headers too large")
+            if not raw.endswith(b"\n"):
+                raise ConnectionError("client closed in the request head")
+            text = raw.decode("latin-1").rstrip("\r\n")
+            if not text:
+                break
+            name, sep, value = text.partition(":")
+            if not sep or not name or name != name.strip():
+                raise _BadRequest(400, "bad header line")
+            key = name.lower()
+            value = value.strip()
+            headers[key] = f"{headers[key]}, {value}" if key in headers else value
+        else:
+            raise _BadRequest(431, "too many request headers")
+        if "content-length" in headers and "transfer-encoding" in headers:
+            # Two framings disagree: a request-smuggling attempt behind some proxies.
+            raise _BadRequest(400, "both Content-Length and Transfer-Encoding")
+        return _Head(method, target, version, headers)
+
+    async def _read_body(self, reader: asyncio.StreamReader, head: _Head) -> bytes | Response:
+        assert self._routes is not None
+        limit = self._routes.max_body_bytes
+        length = head.headers.get("content-length")
+        if length is None:
+            if head.headers.get("transfer-encoding"):
+                return Response(411, b"Content-Length required\n", _TEXT)
+            return b""
+        if not (length.isascii() and length.isdigit()) or len(length) > 18:
+            return Response(400, b"bad Content-Length\n", _TEXT)
+        n = int(length)
+        if n > limit:
+            return Response(413, b"request body too large\n", _TEXT)
+        try:
+            return await asyncio.wait_for(reader.readexactly(n), self.limits.body_timeout_s)
+        except (TimeoutError, asyncio.TimeoutError):
+            return Response(408, b"request body too slow\n", _TEXT)
+
+    async def _linger(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """After an early answer, drain what the client still sends for a short while, so it
+        reads the answer instead of a reset."""
+        with contextlib.suppress(OSError, RuntimeError):
+            if writer.can_write_eof():
+                writer.write_eof()
+        left = self.limits.linger_bytes
+        deadline = time.monotonic() + self.limits.linger_s
+        with contextlib.suppress(ConnectionError, TimeoutError, asyncio.TimeoutError):
+            while left > 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                chunk = await asyncio.wait_for(reader.read(min(left, 1 << 16)), remaining)
+                if not chunk:
+                    break
+                left -= len(chunk)
+
+    async def _get(self, head: _Head) -> tuple[int, bytes, str, dict[str, str]]:
+        path = head.path
+        if path == "/metrics":
+            gz = wants_gzip(head.headers.get("accept-encoding", ""))
+            body, ctype = self._cache.render(head.headers.get("accept", ""), gz)
+            return 200, body, ctype, {"Content-Encoding": "gzip"} if gz else {}
+        if path == "/healthz":
+            return 200, b"ok\n", _TEXT, {}
+        if path == "/readyz":
+            reason = self._not_ready()
+            if reason is None:
+                return 200, b"ready\n", _TEXT, {}
+            return 503, f"not ready: {reason}\n".encode(), _TEXT, {}
+        if path == "/":
+            return 200, _INDEX, "text/html; charset=utf-8", {}
+        resp = await self._route(head, b"")
+        if resp is None:
+            return 404, b"not found\n", _TEXT, {}
+        return resp.status, resp.body, resp.content_type, resp.headers
+
+    async def _post(self, head: _Head, body: bytes) -> tuple[int, bytes, str, dict[str, str]]:
+        resp = await self._route(head, body)
+        if resp is None:
+            return 405, b"method not allowed\n", _TEXT, {"Allow": "GET, HEAD"}
+        return resp.status, resp.body, resp.content_type, resp.headers
+
+    async def _route(self, head: _Head, body: bytes) -> Response | None:
+        """Let the extra routes answer (in a worker thread); None when they do not know the
+        path."""
+        if self._routes is None:
+            return None
+        request = Request(head.method, head.path, dict(head.headers), body)
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(None, self._routes.handle, request)
+        except Exception:  # a bug in a route must not kill the server
+            log.exception("%s %s failed", head.method, head.path)
+            return Response(500, b"internal error\n", _TEXT)
+
+    async def _send(self, writer: asyncio.StreamWriter, head: _Head | None, status: int,
+                    body: bytes, ctype: str, extra: Mapping[str, str] | None = None, *,
+                    close: bool) -> None:
+        version = head.version if head is not None else "HTTP/1.1"
+        try:
+            reason = HTTPStatus(status).phrase
+        except ValueError:
+            reason = ""
+        lines = [f"HTTP/1.1 {status} {reason}", "Server: mrc-agent",
+                 f"Content-Type: {ctype}", f"Content-Length: {len(body)}"]
+        lines += [f"{k}: {v}" for k, v in (extra or {}).items()]
+        if close:
+            lines.append("Connection: close")
+        elif version == "HTTP/1.0":
+            lines.append("Connection: keep-alive")
+        data = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        writer.write(data if head is not None and head.method == "HEAD" else data + body)
+        await asyncio.wait_for(writer.drain(), self.limits.write_timeout_s)

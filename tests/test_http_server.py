@@ -1,0 +1,240 @@
+"""The agent's HTTP server under clients that misbehave: keep-alive of both HTTP versions,
+slow and oversized heads, two framings, early answers to large bodies, idle floods. Real
+sockets on loopback against the real server; small limits so that nothing waits long."""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client.registry import CollectorRegistry
+
+from exporters.exposition.http import ExpositionServer, Limits, Request, Response
+
+LIMITS = Limits(max_connections=64, idle_timeout_s=1.0, head_timeout_s=0.5,
+                body_timeout_s=0.5, write_timeout_s=2.0, linger_s=2.0, linger_bytes=16 << 20)
+
+
+class Echo:
+    """A route that takes bodies up to 1 MiB and says how many bytes it got."""
+
+    max_body_bytes = 1 << 20
+
+    def handle(self, request: Request) -> Response | None:
+        if request.path != "/hook":
+            return None
+        return Response(200, f"{len(request.body)}\n".encode(), "text/plain")
+
+
+@pytest.fixture
+def server() -> Iterator[ExpositionServer]:
+    srv = ExpositionServer(CollectorRegistry(), "127.0.0.1", 0, lambda: 1, lambda: None,
+                           routes=Echo(), limits=LIMITS)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def _connect(server: ExpositionServer) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=5)
+
+
+_LEFT: dict[int, bytes] = {}  # bytes read past one response, per socket
+
+
+def _read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One response off ``sock``: status, headers, body (by Content-Length)."""
+    data = _LEFT.pop(sock.fileno(), b"")
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed before a full response head: {data!r}")
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    n = int(headers.get("content-length", "0"))
+    while len(rest) < n:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        rest += chunk
+    if rest[n:]:
+        _LEFT[sock.fileno()] = rest[n:]
+    return status, headers, rest[:n]
+
+
+def _closed(sock: socket.socket, within: float = 3.0) -> bool:
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_http10_keep_alive_is_honoured_and_said(server: ExpositionServer) -> None:
+    with _connect(server) as s:
+        for _ in range(3):
+            s.sendall(b"GET /healthz HTTP/1.0\r\nConnection: Keep-Alive\r\n\r\n")
+            status, headers, body = _read_response(s)
+            assert (status, body) == (200, b"ok\n")
+            assert headers["connection"].lower() == "keep-alive"
+
+
+def test_http10_without_keep_alive_is_closed_after_the_answer(server: ExpositionServer) -> None:
+    with _connect(server) as s:
+        s.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+        status, headers, _ = _read_response(s)
+        assert status == 200 and headers["connection"] == "close"
+        assert _closed(s)
+
+
+def test_http11_keeps_alive_until_close_is_asked(server: ExpositionServer) -> None:
+    with _connect(server) as s:
+        for _ in range(3):
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _read_response(s)[0] == 200
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        status, headers, _ = _read_response(s)
+        assert status == 200 and headers["connection"] == "close" and _closed(s)
+
+
+def test_pipelined_requests_are_answered_in_order(server: ExpositionServer) -> None:
+    with _connect(server) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+                  b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _read_response(s)[2] == b"ok\n"
+        assert _read_response(s)[2] == b"ready\n"
+
+
+@pytest.mark.parametrize(("raw", "status"), [
+    (b"GET /healthz HTTP/2.0\r\n\r\n", 505),
+    (b"GARBAGE\r\n\r\n", 400),
+    (b"GET healthz HTTP/1.1\r\n\r\n", 400),
+    (b"GET /healthz HTTP/1.1\r\nno colon here\r\n\r\n", 400),
+    (b"GET /healthz HTTP/1.1\r\n" + b"X-A: b\r\n" * 200 + b"\r\n", 431),
+    (b"GET /healthz HTTP/1.1\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n", 431),
+    (b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\n\r\n", 414),
+    (b"POST /hook HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\nabc", 400),
+    (b"POST /hook HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n", 411),
+    (b"POST /hook HTTP/1.1\r\nContent-Length: \xc2\xb2\r\n\r\n", 400),
+    (b"POST /hook HTTP/1.1\r\nContent-Length: " + b"9" * 30 + b"\r\n\r\n", 400),
+    (b"BREW /pot HTTP/1.1\r\n\r\n", 501),
+])
+def test_malformed_requests_get_a_status_and_a_close(server: ExpositionServer, raw: bytes,
+                                                    status: int) -> None:
+    with _connect(server) as s:
+        s.sendall(raw)
+        got, headers, _ = _read_response(s)
+        assert got == status and headers["connection"] == "close"
+        assert _closed(s)
+
+
+def test_a_slow_head_is_cut(server: ExpositionServer) -> None:
+    with _connect(server) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # never finishes the head
+        started = time.monotonic()
+        status, _, _ = _read_response(s)
+        assert status == 408 and time.monotonic() - started < 3
+        assert _closed(s)
+
+
+def test_a_silent_connection_is_closed_after_the_head_timeout(server: ExpositionServer) -> None:
+    with _connect(server) as s:
+        assert _closed(s, within=3.0)
+
+
+def test_an_idle_kept_alive_connection_is_closed(server: ExpositionServer) -> None:
+    with _connect(server) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _read_response(s)[0] == 200
+        assert _closed(s, within=3.0)  # idle_timeout_s is 1 s here
+
+
+def test_a_slow_body_is_cut(server: ExpositionServer) -> None:
+    with _connect(server) as s:
+        s.sendall(b"POST /hook HTTP/1.1\r\nContent-Length: 100\r\n\r\nonly a little")
+        assert _read_response(s)[0] == 408
+
+
+def test_a_body_is_read_and_the_connection_kept(server: ExpositionServer) -> None:
+    with _connect(server) as s:
+        for n in (0, 5, 1000):
+            s.sendall(b"POST /hook HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % n + b"x" * n)
+            assert _read_response(s)[2] == f"{n}\n".encode()
+
+
+def test_an_oversized_body_gets_413_that_a_stdlib_client_can_read(
+        server: ExpositionServer) -> None:
+    # http.client sends the whole body before it reads the answer: without the lingering
+    # close it would see a connection reset instead of the 413.
+    body = b"x" * (8 << 20)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        conn.request("POST", "/hook", body=body, headers={"Content-Type": "text/plain"})
+        resp = conn.getresponse()
+        assert resp.status == 413 and resp.read() == b"request body too large\n"
+    finally:
+        conn.close()
+
+
+def test_idle_connections_beyond_the_cap_make_room_and_metrics_answer(
+        server: ExpositionServer) -> None:
+    idle = [_connect(server) for _ in range(3 * LIMITS.max_connections)]
+    try:
+        for s in idle[-10:]:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _read_response(s)[0] == 200
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and server.connections > LIMITS.max_connections:
+            time.sleep(0.05)
+        assert server.connections <= LIMITS.max_connections
+        started = time.monotonic()
+        with _connect(server) as s:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _read_response(s)[0] == 200
+        assert time.monotonic() - started < 2
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_a_route_that_raises_is_a_500_and_the_server_lives_on() -> None:
+    class Broken:
+        max_body_bytes = 10
+
+        def handle(self, request: Request) -> Response | None:
+            raise RuntimeError("bug")
+
+    srv = ExpositionServer(CollectorRegistry(), "127.0.0.1", 0, lambda: 1, lambda: None,
+                           routes=Broken(), limits=LIMITS)
+    srv.start()
+    try:
+        with _connect(srv) as s:
+            s.sendall(b"GET /anything HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _read_response(s)[0] == 500
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _read_response(s)[0] == 200
+    finally:
+        srv.stop()
+
+
+def test_stop_closes_every_connection_and_the_port() -> None:
+    srv = ExpositionServer(CollectorRegistry(), "127.0.0.1", 0, lambda: 1, lambda: None,
+                           limits=LIMITS)
+    srv.start()
+    port = srv.port
+    held = socket.create_connection(("127.0.0.1", port), timeout=5)
+    deadline = time.monotonic() + 5
+    while srv.connections == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    srv.stop()
+    assert _closed(held)
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2)
