@@ -156,6 +156,12 @@ def _parse(url: str | httpx.URL) -> httpx.URL:
         raise ServiceError.of("url_not_allowed", "URL has no host")
     if u.userinfo:
         raise ServiceError.of("url_not_allowed", "credentials in URLs are not accepted")
+    try:
+        port = u.port
+    except ValueError as e:
+        raise ServiceError.of("url_not_allowed", f"not a valid URL: {e}") from e
+    if port is not None and not 0 < port < 65536:
+        raise ServiceError.of("url_not_allowed", f"port {port} is not 1-65535")
     return u
 
 

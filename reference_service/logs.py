@@ -13,21 +13,36 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 log = logging.getLogger("reference_service.requests")
 
+#: Characters that must never reach a log line raw: C0/C1 controls (NUL, ESC for terminal
+#: escape sequences, U+0085 NEL), line and paragraph separators, bidi overrides and
+#: zero-width marks (text that reads differently than it is), and lone surrogates (which a
+#: log stream cannot encode). They are written as ``\uXXXX``.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2066-\u2069"
+                     "\ufeff\ud800-\udfff]")
+
+
+def escape(text: str) -> str:
+    r"""``text`` with every unsafe character as a visible ``\uXXXX`` escape."""
+    return _UNSAFE.sub(lambda m: f"\\u{ord(m[0]):04x}", text)
+
 
 def _plain(value: Any) -> str:
     text = str(value).lower() if isinstance(value, bool) else str(value)
-    # Keep the line parseable: no field separators or newlines inside values.
-    return text.replace("|", "/").replace("\n", " ").replace("\r", " ")
+    # Keep the line parseable: no field separators, newlines or control characters in values.
+    return escape(text.replace("|", "/"))
 
 
 def request_line(ok: bool, json_logs: bool, **fields: Any) -> str:
     if json_logs:
-        return json.dumps({"event": "MRC_SUCCESS" if ok else "MRC_ERROR", **fields},
-                          ensure_ascii=False, sort_keys=False)
+        # JSON escapes the C0 controls itself; the rest become \uXXXX escapes, which are
+        # valid JSON for the same characters.
+        return escape(json.dumps({"event": "MRC_SUCCESS" if ok else "MRC_ERROR", **fields},
+                                 ensure_ascii=False, sort_keys=False))
     head = "MRC_SUCCESS" if ok else "MRC_ERROR"
     return "|".join([head, *(f"{k}={_plain(v)}" for k, v in fields.items())])
 

@@ -25,8 +25,10 @@ from reference_service.errors import ServiceError
 from reference_service.limiter import Admission, Overloaded
 from reference_service.middleware import BodyLimit
 from reference_service.ocr import OCR
+from reference_service.pipeline import counted
 from reference_service.preprocess import DecodePool, max_encoded_len
 from reference_service.routers import health, mrc
+from reference_service.routers.mrc import MRC_PATHS
 from reference_service.settings import Settings
 from reference_service.state import ServiceState
 
@@ -120,10 +122,19 @@ def create_app(settings: Settings | None = None, loader: Loader | None = None) -
     app.include_router(health.router)
     app.add_route("/metrics", metrics_endpoint(state.metrics.registry), methods=["GET"],
                   include_in_schema=False)
-    app.add_middleware(BodyLimit, max_bytes=max_encoded_len(settings.max_image_bytes) + 65536)
+    def count_refused(path: str, status: int, exc: BaseException | None = None) -> None:
+        """Count an MRC request answered before the pipeline took it (bad JSON, a schema
+        error, an oversized body, a wrong method): every request is counted once."""
+        if path in MRC_PATHS and (exc is None or not counted(exc)):
+            with state.metrics.request() as r:
+                r.set_status(status)
+
+    app.add_middleware(BodyLimit, max_bytes=max_encoded_len(settings.max_image_bytes) + 65536,
+                       on_refuse=lambda path: count_refused(path, 413))
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        count_refused(request.url.path, exc.status, exc)
         headers = {}
         if isinstance(exc, Overloaded):
             headers["Retry-After"] = str(exc.retry_after_s)
@@ -133,17 +144,20 @@ def create_app(settings: Settings | None = None, loader: Loader | None = None) -
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        count_refused(request.url.path, 422, exc)
         return JSONResponse({"error": {"code": "invalid_request", "message": str(exc)}},
                             status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        count_refused(request.url.path, exc.status_code, exc)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return JSONResponse({"error": {"code": code, "message": str(exc.detail)}},
                             status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        count_refused(request.url.path, 500, exc)
         log.exception("unhandled error on %s", request.url.path)
         return JSONResponse({"error": {"code": "internal", "message": "internal error"}},
                             status_code=500)

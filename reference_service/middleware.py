@@ -9,6 +9,7 @@ client gets 413 with the service's JSON error.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -18,9 +19,13 @@ class BodyTooLarge(Exception):
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    """``on_refuse(path)`` is called for every request refused here (to count it)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int,
+                 on_refuse: Callable[[str], None] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.on_refuse = on_refuse
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -29,7 +34,7 @@ class BodyLimit:
         for name, value in scope.get("headers", []):
             if name == b"content-length" and (not value.isdigit()
                                               or int(value) > self.max_bytes):
-                await self._refuse(send)
+                await self._refuse(send, scope.get("path", ""))
                 return
         seen = 0
         started = False
@@ -53,9 +58,11 @@ class BodyLimit:
             await self.app(scope, counting_receive, tracking_send)
         except BodyTooLarge:
             if not started:
-                await self._refuse(send)
+                await self._refuse(send, scope.get("path", ""))
 
-    async def _refuse(self, send: Send) -> None:
+    async def _refuse(self, send: Send, path: str = "") -> None:
+        if self.on_refuse is not None:
+            self.on_refuse(path)
         body = json.dumps({"error": {"code": "image_too_large", "message":
                                      f"the request body is over {self.max_bytes} bytes"}}).encode()
         await send({"type": "http.response.start", "status": 413,

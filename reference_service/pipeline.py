@@ -10,6 +10,7 @@ Every request ends in exactly one structured log line.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,17 @@ def _chain_prompt(prompt: str, ocr_text: str) -> str:
     return f"{prompt}\nText found in the image: {ocr_text[:MAX_OCR_CHARS]}"
 
 
+def mark_counted(exc: BaseException) -> None:
+    """Note on ``exc`` that its request is already in ``mrc_requests_total`` (the error
+    handlers count only the requests refused before the pipeline)."""
+    with contextlib.suppress(AttributeError):  # an exception type without a __dict__
+        exc.mrc_counted = True  # type: ignore[attr-defined]
+
+
+def counted(exc: BaseException) -> bool:
+    return bool(getattr(exc, "mrc_counted", False))
+
+
 async def answer(state: ServiceState, req: MRCRequest) -> dict[str, Any]:
     """Run the chain; returns the response body or raises ServiceError (logged either way)."""
     settings, metrics = state.settings, state.metrics
@@ -57,7 +69,11 @@ async def answer(state: ServiceState, req: MRCRequest) -> dict[str, Any]:
             except ServiceError as exc:
                 r.set_status(exc.status)
                 raise
+            except BaseException as exc:
+                mark_counted(exc)
+                raise
     except ServiceError as exc:
+        mark_counted(exc)
         log_request(False, settings.json_logs, latency=f"{time.perf_counter() - t0:.3f}",
                     status=exc.status, code=exc.code, request_id=req.request_id, **fields)
         raise

@@ -122,3 +122,9 @@ def series(metrics: dict[tuple[str, frozenset[tuple[str, str]]], float], name: s
            **labels: str) -> list[float]:
     want = set(labels.items())
     return [v for (n, ls), v in metrics.items() if n == name and want <= ls]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the reference service builds its embedded model: once per test session."""
+    return tmp_path_factory.mktemp("mrc-cache")

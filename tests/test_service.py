@@ -66,11 +66,6 @@ class Service:
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("mrc-cache")
-
-
-@pytest.fixture(scope="module")
 def service(cache_dir: Path) -> Iterator[Service]:
     svc = Service(cache_dir, "--max-image-bytes", str(3 * 1024 * 1024), "--max-queue", "4")
     yield svc

@@ -15,12 +15,16 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from reference_service.errors import ServiceError
+from reference_service.middleware import BodyTooLarge
 from reference_service.pipeline import MRCRequest, answer
 from reference_service.preprocess import decode_base64
 from reference_service.settings import Settings
 from reference_service.state import ServiceState
 
 router = APIRouter()
+
+#: The paths of MRC requests: each is counted once in ``mrc_requests_total``, by outcome.
+MRC_PATHS = frozenset({"/mrc", "/mrc/upload"})
 
 
 class MRCBody(BaseModel):
@@ -57,6 +61,11 @@ def _state(request: Request) -> ServiceState:
 
 
 def _check_text(prompt: str, max_new_tokens: int, settings: Settings) -> None:
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate, e.g. JSON's "\ud800"
+        raise ServiceError.of("invalid_request", f"text_prompt is not valid Unicode (character "
+                              f"{exc.start} is a lone surrogate)") from None
     if len(prompt) > settings.max_prompt_chars:
         raise ServiceError.of("prompt_too_long", f"text_prompt has {len(prompt)} characters; "
                               f"the limit is {settings.max_prompt_chars}")
@@ -90,6 +99,10 @@ async def mrc_json(request: Request) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise ServiceError.of("bad_request", f"the body is not valid JSON: {exc.msg} "
                               f"(line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:
+        raise ServiceError.of("bad_request", "the body is nested too deeply") from None
+    except ValueError as exc:  # an integer literal longer than Python converts
+        raise ServiceError.of("bad_request", f"the body is not valid JSON: {exc}") from None
     try:
         body = MRCBody.model_validate(obj)
     except ValidationError as exc:
@@ -115,6 +128,8 @@ async def mrc_upload(request: Request) -> dict[str, Any]:
                                   max_part_size=4 * settings.max_prompt_chars + 1024)
     except UnicodeDecodeError:
         raise ServiceError.of("invalid_utf8", "a form field is not valid UTF-8") from None
+    except BodyTooLarge:
+        raise  # the body limit answers 413 itself
     except Exception as exc:  # python-multipart / starlette parse errors: the client's body
         raise ServiceError.of("bad_request", f"malformed multipart body: {exc}") from None
     try:
@@ -125,9 +140,13 @@ async def mrc_upload(request: Request) -> dict[str, Any]:
             raise ServiceError.of("invalid_request", "the 'file' part (the image) is missing")
         if not isinstance(prompt, str):
             raise ServiceError.of("invalid_request", "the 'text_prompt' field is missing")
-        if not isinstance(tokens_raw, str) or not tokens_raw.strip().lstrip("-").isdigit():
-            raise ServiceError.of("invalid_request", "max_new_tokens must be an integer")
-        max_new_tokens = int(tokens_raw)
+        digits = tokens_raw.strip() if isinstance(tokens_raw, str) else ""
+        # ASCII digits only ("²" and "⁵" pass str.isdigit(), which int() refuses), and few of
+        # them: the range check below says what the limit is.
+        if not (digits.isascii() and digits.lstrip("-").isdigit()) or len(digits) > 9:
+            raise ServiceError.of("invalid_request", "max_new_tokens must be an integer, "
+                                  f"1-{settings.max_new_tokens_limit}")
+        max_new_tokens = int(digits)
         _check_text(prompt, max_new_tokens, settings)
         data = await upload.read(settings.max_image_bytes + 1)
         if len(data) > settings.max_image_bytes:

@@ -1,0 +1,142 @@
+"""The reference service's hostile-input corpus: client mistakes that used to end in a 500,
+bodies over the cap sent chunked, control characters aimed at the logs, and the count of every
+request — refused before the pipeline or not — in ``mrc_requests_total``. A real uvicorn server
+on loopback with the embedded model."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from reference_service.loadgen import make_photo
+from tests.conftest import parse_metrics
+from tests.test_service import Service
+
+MAX_IMAGE = 2 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def service(cache_dir: Path) -> Iterator[Service]:
+    svc = Service(cache_dir, "--max-image-bytes", str(MAX_IMAGE))
+    yield svc
+    svc.stop()
+
+
+def _image() -> str:
+    return base64.b64encode(make_photo(64, 48, 3)).decode()
+
+
+def _post_json(service: Service, raw: bytes) -> httpx.Response:
+    return httpx.post(service.url + "/mrc", content=raw,
+                      headers={"Content-Type": "application/json"}, timeout=60)
+
+
+@pytest.mark.parametrize(("raw", "status", "code", "says"), ids=[
+    "lone-surrogate", "nested-100k", "int-5000-digits", "port-99999"], argvalues=[
+    (b'{"image": "%s", "text_prompt": "\\ud800 what?"}', 422, "invalid_request",
+     "lone surrogate"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, "bad_request", "nested too deeply"),
+    (b'{"image": "%s", "text_prompt": "hi", "max_new_tokens": 1' + b"0" * 5000 + b"}", 400,
+     "bad_request", "not valid JSON"),
+    (b'{"image_url": "http://127.0.0.1:99999/x.jpg", "text_prompt": "hi"}', 400,
+     "url_not_allowed", "port 99999 is not 1-65535"),
+])
+def test_client_mistakes_that_were_500s(service: Service, raw: bytes, status: int, code: str,
+                                        says: str) -> None:
+    if b"%s" in raw:
+        raw = raw.replace(b"%s", _image().encode())
+    r = _post_json(service, raw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and says in err["message"]
+
+
+@pytest.mark.parametrize("tokens", ["²", "⁵", "٣", "1" * 20, "-"],
+                         ids=["sup2", "sup5", "arabic3", "20-digits", "minus"])
+def test_upload_with_a_unicode_digit_token_budget(service: Service, tokens: str) -> None:
+    r = httpx.post(service.url + "/mrc/upload", timeout=60,
+                   files={"file": ("p.jpg", make_photo(64, 48, 3), "image/jpeg")},
+                   data={"text_prompt": "what is this?", "max_new_tokens": tokens})
+    assert r.status_code == 422, r.text
+    assert "max_new_tokens must be an integer" in r.json()["error"]["message"]
+
+
+def test_chunked_upload_over_the_cap_is_413(service: Service) -> None:
+    def chunks() -> Iterator[bytes]:
+        boundary = b"--x\r\n"
+        yield boundary + b'Content-Disposition: form-data; name="text_prompt"\r\n\r\nhi\r\n'
+        yield boundary + (b'Content-Disposition: form-data; name="file"; filename="a.jpg"\r\n'
+                          b"Content-Type: image/jpeg\r\n\r\n")
+        for _ in range(6):  # 6 MiB: well over the cap of the encoded image
+            yield b"\xff" * (1 << 20)
+        yield b"\r\n--x--\r\n"
+
+    r = httpx.post(service.url + "/mrc/upload", content=chunks(), timeout=60,
+                   headers={"Content-Type": "multipart/form-data; boundary=x"})
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "image_too_large"
+
+
+def test_control_characters_never_reach_the_log_raw(service: Service) -> None:
+    prompt = "look\x1b[31m red\u2028line\x85nel\x00nul"
+    r = httpx.post(service.url + "/mrc", timeout=60,
+                   json={"image": _image(), "text_prompt": prompt, "max_new_tokens": 2})
+    assert r.status_code == 200, r.text
+    log = service.text_log()
+    line = next(ln for ln in log.splitlines() if r.json()["request_id"] in ln)
+    for raw in ("\x1b", "\u2028", "\x85", "\x00"):
+        assert raw not in log
+    assert "\\u001b" in line
+
+
+def _requests_total(service: Service) -> Counter[str]:
+    m = parse_metrics(httpx.get(service.url + "/metrics", timeout=10).text)
+    return Counter({dict(labels)["outcome"]: int(v) for (name, labels), v in m.items()
+                    if name == "mrc_requests_total"})
+
+
+def _outcome(status: int) -> str:
+    if status < 400:
+        return "ok"
+    if status in (429, 503):
+        return "overloaded"
+    if status == 504:
+        return "timeout"
+    return "client_error" if status < 500 else "error"
+
+
+def test_every_request_is_counted_once_by_outcome(service: Service) -> None:
+    before = _requests_total(service)
+    image = _image()
+    sent: list[tuple[str, dict[str, object]]] = [
+        ("/mrc", {"content": json.dumps({"image": image, "text_prompt": "what?",
+                                         "max_new_tokens": 2})}),
+        ("/mrc", {"content": b"{not json"}),
+        ("/mrc", {"content": json.dumps({"text_prompt": "no image"})}),
+        ("/mrc", {"content": json.dumps({"image": "@@@", "text_prompt": "bad base64"})}),
+        ("/mrc", {"content": json.dumps({"image": image, "text_prompt": "x" * 100_000})}),
+        ("/mrc", {"content": b"\xff\xfe"}),
+        ("/mrc", {"content": b"[" * 100_000}),
+        ("/mrc", {"content": json.dumps({"image": base64.b64encode(b"not an image").decode(),
+                                         "text_prompt": "in the pipeline"})}),
+        ("/mrc", {"content": b"x" * (4 * MAX_IMAGE)}),
+        ("/mrc/upload", {"files": {"file": ("p.jpg", make_photo(64, 48, 3), "image/jpeg")},
+                         "data": {"text_prompt": "what?", "max_new_tokens": "2"}}),
+        ("/mrc/upload", {"data": {"text_prompt": "no file"}}),
+        ("/mrc/upload", {"content": b"plain", "headers": {"Content-Type": "text/plain"}}),
+    ]
+    statuses: Counter[str] = Counter()
+    for path, kw in sent:
+        headers = kw.pop("headers", None) or (
+            {"Content-Type": "application/json"} if "content" in kw else None)
+        r = httpx.post(service.url + path, timeout=60, headers=headers, **kw)  # type: ignore
+        statuses[_outcome(r.status_code)] += 1
+    assert statuses["ok"] == 2 and statuses["client_error"] == len(sent) - 2, statuses
+    after = _requests_total(service)
+    assert after - before == statuses
