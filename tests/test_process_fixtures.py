@@ -244,14 +244,15 @@ def test_vanished_targets_stop_producing_series_and_release_files(agent: Agent) 
         assert agent.kept(300)  # the live target keeps its files
 
 
-def test_zombie_is_read_as_procfs_shows_it(agent: Agent) -> None:
-    """Today a zombie target keeps its series (frozen ticks, no memory) until it is reaped."""
-    agent.sample("t0")
-    _, out = agent.sample("t1")
+def test_a_zombie_target_is_no_target(agent: Agent) -> None:
+    """A target that exited is gone at once, reaped or not: no series, not counted in
+    mrc_agent_targets (so MRCAgentTargetAbsent can fire)."""
+    ctx, out = agent.sample("t0")
     zombie = ("700", "worker")
-    assert out[USER][zombie] == approx(0.1)  # the 20 ticks it ran before exiting
-    assert out[RSS][zombie] == 0
-    assert out[THREADS][zombie] == 1
+    assert 700 in ctx.processes and zombie in out[RSS]  # alive at t0
+    ctx, out = agent.sample("t1")  # a zombie now
+    assert 700 not in ctx.processes
+    assert all(zombie not in series for series in out.values())
     _, out = agent.sample("t2", [700])
     assert out == {}  # reaped
 

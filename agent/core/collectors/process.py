@@ -3,7 +3,7 @@ context switches, read from ``/proc``.
 
 Ratios need two readings, so a new target shows its counters at once and its ratios from the
 next pass on. A PID whose start time changes is a new process and starts afresh; a target that
-vanished simply stops producing series.
+vanished, or exited and waits as a zombie, simply stops producing series.
 """
 
 from __future__ import annotations
@@ -90,6 +90,10 @@ class ProcessCollector:
 
     def _one(self, ctx: SampleContext, pid: int) -> list[Sample]:
         st = self._procfs.stat(pid)
+        if st.exited:
+            # A zombie has exited: it is no target any more (so "target absent" can fire),
+            # even while its parent has not reaped it.
+            raise ProcessGone(f"{pid} has exited (state {st.state})")
         voluntary, involuntary = self._procfs.context_switches(pid)
         threads = self._procfs.thread_user_ticks(pid) if self._threads else {}
         labels = (str(pid), st.comm)

@@ -35,6 +35,12 @@ class ProcStat:
     num_threads: int
     start_ticks: int  # starttime: ticks after boot; with pid it identifies one process
     rss_bytes: int
+    state: str = "R"  # R, S, D, ... ; Z (zombie) and X (dead) have exited
+
+    @property
+    def exited(self) -> bool:
+        """A zombie or dead process: it has exited and only waits to be reaped."""
+        return self.state in ("Z", "X")
 
 
 def _read(path: str) -> bytes:
@@ -69,6 +75,7 @@ def parse_stat(pid: int, raw: bytes) -> ProcStat:
         num_threads=int(fields[17]),
         start_ticks=int(fields[19]),
         rss_bytes=int(fields[21]) * PAGE_SIZE,
+        state=fields[0].decode("ascii", "replace"),
     )
 
 
