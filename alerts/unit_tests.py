@@ -116,11 +116,11 @@ class AlertTest:
     scenarios: list[Scenario] = field(default_factory=list)
 
 
-AGENT = {"job": "mrc-agent", "instance": "10.0.0.7:9478", "namespace": "mrc", "pod": "mrc-0"}
+AGENT = {"job": "mrc-agent", "instance": "pod-a.mrc:9478", "namespace": "mrc", "pod": "mrc-0"}
 PROC = {**AGENT, "process": "python3"}
 SVC = {"job": "mrc", "namespace": "mrc"}
-PODS = [{**SVC, "instance": "10.0.0.8:8000", "pod": "mrc-0"},
-        {**SVC, "instance": "10.0.0.9:8000", "pod": "mrc-1"}]
+PODS = [{**SVC, "instance": "pod-b.mrc:8000", "pod": "mrc-0"},
+        {**SVC, "instance": "pod-c.mrc:8000", "pod": "mrc-1"}]
 
 
 def gpu(n: int) -> dict[str, str]:
@@ -296,7 +296,7 @@ CASES: dict[str, AlertTest] = {
         Scenario("an agent stops answering; stays firing past the look-back window", "1m", {
             s("up", AGENT): "1x10 0x200",
             s("mrc_agent_build_info", AGENT, **BUILD_INFO): "1x10 stale",
-            s("up", {**AGENT, "job": "node", "instance": "10.0.0.7:9100"}): "0x200",
+            s("up", {**AGENT, "job": "node", "instance": "pod-a.mrc:9100"}): "0x200",
         }, [At("15m", []), At("16m", [Fire(AGENT, 0)]), At("3h", [Fire(AGENT, 0)])]),
         Scenario("down for 20 minutes, then back", "1m", {
             s("up", AGENT): "1x10 0x19 1x20",
@@ -305,7 +305,7 @@ CASES: dict[str, AlertTest] = {
         Scenario("an agent down for 4 minutes; a non-agent target down", "1m", {
             s("up", AGENT): "1x10 0x3 1x20",
             s("mrc_agent_build_info", AGENT, **BUILD_INFO): "1x10 stale _x2 1x20",
-            s("up", {**AGENT, "job": "node", "instance": "10.0.0.7:9100"}): "0x40",
+            s("up", {**AGENT, "job": "node", "instance": "pod-a.mrc:9100"}): "0x40",
         }, [At("14m", []), At("30m", [])]),
     ]),
     "MRCAgentCollectorDown": AlertTest("1m", [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -128,3 +129,17 @@ def series(metrics: dict[tuple[str, frozenset[tuple[str, str]]], float], name: s
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where the reference service builds its embedded model: once per test session."""
     return tmp_path_factory.mktemp("mrc-cache")
+
+
+def isolated_network() -> bool:
+    """Whether this process sees loopback alone (a fresh ``unshare -n`` namespace)."""
+    return [name for _, name in socket.if_nameindex()] == ["lo"]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test that names a private or link-local address runs only where no packet can leave
+    the machine; anywhere else it fails (never skips) and says how to run it."""
+    if item.get_closest_marker("netns") is not None and not isolated_network():
+        pytest.fail("this test names private or link-local addresses: run it in a network "
+                    "namespace with loopback alone, as .ci/run does: unshare -n sh -c 'ip link "
+                    "set lo up && python3 -m pytest -m netns tests'", pytrace=False)

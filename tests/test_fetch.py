@@ -26,6 +26,11 @@ from reference_service.fetch import (
 )
 from reference_service.settings import Settings
 
+#: These tests name private, link-local and public addresses as fetch targets: they run only
+#: in a network namespace with loopback alone, so a regression cannot send a packet off the
+#: machine (.ci/run runs them under unshare -n).
+pytestmark = pytest.mark.netns
+
 BODY = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8  # 2056 bytes; only the bytes matter here
 
 

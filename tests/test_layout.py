@@ -9,6 +9,7 @@ functions), so a lazy import counts as much as a top-level one.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,19 @@ def test_no_two_public_classes_share_a_name() -> None:
             if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
                 where.setdefault(node.name, []).append(module)
     assert {name: mods for name, mods in where.items() if len(mods) > 1} == {}
+
+
+_PRIVATE = re.compile(r"\b(10\.\d+\.\d+\.\d+|192\.168\.\d+\.\d+|172\.(1[6-9]|2\d|3[01])\.\d+\.\d+|"
+                      r"169\.254\.\d+\.\d+)\b|\[?fe80:")
+
+
+def test_tests_naming_private_addresses_run_in_a_namespace() -> None:
+    """A test module that names a private or link-local address marks those tests ``netns``
+    (.ci/run runs them under unshare -n, with loopback alone)."""
+    for path in sorted((REPO / "tests").glob("*.py")):
+        if path.name == "test_layout.py":
+            continue
+        text = path.read_text()
+        if _PRIVATE.search(text):
+            assert "pytest.mark.netns" in text, f"{path.name} names a private address"
+    assert "unshare -n" in (REPO / ".ci" / "run").read_text()
