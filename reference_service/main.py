@@ -130,7 +130,7 @@ def create_app(settings: Settings | None = None, loader: Loader | None = None) -
                 r.set_status(status)
 
     app.add_middleware(BodyLimit, max_bytes=max_encoded_len(settings.max_image_bytes) + 65536,
-                       on_refuse=lambda path: count_refused(path, 413))
+                       on_refuse=count_refused)
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
@@ -159,8 +159,10 @@ def create_app(settings: Settings | None = None, loader: Loader | None = None) -
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         count_refused(request.url.path, 500, exc)
         log.exception("unhandled error on %s", request.url.path)
+        # The server closes the connection after an unhandled error: say so, so that a
+        # client's next request does not fail on a connection it believes kept alive.
         return JSONResponse({"error": {"code": "internal", "message": "internal error"}},
-                            status_code=500)
+                            status_code=500, headers={"Connection": "close"})
 
     return app
 

@@ -19,10 +19,10 @@ class BodyTooLarge(Exception):
 
 
 class BodyLimit:
-    """``on_refuse(path)`` is called for every request refused here (to count it)."""
+    """``on_refuse(path, status)`` is called for every request refused here (to count it)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int,
-                 on_refuse: Callable[[str], None] | None = None) -> None:
+                 on_refuse: Callable[[str, int], None] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.on_refuse = on_refuse
@@ -30,6 +30,14 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        names = {name for name, _ in scope.get("headers", [])}
+        if b"content-length" in names and b"transfer-encoding" in names:
+            # Two framings that disagree: behind some proxies, a request-smuggling attempt.
+            if self.on_refuse is not None:
+                self.on_refuse(scope.get("path", ""), 400)
+            await self._send_error(send, 400, "bad_request", "a request may not carry both "
+                                   "Content-Length and Transfer-Encoding")
             return
         for name, value in scope.get("headers", []):
             if name == b"content-length" and (not value.isdigit()
@@ -60,13 +68,16 @@ class BodyLimit:
             if not started:
                 await self._refuse(send, scope.get("path", ""))
 
-    async def _refuse(self, send: Send, path: str = "") -> None:
-        if self.on_refuse is not None:
-            self.on_refuse(path)
-        body = json.dumps({"error": {"code": "image_too_large", "message":
-                                     f"the request body is over {self.max_bytes} bytes"}}).encode()
-        await send({"type": "http.response.start", "status": 413,
+    async def _send_error(self, send: Send, status: int, code: str, message: str) -> None:
+        body = json.dumps({"error": {"code": code, "message": message}}).encode()
+        await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+    async def _refuse(self, send: Send, path: str = "") -> None:
+        if self.on_refuse is not None:
+            self.on_refuse(path, 413)
+        await self._send_error(send, 413, "image_too_large",
+                               f"the request body is over {self.max_bytes} bytes")

@@ -140,3 +140,22 @@ def test_every_request_is_counted_once_by_outcome(service: Service) -> None:
     assert statuses["ok"] == 2 and statuses["client_error"] == len(sent) - 2, statuses
     after = _requests_total(service)
     assert after - before == statuses
+
+
+def test_content_length_with_transfer_encoding_is_refused(service: Service) -> None:
+    import socket
+
+    before = _requests_total(service)
+    raw = (b"POST /mrc HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", service.port), timeout=10) as s:
+        s.sendall(raw)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head = data.split(b"\r\n\r\n", 1)[0].lower()
+    if head.startswith(b"http/1.1 400"):
+        assert b"connection: close" in head
+    else:  # the HTTP parser itself may refuse it first: never a 2xx
+        assert not head.startswith(b"http/1.1 2"), head
+    assert (_requests_total(service) - before) in (Counter({"client_error": 1}), Counter())
