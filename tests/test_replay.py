@@ -97,3 +97,20 @@ def test_absent_sections_are_unavailable_not_zero(tmp_path) -> None:
     assert err.value.reason == "gpm_unsupported"
     with pytest.raises(SourceUnavailable):
         backend.sample_profiling()
+
+
+def test_a_gpu_that_appears_later_is_absent_until_then(tmp_path) -> None:
+    rows = [{"t": t, "gpu": 0, "gpu_util": 0.5, "nvlink_tx_bytes_total": 10 * t}
+            for t in (0, 1, 2, 3)]
+    rows += [{"t": t, "gpu": 1, "gpu_util": 0.9, "nvlink_tx_bytes_total": 7 * t} for t in (2.5, 3)]
+    clock = Clock()
+    backend = ReplayBackend(_write(tmp_path, rows), clock=clock)
+    clock.t = 1000.0 + 1.0
+    assert [s.gpu.index for s in backend.sample_devices()] == [0]
+    clock.t = 1000.0 + 2.6
+    assert [s.gpu.index for s in backend.sample_devices()] == [0, 1]
+    # In the next loop it stays (its last reading) until the recording reaches it again, and
+    # its counter never goes back.
+    clock.t = 1000.0 + backend.period + 0.5
+    late = {s.gpu.index: s for s in backend.sample_devices()}
+    assert set(late) == {0, 1} and (late[1].nvlink_tx_bytes_total or 0) >= 21

@@ -466,3 +466,11 @@ def test_pure_helpers() -> None:
     assert legend_for("{{pod}} GPU {{gpu}}", {}) == "GPU"
     assert heat_colour(0, 10) == "#73bf69" and heat_colour(10, 10) == "#f2495c"
     assert heat_colour(99, 10) == heat_colour(10, 10)
+
+
+def test_malformed_range_points_never_end_in_a_traceback() -> None:
+    from agent.tools.report.data import points
+
+    assert points([[1.0, "0.5"], ["x", "1"], [2, "NaN"], [3], "junk", [4, "oops"], [5, "1e3"]]) \
+        == [(1.0, 0.5), (2.0, None), (4.0, None), (5.0, 1000.0)]
+    assert points(None) == [] and points({"not": "a list"}) == []

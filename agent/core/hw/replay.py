@@ -213,14 +213,18 @@ class ReplayBackend:
         loop, pos = self._position(self._clock())
         out = []
         for _, trace in sorted(self._gpus.items()):
-            idx = max(bisect.bisect_right(trace.times, pos) - 1, 0)
+            idx, lp = bisect.bisect_right(trace.times, pos) - 1, loop
+            if idx < 0:
+                if loop == 0:
+                    continue  # the GPU appears later in the recording: not there yet
+                idx, lp = len(trace.times) - 1, loop - 1  # still the previous loop's last
             values: dict[str, float] = {}
             for key, value in trace.records[idx].items():
                 spec = TRACE_FIELDS[key]
                 if spec[0] != kind:
                     continue
                 if spec[2] == "counter":
-                    value += loop * trace.loop_increment.get(key, 0.0)
+                    value += lp * trace.loop_increment.get(key, 0.0)
                 values[spec[1]] = value
             out.append((trace.identity, values))
         return out

@@ -8,7 +8,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agent.tools.report.charts import HEATMAP_TITLE, ChartSpec, chart_specs, heatmap_query
 from agent.tools.report.prom import (
@@ -122,6 +122,20 @@ def legend_for(template: str, labels: dict[str, str]) -> str:
     return "{" + ", ".join(f'{k}="{v}"' for k, v in sorted(shown.items())) + "}"
 
 
+def points(values: Any) -> list[tuple[float, float | None]]:
+    """A range result's ``[[time, "value"], ...]`` as (time, value) pairs; a malformed point (not
+    a pair, a time that is not a finite number) is dropped, a value that is not a finite number
+    is a gap (None). What a server sends never ends in a traceback."""
+    out: list[tuple[float, float | None]] = []
+    for point in values if isinstance(values, list) else []:
+        if not isinstance(point, (list, tuple)) or len(point) != 2:
+            continue
+        t = _value(point[0])
+        if t is not None:
+            out.append((t, _value(point[1])))
+    return out
+
+
 def collect(client: PromClient, opts: ReportOptions, now: float | None = None) -> Report:
     """Run every query of the report against Prometheus. Raises :class:`Unreachable`."""
     version = client.version()
@@ -156,7 +170,7 @@ def collect(client: PromClient, opts: ReportOptions, now: float | None = None) -
                 data.errors.append(f"{query.legend or query.expr}: {exc}")
                 continue
             found = [Series(legend_for(query.legend, r.get("metric", {})),
-                            [(float(t), _value(v)) for t, v in r.get("values", [])])
+                            points(r.get("values")))
                      for r in result]
             if not any(s.finite for s in found):
                 data.empty_queries.append(legend_for(query.legend, {}) or query.expr)
@@ -172,9 +186,11 @@ def collect(client: PromClient, opts: ReportOptions, now: float | None = None) -
     heat = HeatmapData()
     try:
         for r in client.query(expr(heatmap_query(opts.cfg)), end):
-            labels = r.get("metric", {})
+            labels = r.get("metric")
+            labels = labels if isinstance(labels, dict) else {}
             res, prompt = labels.get("resolution", ""), labels.get("prompt_length", "")
-            value = _value((r.get("value") or [None, None])[1])
+            point = points([r.get("value")])
+            value = point[0][1] if point else None
             if res not in RESOLUTION_ORDER or prompt not in PROMPT_LENGTH_ORDER:
                 heat.other.append(f"{res} x {prompt}")
             elif value is not None:
