@@ -327,3 +327,15 @@ def test_payload_validation() -> None:
                 json.dumps({**payload(), "commonLabels": {"a": 1}})):
         with pytest.raises(WebhookError):
             parse_webhook(bad if isinstance(bad, bytes) else bad.encode())
+
+
+def test_a_capture_larger_than_the_byte_limit_is_reported_as_such(tmp_path: Path,
+                                                                   procs: Procs) -> None:
+    p = procs.spawn(PTRACER_ANY + IDLE)
+    cfg = AgentConfig(pids=[p.pid], gpu_backend="none", capture_duration=1.0)
+    store = CaptureStore(str(tmp_path / "c"), 10, 1024, 3600)  # 1 KiB: any capture is more
+    manager = CaptureManager(cfg, store, Runner([], TargetResolver([p.pid]), 1.0))
+    assert manager.request("MRCGPUStarved", p.pid)[0] == "accepted"
+    manager.wait(60)
+    assert manager.counts["too_large"] == 1 and manager.counts["completed"] == 0
+    assert store.ids() == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 from collections import Counter, deque
@@ -16,7 +17,7 @@ from agent.core.collectors.base import Collector
 from agent.core.config import AgentConfig, ConfigError
 from agent.core.runner import Runner
 from agent.core.sample import readings
-from agent.tools.capture.store import CaptureStore, _iso
+from agent.tools.capture.store import CaptureStore, _iso, capture_bytes
 from agent.tools.diagnose.command import diagnose
 from agent.tools.diagnose.pyspy import PySpyError
 from agent.tools.diagnose.sampling import Borrowed
@@ -122,6 +123,15 @@ class CaptureManager:
         try:
             result = diagnose(self.cfg, pid, out, self.duration, CAPTURE_INTERVAL,
                               collectors=names, extra=extra, cancel=self._cancel)
+            size = capture_bytes(self.store, cid)
+            if size > self.store.max_bytes:
+                # Alone it is over what the captures may use: the limits would delete it at
+                # once, so say so instead of reporting a capture nobody can fetch.
+                shutil.rmtree(out, ignore_errors=True)
+                self.count("too_large")
+                log.warning("capture %s was %d bytes, more than the %d the captures may use "
+                            "(--capture-max-bytes): deleted", cid, size, self.store.max_bytes)
+                return
             self.store.update(cid, status="completed", verdict=result.verdict,
                               summary=result.report["summary"], finished_at=_iso(time.time()))
             self.count("completed")

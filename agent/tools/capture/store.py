@@ -164,6 +164,11 @@ class CaptureStore:
         return deleted
 
 
+def capture_bytes(store: CaptureStore, cid: str) -> int:
+    """Bytes the capture ``cid`` takes on disk (0 when it is gone)."""
+    return _size(os.path.join(store.root, cid))
+
+
 def _size(path: str) -> int:
     total = 0
     try:
