@@ -331,3 +331,14 @@ def test_a_thread_waiting_for_a_cpu_still_counts_as_hot() -> None:
     assert run is not None
     assert analyse_cpu([], 7, 0.9, run)["hot"]
     assert not analyse_cpu([], 7, 0.9, {**run, "runnable_ratio": 0.5})["hot"]
+
+
+def test_a_target_that_exits_mid_window_is_inconclusive(tmp_path: Path, procs: Procs) -> None:
+    p = procs.spawn(PTRACER_ANY + BUSY, 1.5)  # busy, then gone 1.5 s into a 4 s window
+    out = tmp_path / "d"
+    r = mrc("diagnose", "--pid", str(p.pid), "--duration", "4", "--gpu-backend", "none",
+            "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rep = report(out)
+    assert rep["verdict"] == "inconclusive", rep["summary"]
+    assert "exited" in rep["summary"]

@@ -15,16 +15,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from agent.core.collectors import process
 from agent.core.collectors.base import Collector
 from agent.core.config import AgentConfig, ConfigError
-from agent.core.hw.procfs import ProcFS
+from agent.core.hw.procfs import ProcessGone, ProcFS
 from agent.core.runner import Runner
-from agent.core.sample import Snapshot
+from agent.core.sample import Snapshot, first
 from agent.core.targets import TargetResolver
 from agent.tools.diagnose.pyspy import PY_SPY_RATE, PySpy, PySpyError, find_py_spy
 from agent.tools.diagnose.sampling import IdleWindows, _Watched, runnable
 from agent.tools.diagnose.stacks import image_share, parse_collapsed, thread_samples, top_functions
-from agent.tools.diagnose.verdict import Rules, analyse_cpu, analyse_gpu, decide
+from agent.tools.diagnose.verdict import Rules, Verdict, analyse_cpu, analyse_gpu, decide
 from agent.tools.diagnose.writers import FILES, render_text, write_golden_triangle, write_samples
 
 EXIT_OK, EXIT_PY_SPY = 0, 1
@@ -103,8 +104,11 @@ def diagnose(
         except BaseException:
             spy.kill()
             raise
-        hottest_runnable = runnable(sched_before, ProcFS().thread_schedstat(pid),
-                                    time.monotonic() - sched_t0)
+        try:
+            sched_after = ProcFS().thread_schedstat(pid)
+        except ProcessGone:  # it exited in the window
+            sched_after = {}
+        hottest_runnable = runnable(sched_before, sched_after, time.monotonic() - sched_t0)
         spy.stop()
     finally:
         sources.close()
@@ -128,6 +132,12 @@ def diagnose(
     cpu = analyse_cpu(snaps, pid, cfg.starvation_cpu_threshold, hottest_runnable)
     gpu = analyse_gpu(snaps, pid, idle, reasons, start)
     verdict = decide(cpu, gpu, stack_info, rules)
+    exited = _exited_at(snaps, pid, start_wall)
+    if exited is not None:
+        # What was measured covers only part of the window (or none): no verdict from it.
+        verdict = Verdict("inconclusive", f"the target exited {exited:.1f} s into the window; "
+                          "too little to decide", [f"the target's last sample is {exited:.1f} s "
+                                                   "into the window", *verdict.evidence])
     write_samples(paths["samples"], snaps, start_wall)
     write_golden_triangle(paths["golden_triangle"], snaps, pid, start_wall)
     report: dict[str, Any] = {
@@ -154,6 +164,15 @@ def diagnose(
     with open(paths["report_txt"], "w", encoding="utf-8") as f:
         f.write(render_text(report))
     return Diagnosis(out_dir, report)
+
+
+def _exited_at(snaps: Sequence[Snapshot], pid: int, start_wall: float) -> float | None:
+    """Seconds into the window of the target's last sample, when it is missing from the last
+    pass (it exited or was reaped); None while it is still there."""
+    present = [s for s in snaps if first(s, process.THREADS, pid=str(pid)) is not None]
+    if snaps and present and present[-1] is snaps[-1]:
+        return None
+    return (present[-1].timestamp - start_wall) if present else 0.0
 
 
 def run_diagnose_command(args: Any) -> int:

@@ -15,7 +15,9 @@ from agent.core.sample import Reading, Snapshot, readings
 from agent.tools.diagnose.sampling import IdleWindows, _WindowTracker
 from exporters.exposition.snapshot import MetricSpec
 
-VERDICTS = ("preprocessing-bound", "cpu-bound", "transfer-bound", "memory-bound", "healthy")
+#: The verdicts; ``inconclusive`` when the target exited before the window's end.
+VERDICTS = ("preprocessing-bound", "cpu-bound", "transfer-bound", "memory-bound", "healthy",
+            "inconclusive")
 
 
 @dataclass(frozen=True)
