@@ -549,3 +549,12 @@ def test_errors_raised_in_the_pool_reach_the_caller(settings: Settings) -> None:
         pool.shutdown()
 
     asyncio.run(main())
+
+
+def test_pillows_bomb_guard_speaks_of_the_configured_limit(settings: Settings) -> None:
+    # 100 MP: over Pillow's own threshold (~89 MP), so Pillow refuses first; the message still
+    # quotes the service's configured limit, not the image library's.
+    e = err(lambda: P.probe(png_header_only(10000, 10000), settings))
+    assert (e.status, e.code) == (413, "decompression_bomb")
+    assert "100000000 pixels" in e.message and "50000000-pixel limit" in e.message
+    assert str(Image.MAX_IMAGE_PIXELS) not in e.message

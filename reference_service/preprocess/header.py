@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 import struct
 import threading
 import warnings
@@ -71,7 +72,14 @@ def _open(data: bytes, settings: Settings) -> Image.Image:
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ServiceError.of("decompression_bomb", f"refused before decoding: {e}") from e
+        # Pillow's own guard fired first; say it in the service's terms, with the limit the
+        # service is configured with (Pillow's is a backstop above it).
+        m = re.search(r"\((\d+) pixels\)", str(e))
+        size = f"image is {m[1]} pixels" if m else "image is too large"
+        limit = min(settings.max_image_pixels, int(Image.MAX_IMAGE_PIXELS or 0) or
+                    settings.max_image_pixels)
+        raise ServiceError.of("decompression_bomb", f"{size}, over the {limit}-pixel limit "
+                              "(refused before decoding)") from e
     except UnidentifiedImageError as e:
         fmt = _sniff(data)
         if (fmt == "PNG" and len(data) >= 24 and data[12:16] == b"IHDR"
