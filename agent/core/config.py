@@ -16,7 +16,7 @@ import argparse
 import os
 import re
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -494,7 +494,15 @@ def load(cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
 _FLAG_TYPES: dict[Callable[[Any, Any], Any], Callable[[str], Any]] = {_float: float, _whole: int}
 
 
-def _show(value: Any) -> str:
+def default_text(name: str) -> str | None:
+    """How ``--help`` and ``docs/settings.md`` show setting ``name``'s default; None when it
+    has none."""
+    value = default_of(name)
+    if value in (None, [], ""):
+        return None
+    spec = SETTINGS[name]
+    if spec.default_text:
+        return spec.default_text
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     if isinstance(value, dict):
@@ -502,37 +510,27 @@ def _show(value: Any) -> str:
     return str(value)
 
 
-def add_flags(parser: argparse.ArgumentParser, command: str,
-              defaults: Mapping[str, Any] | None = None,
-              only: Iterable[str] | None = None) -> None:
+def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
     """Add ``command``'s setting flags (and ``--config``) to ``parser``. Flag defaults are None,
-    so only the flags given override the environment and the file; ``defaults`` names values
-    that stand in for the setting's own default in this command's ``--help``."""
-    defaults = defaults or {}
-    wanted = set(only) if only is not None else None
+    so only the flags given override the environment and the file."""
     parser.add_argument("--config", metavar="PATH",
                         help=f"YAML config file (env {CONFIG_ENV})")
     groups: dict[str, Any] = {}
     for spec in SETTINGS.values():
         if command not in spec.commands or spec.flag_name is None:
             continue
-        if wanted is not None and spec.name not in wanted:
-            continue
         target: Any = parser
         if spec.group:
             target = groups.get(spec.group) or groups.setdefault(
                 spec.group, parser.add_argument_group(spec.group))
-        default = defaults.get(spec.name, default_of(spec.name))
-        text_default = spec.default_text if spec.name not in defaults else None
-        shown = f" (default {text_default or _show(default)})" if default not in (
-            None, [], "") else ""
-        text = f"{spec.help}{shown}; env {spec.env}"
+        shown = default_text(spec.name)
+        text = f"{spec.help}{f' (default {shown})' if shown else ''}; env {spec.env}"
         if spec.name == "collectors":
             names = list(COLLECTOR_NAMES)
             target.add_argument("--collector", dest="enable", action="append", default=[],
                                 choices=names, metavar="NAME",
                                 help=f"switch a collector on (repeatable: {', '.join(names)}; "
-                                     f"default {_show(default)}; env {spec.env}=profiling,-gpm)")
+                                     f"default {shown}; env {spec.env}=profiling,-gpm)")
             target.add_argument("--no-collector", dest="disable", action="append", default=[],
                                 choices=names, metavar="NAME",
                                 help=f"switch a collector off (repeatable; env {spec.env})")

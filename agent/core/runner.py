@@ -123,7 +123,7 @@ class Runner:
     def not_ready_reason(self) -> str | None:
         """None while sampling is current; else why ``/readyz`` answers 503: no pass yet, the
         last pass failed, or none completed within :data:`STALE_INTERVALS` intervals."""
-        if not self.ready.is_set() or self._last_end is None:
+        if self._last_end is None:
             return "no sample taken yet"
         if self._failed:
             return f"the last sampling pass failed: {self._failed}"

@@ -5,7 +5,6 @@ their GPU backend and collectors here. Nothing happens at import.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -25,8 +24,6 @@ from exporters.exposition.snapshot import SnapshotCollector
 if TYPE_CHECKING:
     from agent.core.hw.nvml import NvmlBackend
     from agent.core.hw.replay import ReplayBackend
-
-log = logging.getLogger(__name__)
 
 #: How often the lazily built CUPTI sampler reads the performance monitors by default.
 PROFILING_INTERVAL_S = 0.1
@@ -73,12 +70,10 @@ def build_collectors(cfg: AgentConfig, sources: Sources,
     return [d.factory(ctx) for name, d in BY_NAME.items() if name in wanted]
 
 
-def build_runner(cfg: AgentConfig, sources: Sources,
-                 collectors: list[Collector] | None = None) -> Runner:
+def build_runner(cfg: AgentConfig, sources: Sources) -> Runner:
     targets = TargetResolver(cfg.pids, cfg.pidfile, cfg.process_name)
-    if collectors is None:
-        collectors = build_collectors(cfg, sources)
-    return Runner(collectors, targets, cfg.interval, finishers=PASS_FINISHERS)
+    return Runner(build_collectors(cfg, sources), targets, cfg.interval,
+                  finishers=PASS_FINISHERS)
 
 
 def build_registry(runner: Runner) -> CollectorRegistry:

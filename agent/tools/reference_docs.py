@@ -8,7 +8,7 @@ import sys
 
 from agent.core.catalog import CATALOG
 from agent.core.collectors import COLLECTORS
-from agent.core.config import CONFIG_ENV, SETTINGS, default_of
+from agent.core.config import CONFIG_ENV, SETTINGS, default_text
 
 HEADER = """# Metric catalogue
 
@@ -53,20 +53,6 @@ A bad value is one line on stderr and exit code 2.
 """
 
 
-def _default(name: str) -> str:
-    spec = SETTINGS[name]
-    if spec.default_text:
-        return spec.default_text
-    value = default_of(name)
-    if isinstance(value, dict):
-        return ",".join(n for n, on in value.items() if on)
-    if value in (None, [], ""):
-        return "-"
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
-
-
 def render_settings() -> str:
     lines = [SETTINGS_HEADER.format(config_env=CONFIG_ENV),
              "| key | flag | environment | default | commands | meaning |",
@@ -82,7 +68,7 @@ def render_settings() -> str:
         env = ", ".join(f"`{e}`" for e in (spec.env, *spec.aliases))
         key = "-" if spec.env_only else f"`{spec.name}`"
         commands = ", ".join(spec.commands) or "run (environment only)"
-        row = [key, flag, env, f"`{_default(spec.name)}`", commands, spec.help]
+        row = [key, flag, env, f"`{default_text(spec.name) or '-'}`", commands, spec.help]
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
     return "\n".join(lines) + "\n"
 

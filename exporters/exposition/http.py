@@ -40,10 +40,6 @@ from exporters.render import content_type, render, wants_gzip
 
 log = logging.getLogger(__name__)
 
-#: Seconds a client may take to send a request body (kept for the routes' documentation).
-BODY_READ_TIMEOUT_S = 10.0
-
-
 @dataclass(frozen=True)
 class Limits:
     """What one client may cost, and why these values.
@@ -53,7 +49,8 @@ class Limits:
     ``idle_timeout_s`` 120: longer than any sane scrape interval (Prometheus reuses the
     connection between scrapes), short enough that abandoned connections go.
     ``head_timeout_s`` 10 and ``max_head_bytes`` 16 KiB: a request line and headers arrive at
-    once from real clients; a slow-loris client is cut. ``write_timeout_s`` 10: a client that
+    once from real clients; a slow-loris client is cut. ``body_timeout_s`` 10: a webhook body
+    of at most 1 MiB arrives in well under a second. ``write_timeout_s`` 10: a client that
     does not read its answer is dropped. ``linger_s``/``linger_bytes``: how long, and how much,
     of an unread request body is drained after an early error answer.
     """
@@ -61,7 +58,7 @@ class Limits:
     max_connections: int = 256
     idle_timeout_s: float = 120.0
     head_timeout_s: float = 10.0
-    body_timeout_s: float = BODY_READ_TIMEOUT_S
+    body_timeout_s: float = 10.0
     write_timeout_s: float = 10.0
     max_head_bytes: int = 16 * 1024
     max_headers: int = 100

@@ -24,6 +24,7 @@ class Sources:
     owned: tuple[Closable, ...] = ()
 
     def close(self) -> None:
-        """Close every owned part once (one object may be several sources)."""
-        for part in {id(p): p for p in self.owned}.values():
+        """Close what was opened for these sources (one object may be several sources, and
+        is listed once)."""
+        for part in self.owned:
             part.close()

@@ -17,7 +17,7 @@ from agent.core.collectors.base import Collector
 from agent.core.config import AgentConfig, ConfigError
 from agent.core.runner import Runner
 from agent.core.sample import readings
-from agent.tools.capture.store import CaptureStore, _iso, capture_bytes
+from agent.tools.capture.store import CaptureStore, _iso
 from agent.tools.diagnose.command import diagnose
 from agent.tools.diagnose.pyspy import PySpyError
 from agent.tools.diagnose.sampling import Borrowed
@@ -123,7 +123,7 @@ class CaptureManager:
         try:
             result = diagnose(self.cfg, pid, out, self.duration, CAPTURE_INTERVAL,
                               collectors=names, extra=extra, cancel=self._cancel)
-            size = capture_bytes(self.store, cid)
+            size = self.store.bytes_of(cid)
             if size > self.store.max_bytes:
                 # Alone it is over what the captures may use: the limits would delete it at
                 # once, so say so instead of reporting a capture nobody can fetch.

@@ -129,9 +129,13 @@ class CaptureStore:
             return None
         return full
 
+    def bytes_of(self, cid: str) -> int:
+        """Bytes the capture ``cid`` takes on disk (0 when it is gone)."""
+        return _size(os.path.join(self.root, cid))
+
     def usage(self) -> tuple[int, int]:
         ids = self.ids()
-        return len(ids), sum(_size(os.path.join(self.root, c)) for c in ids)
+        return len(ids), sum(self.bytes_of(c) for c in ids)
 
     def prune(self, keep: Sequence[str] = (), room_for: int = 0) -> list[str]:
         """Delete captures past retention, then the oldest until at most ``max_count -
@@ -162,11 +166,6 @@ class CaptureStore:
         if deleted:
             log.info("captures deleted (retention/limits): %s", ", ".join(deleted))
         return deleted
-
-
-def capture_bytes(store: CaptureStore, cid: str) -> int:
-    """Bytes the capture ``cid`` takes on disk (0 when it is gone)."""
-    return _size(os.path.join(store.root, cid))
 
 
 def _size(path: str) -> int:
