@@ -40,6 +40,9 @@ class Settings:
     max_new_tokens_limit: int = 256
     #: A corrupted stream that hangs the decoder is cut after this long (504).
     decode_timeout_s: float = 10.0
+    #: Reading an image's header takes microseconds; one that takes longer than this is a
+    #: crafted stream (19 MB of JPEG fill bytes, a million empty PNG chunks) and gets 422.
+    header_timeout_s: float = 1.0
 
     # --- image_url fetching ---
     #: Empty: any public host. Otherwise only these host names.
