@@ -44,7 +44,31 @@ def _default_loader(settings: Settings, progress: Callable[[str], None]) -> Any:
     return load_vlm(settings, progress=progress)
 
 
+#: glibc's ``mallopt`` parameter number for the mmap threshold (malloc.h: M_MMAP_THRESHOLD).
+_M_MMAP_THRESHOLD = -3
+
+
+def return_large_frees_to_the_os(threshold: int = 4 << 20) -> bool:
+    """Serve allocations of ``threshold`` bytes and more with their own mappings, so that freeing
+    a decoded photo gives its memory back to the system.
+
+    glibc raises its mmap threshold each time a mapped chunk is freed (up to 32 MB), after
+    which the 16 MB blocks Pillow decodes into come from the heap and stay there: six
+    7000x7000 RGBA decodes left about 1 GB resident for good. A fixed threshold stops that
+    (benchmarks/bench_image_memory.py: 0-1 MB left instead). Not glibc: nothing to do, False.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
+
+
 def build_state(settings: Settings) -> ServiceState:
+    return_large_frees_to_the_os()
     ocr: OCR | None = None
     if settings.ocr != "off":
         candidate = OCR()
@@ -62,6 +86,7 @@ def build_state(settings: Settings) -> ServiceState:
         admission=Admission(settings.max_concurrency, settings.max_queue,
                             settings.retry_after_s),
         decode_pool=DecodePool(settings.preprocess_workers),
+        header_pool=DecodePool(settings.preprocess_workers, name="mrc-header"),
         model_pool=ThreadPoolExecutor(settings.max_concurrency, thread_name_prefix="mrc-model"),
         ocr_pool=ThreadPoolExecutor(settings.max_concurrency, thread_name_prefix="mrc-ocr"),
         ocr=ocr,
@@ -114,6 +139,7 @@ def create_app(settings: Settings | None = None, loader: Loader | None = None) -
             state.model_pool.shutdown(wait=False, cancel_futures=True)
             state.ocr_pool.shutdown(wait=False, cancel_futures=True)
             state.decode_pool.shutdown()
+            state.header_pool.shutdown()
             mark_process_dead()  # multiprocess mode: this worker's live gauges stop counting
 
     app = FastAPI(title="MRC reference service", version="0.1.0", lifespan=lifespan)

@@ -20,7 +20,7 @@ from reference_service.errors import ServiceError
 from reference_service.fetch import fetch_image
 from reference_service.logs import log_request
 from reference_service.ocr import OCRError
-from reference_service.preprocess import preprocess_async, probe
+from reference_service.preprocess import preprocess_async, probe_async
 from reference_service.state import ServiceState
 
 #: OCR text is added to the prompt as context for the model; long page dumps are cut so the
@@ -106,7 +106,7 @@ async def _run(state: ServiceState, req: MRCRequest, r: Any,
                     metrics.chain_break("fetch")
                 raise
     assert data is not None
-    fmt, width, height = probe(data, settings)
+    fmt, width, height = await probe_async(state.header_pool, data, settings)
     r.set_image(width, height)
     key = make_key(data, req.prompt, vlm.info.model_id, vlm.info.revision,
                    {"max_new_tokens": req.max_new_tokens, "ocr": state.ocr_on})

@@ -22,6 +22,9 @@ class ServiceState:
     cache: AnswerCache[dict[str, Any]]
     admission: Admission
     decode_pool: DecodePool
+    #: Header probes, on threads of their own: a crafted header never waits behind decodes,
+    #: and decodes never wait behind crafted headers.
+    header_pool: DecodePool
     #: Runs generate (the model serialises calls itself) and OCR off the event loop.
     model_pool: ThreadPoolExecutor
     ocr_pool: ThreadPoolExecutor

@@ -161,3 +161,67 @@ def test_content_length_with_transfer_encoding_is_refused(service: Service) -> N
     else:  # the HTTP parser itself may refuse it first: never a 2xx
         assert not head.startswith(b"http/1.1 2"), head
     assert (_requests_total(service) - before) in (Counter({"client_error": 1}), Counter())
+
+
+def test_a_crafted_header_does_not_freeze_the_service(service: Service) -> None:
+    """1.9 MB of JPEG fill bytes take Pillow about a second to walk; on the event loop that
+    second froze /health. Now the walk runs on a header thread and /health answers throughout."""
+    import threading
+
+    crafted = b"\xff\xd8" + b"\xff" * (MAX_IMAGE - 200_000)
+    answer: dict[str, httpx.Response] = {}
+
+    def upload() -> None:
+        answer["r"] = httpx.post(service.url + "/mrc/upload", timeout=60,
+                                 files={"file": ("c.jpg", crafted, "image/jpeg")},
+                                 data={"text_prompt": "what is this?"})
+
+    t = threading.Thread(target=upload)
+    t.start()
+    during = 0
+    with httpx.Client(timeout=30) as client:
+        while t.is_alive():
+            if client.get(service.url + "/health").status_code == 200 and t.is_alive():
+                during += 1
+    t.join()
+    r = answer["r"]
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["code"] == "image_corrupt"
+    assert during >= 5, during
+
+
+def test_a_form_field_that_is_not_utf8_is_400(service: Service) -> None:
+    boundary = b"b0undary"
+    body = (b"--" + boundary + b'\r\nContent-Disposition: form-data; name="text_prompt"\r\n\r\n'
+            b"caf\xe9?\r\n--" + boundary + b'\r\nContent-Disposition: form-data; name="file"; '
+            b'filename="p.jpg"\r\nContent-Type: image/jpeg\r\n\r\n' + make_photo(64, 48, 3)
+            + b"\r\n--" + boundary + b"--\r\n")
+    before = _requests_total(service)
+    r = httpx.post(service.url + "/mrc/upload", content=body, timeout=60,
+                   headers={"Content-Type": "multipart/form-data; boundary=b0undary"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "invalid_utf8" and "'text_prompt'" in err["message"]
+    assert _requests_total(service) - before == Counter({"client_error": 1})
+    # The same bytes, declared Latin-1 by the client, are what it says they are.
+    r = httpx.post(service.url + "/mrc/upload", timeout=60, content=body, headers={
+        "Content-Type": "multipart/form-data; boundary=b0undary; charset=latin-1"})
+    assert r.status_code == 200, r.text
+
+
+def test_a_jpeg_shorter_than_its_header_claims_is_422(service: Service) -> None:
+    import io
+    import struct
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 10, 10)).save(buf, "JPEG")
+    data = bytearray(buf.getvalue())
+    sof = data.find(b"\xff\xc0")
+    data[sof + 5:sof + 9] = struct.pack(">HH", 6000, 6000)
+    r = httpx.post(service.url + "/mrc/upload", timeout=60,
+                   files={"file": ("t.jpg", bytes(data), "image/jpeg")},
+                   data={"text_prompt": "what is this?"})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["code"] == "image_truncated"

@@ -558,3 +558,101 @@ def test_pillows_bomb_guard_speaks_of_the_configured_limit(settings: Settings) -
     assert (e.status, e.code) == (413, "decompression_bomb")
     assert "100000000 pixels" in e.message and "50000000-pixel limit" in e.message
     assert str(Image.MAX_IMAGE_PIXELS) not in e.message
+
+
+def test_rgba_on_white_is_exactly_alpha_composite(settings: Settings) -> None:
+    rng = np.random.default_rng(7)
+    img = Image.fromarray(rng.integers(0, 256, (40, 50, 4), dtype=np.uint8), "RGBA")
+    white = Image.new("RGBA", img.size, (255, 255, 255, 255))
+    want = np.asarray(Image.alpha_composite(white, img).convert("RGB"))
+    assert np.array_equal(np.asarray(decoding._to_rgb(img)), want)
+    la = img.convert("LA")
+    want_la = np.asarray(Image.alpha_composite(white, la.convert("RGBA")).convert("RGB"))
+    assert np.array_equal(np.asarray(decoding._to_rgb(la)), want_la)
+
+
+# ------------------------------------------------------------ streams shorter than their header
+
+
+def _claiming(w: int, h: int) -> bytes:
+    """A complete 16x16 JPEG whose frame header is rewritten to say ``w`` x ``h``."""
+    data = bytearray(encode(photo(16, 16), "JPEG"))
+    sof = data.find(b"\xff\xc0")
+    data[sof + 5:sof + 9] = struct.pack(">HH", h, w)
+    return bytes(data)
+
+
+def test_a_tiny_jpeg_claiming_36_megapixels_is_truncated(settings: Settings) -> None:
+    data = _claiming(6000, 6000)
+    assert len(data) < 1000
+    with pytest.raises(ServiceError) as e:
+        P.preprocess(data, (32, 32), HALF, HALF, "cpu", None, settings)
+    assert e.value.code == "image_truncated" and "6000x6000" in e.value.message
+
+
+@pytest.mark.parametrize("progressive", [False, True])
+def test_a_flat_jpeg_of_12_megapixels_is_not_short(settings: Settings,
+                                                   progressive: bool) -> None:
+    # The most compressible real picture: one grey, quality 1. Huffman coding still needs a
+    # bit per 8x8 block, so the bound must let it through.
+    buf = io.BytesIO()
+    Image.new("L", (4000, 3000), 128).save(buf, "JPEG", quality=1, progressive=progressive)
+    r = P.preprocess(buf.getvalue(), (32, 32), HALF, HALF, "cpu", None, settings)
+    assert (r.width, r.height) == (4000, 3000)
+
+
+# ----------------------------------------------------------------- header probe off the loop
+
+
+def test_a_slow_header_is_refused_as_corrupt_off_the_event_loop() -> None:
+    settings = Settings(header_timeout_s=0.05)
+    data = b"\xff\xd8" + b"\xff" * 3_000_000  # Pillow walks fill bytes one at a time
+    pool = P.DecodePool(workers=1, max_stuck=4, name="test-header")
+
+    async def go() -> tuple[ServiceError, int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        try:
+            with pytest.raises(ServiceError) as e:
+                await P.probe_async(pool, data, settings)
+            await asyncio.sleep(0.05)
+        finally:
+            ticker.cancel()
+        return e.value, ticks
+
+    err, ticks = asyncio.run(go())
+    try:
+        assert err.code == "image_corrupt" and "did not parse within 0.05s" in err.message
+        assert ticks >= 2  # the loop ran while the header was parsed
+    finally:
+        pool.shutdown()
+
+
+def test_a_header_probe_waiting_for_a_thread_is_503() -> None:
+    settings = Settings(header_timeout_s=0.05)
+    pool = P.DecodePool(workers=1, max_stuck=4, name="test-header")
+    release = threading.Event()
+
+    async def go() -> ServiceError:
+        blocker = asyncio.ensure_future(pool.run(release.wait, 5, timeout=10))
+        await asyncio.sleep(0.02)
+        try:
+            with pytest.raises(ServiceError) as e:
+                await P.probe_async(pool, encode(photo(16, 16), "JPEG"), settings)
+        finally:
+            release.set()
+            await blocker
+        return e.value
+
+    try:
+        err = asyncio.run(go())
+        assert err.code == "decode_unavailable" and err.status == 503
+    finally:
+        pool.shutdown()

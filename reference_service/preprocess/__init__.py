@@ -35,7 +35,12 @@ Everything used outside the package is re-exported here: import from
 from __future__ import annotations
 
 from reference_service.preprocess.b64 import decode_base64, max_encoded_len
-from reference_service.preprocess.core import ResizeBackend, preprocess, preprocess_async
+from reference_service.preprocess.core import (
+    ResizeBackend,
+    preprocess,
+    preprocess_async,
+    probe_async,
+)
 from reference_service.preprocess.gpu import kornia_resize
 from reference_service.preprocess.header import probe
 from reference_service.preprocess.pool import DecodePool
@@ -49,4 +54,5 @@ __all__ = [
     "preprocess",
     "preprocess_async",
     "probe",
+    "probe_async",
 ]

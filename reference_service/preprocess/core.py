@@ -4,7 +4,8 @@
 checks first) and then one resize path: :mod:`~reference_service.preprocess.cpu` ("pil") or
 :mod:`~reference_service.preprocess.gpu` ("kornia", the default on CUDA), timing the two stages.
 :func:`preprocess_async` runs it on a :class:`~reference_service.preprocess.pool.DecodePool`
-under the decode timeout, so the event loop never blocks. :class:`Preprocessed` is the result.
+under the decode timeout, so the event loop never blocks; :func:`probe_async` does the same for
+the header checks. :class:`Preprocessed` is the result.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from typing import Literal
 import torch
 from PIL import Image
 
+from reference_service.errors import ServiceError
 from reference_service.preprocess.cpu import _resize_pil
 from reference_service.preprocess.decoding import _SWAPS_AXES, _decode
 from reference_service.preprocess.gpu import _resize_kornia
+from reference_service.preprocess.header import probe
 from reference_service.preprocess.pool import DecodePool
 from reference_service.settings import Settings
 
@@ -109,3 +112,24 @@ async def preprocess_async(
                           resize_backend=resize_backend)
 
     return await pool.run(job, timeout=limit)
+
+
+async def probe_async(pool: DecodePool, data: bytes, settings: Settings) -> tuple[str, int, int]:
+    """:func:`~reference_service.preprocess.header.probe` on ``pool``, never on the event loop.
+
+    A header parses in microseconds, but Pillow walks some structures a byte or a chunk at a
+    time in Python: 19 MB of JPEG fill bytes, 1.7 million empty PNG chunks or 10 million GIF
+    comment blocks take 5-10 s. Past ``settings.header_timeout_s`` the image is refused as
+    corrupt (422); a probe that could not even start (every header thread busy with such
+    streams) is 503 ``decode_unavailable``, a retry may work.
+    """
+    limit = settings.header_timeout_s
+
+    def timed_out(running: bool) -> ServiceError:
+        if running:
+            return ServiceError.of("image_corrupt", f"the image header did not parse within "
+                                   f"{limit:g}s (a crafted or damaged stream)")
+        return ServiceError.of("decode_unavailable", "every header-parsing thread is busy; "
+                               "try again later")
+
+    return await pool.run(probe, data, settings, timeout=limit, on_timeout=timed_out)

@@ -124,8 +124,12 @@ class DecodePool:
             except RuntimeError:  # the awaiting event loop is closed: nobody is listening
                 log.debug("decode result dropped: event loop closed")
 
-    async def run(self, fn: Callable[..., T], *args: Any, timeout: float | None) -> T:
-        """Run ``fn(*args)`` on the pool; 504 ``decode_timeout`` after ``timeout`` seconds."""
+    async def run(self, fn: Callable[..., T], *args: Any, timeout: float | None,
+                  on_timeout: Callable[[bool], ServiceError] | None = None) -> T:
+        """Run ``fn(*args)`` on the pool; 504 ``decode_timeout`` after ``timeout`` seconds.
+
+        ``on_timeout(running)`` replaces that error: ``running`` says whether the job had
+        started (False: it was still waiting for a thread)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("DecodePool is shut down")
@@ -152,8 +156,10 @@ class DecodePool:
                 else:  # finished in the same instant; its result is already discarded
                     where = "finishing"
                 stuck = self._stuck
-            log.warning("decode timed out after %.3gs while %s (stuck decodes: %d)",
-                        timeout, where, stuck)
+            log.warning("%s timed out after %.3gs while %s (stuck: %d)",
+                        self._name, timeout, where, stuck)
+            if on_timeout is not None:
+                raise on_timeout(where != "waiting for a decode thread") from None
             raise ServiceError.of(
                 "decode_timeout", f"image decoding took longer than {timeout:g}s") from None
         except asyncio.CancelledError:

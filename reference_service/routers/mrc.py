@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import uuid
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from starlette.datastructures import FormData
+from starlette.formparsers import MultiPartException, MultiPartParser, parse_options_header
 
 from reference_service.errors import ServiceError
 from reference_service.middleware import BodyTooLarge
@@ -54,6 +57,42 @@ class MRCAnswer(BaseModel):
     truncated: bool
     ocr_text: str
     meaningful: bool
+
+
+class _NotUTF8(MultiPartException):
+    pass
+
+
+class _StrictMultiPart(MultiPartParser):
+    """Starlette's multipart parser, except that a field or field name that is not valid UTF-8
+    (the charset unless the body says otherwise) is an error: Starlette falls back to Latin-1
+    and hands on mojibake as if the client had meant it."""
+
+    def _strict(self, raw: bytes | bytearray, what: str) -> None:
+        if self._charset == "utf-8":
+            try:
+                bytes(raw).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _NotUTF8(f"{what} is not valid UTF-8 (byte {exc.start})") from None
+
+    def on_part_end(self) -> None:
+        if self._current_part.file is None:
+            self._strict(self._current_part.data,
+                         f"form field {self._current_part.field_name!r}")
+        super().on_part_end()
+
+    def on_headers_finished(self) -> None:
+        _, options = parse_options_header(self._current_part.content_disposition)
+        for key in (b"name", b"filename"):
+            if key in options:
+                self._strict(options[key], f"a form part's {key.decode()}")
+        super().on_headers_finished()
+
+
+async def _form(request: Request, settings: Settings) -> FormData:
+    async with aclosing(request.stream()) as stream:
+        return await _StrictMultiPart(request.headers, stream, max_files=1, max_fields=8,
+                                      max_part_size=4 * settings.max_prompt_chars + 1024).parse()
 
 
 def _state(request: Request) -> ServiceState:
@@ -124,13 +163,14 @@ async def mrc_upload(request: Request) -> dict[str, Any]:
         raise ServiceError.of("invalid_request", "send multipart/form-data with 'file', "
                               "'text_prompt' and optionally 'max_new_tokens'")
     try:
-        form = await request.form(max_files=1, max_fields=8,
-                                  max_part_size=4 * settings.max_prompt_chars + 1024)
-    except UnicodeDecodeError:
-        raise ServiceError.of("invalid_utf8", "a form field is not valid UTF-8") from None
+        form = await _form(request, settings)
+    except _NotUTF8 as exc:
+        raise ServiceError.of("invalid_utf8", exc.message) from None
     except BodyTooLarge:
         raise  # the body limit answers 413 itself
-    except Exception as exc:  # python-multipart / starlette parse errors: the client's body
+    except MultiPartException as exc:
+        raise ServiceError.of("bad_request", f"malformed multipart body: {exc.message}") from None
+    except Exception as exc:  # python-multipart parse errors: the client's body
         raise ServiceError.of("bad_request", f"malformed multipart body: {exc}") from None
     try:
         upload = form.get("file")
