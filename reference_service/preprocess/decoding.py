@@ -133,7 +133,8 @@ def _decode(data: bytes, settings: Settings, target_hw: tuple[int, int] | None,
     img = _open(data, settings)
     fmt = str(img.format)
     full = img.size
-    scan_start = img.tile[0][2] if img.tile else 0
+    tile = getattr(img, "tile", None)  # an ImageFile: where its decoder starts reading
+    scan_start = tile[0][2] if tile else 0
     orientation = _orientation(img) if fmt in ("JPEG", "MPO") else 1
     if target_hw is not None and fmt in ("JPEG", "MPO"):
         need_w, need_h = _stored(target_hw, orientation)
