@@ -1,4 +1,9 @@
-"""``python -m reference_service --host H --port P`` (also ``mrc-agent serve``)."""
+"""``python -m reference_service --host H --port P`` (also ``mrc-agent serve``).
+
+Flags become one :class:`~reference_service.settings.Settings` (a bad value: one line, exit 2);
+how the server meets the network (uvicorn's protocol, timeouts and connection cap) is built in
+:mod:`reference_service.server` for both the single-process and the ``--workers`` path.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,11 @@ from pathlib import Path
 from typing import NoReturn
 
 from reference_service.settings import ENV_SETTINGS, Settings, settings_to_json
+
+#: Above an hour a connection deadline is no deadline; a typo (ms for s) more likely.
+MAX_TIMEOUT_S = 3600
+#: Far above any one process's useful share of a host's open files.
+MAX_CONNECTIONS = 1_000_000
 
 
 class _Parser(argparse.ArgumentParser):
@@ -43,6 +53,22 @@ def build_parser(prog: str = "python -m reference_service") -> argparse.Argument
     p.add_argument("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit)
     p.add_argument("--allowed-host", dest="allowed_hosts", action="append", default=[],
                    help="image_url hosts to allow (repeatable; default: any public host)")
+    p.add_argument("--header-timeout", dest="http_header_timeout_s", type=float,
+                   metavar="S", default=d.http_header_timeout_s,
+                   help="close a connection whose request head is not complete this many "
+                   "seconds after it opened or after its previous response (default: "
+                   "%(default)g)")
+    p.add_argument("--body-timeout", dest="http_body_timeout_s", type=float, metavar="S",
+                   default=d.http_body_timeout_s,
+                   help="answer 408 when a request body pauses this many seconds between "
+                   "chunks (default: %(default)g)")
+    p.add_argument("--keep-alive-timeout", dest="keep_alive_timeout_s", type=float,
+                   metavar="S", default=d.keep_alive_timeout_s,
+                   help="close a keep-alive connection idle this many seconds between "
+                   "requests (default: %(default)g)")
+    p.add_argument("--max-connections", type=int, metavar="N", default=d.max_connections,
+                   help="open connections per process from which new requests get 503 "
+                   "(default: %(default)s)")
     p.add_argument("--json-logs", action="store_true")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
@@ -55,6 +81,15 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         value = getattr(args, name)
         if value < (0 if name == "port" else 1) or (name == "port" and value > 65535):
             raise ValueError(f"--{name.replace('_', '-')} {value} is out of range")
+    for flag, value in (("--header-timeout", args.http_header_timeout_s),
+                        ("--body-timeout", args.http_body_timeout_s),
+                        ("--keep-alive-timeout", args.keep_alive_timeout_s)):
+        if not 0 < value <= MAX_TIMEOUT_S:  # also refuses nan and inf
+            raise ValueError(f"{flag} {value:g} is out of range (above 0, at most "
+                             f"{MAX_TIMEOUT_S} s)")
+    if not 1 <= args.max_connections <= MAX_CONNECTIONS:
+        raise ValueError(f"--max-connections {args.max_connections} is out of range "
+                         f"(1-{MAX_CONNECTIONS})")
     return Settings(model=args.model, quantize=args.quantize, device=args.device,
                     dtype=args.dtype, trust_remote_code=args.trust_remote_code,
                     cache_dir=args.cache_dir, ocr=args.ocr,
@@ -62,7 +97,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     max_image_bytes=args.max_image_bytes,
                     max_prompt_chars=args.max_prompt_chars,
                     max_new_tokens_limit=args.max_new_tokens_limit,
-                    allowed_hosts=tuple(args.allowed_hosts), json_logs=args.json_logs)
+                    allowed_hosts=tuple(args.allowed_hosts), json_logs=args.json_logs,
+                    http_header_timeout_s=args.http_header_timeout_s,
+                    http_body_timeout_s=args.http_body_timeout_s,
+                    keep_alive_timeout_s=args.keep_alive_timeout_s,
+                    max_connections=args.max_connections)
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m reference_service") -> int:
@@ -78,7 +117,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m reference_ser
         return 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import uvicorn
+    from reference_service import server
 
     if args.workers > 1:
         # Must be in the environment before the workers import prometheus-client.
@@ -90,9 +129,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m reference_ser
             prefix="mrc-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(prepare_multiproc_dir(path))
         os.environ[ENV_SETTINGS] = settings_to_json(settings)
-        uvicorn.run("reference_service.main:app_from_env", factory=True, host=args.host,
-                    port=args.port, workers=args.workers, log_level=args.log_level,
-                    access_log=False)
+        server.run("reference_service.main:app_from_env", settings, factory=True,
+                   host=args.host, port=args.port, workers=args.workers,
+                   log_level=args.log_level)
         return 0
     from reference_service.main import create_app
 
@@ -100,8 +139,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m reference_ser
     # make it uvicorn's clean stop instead, which finishes the requests in flight and runs the
     # shutdown handlers. (With --workers, uvicorn's supervisor restarts the workers on SIGHUP.)
     signal.signal(signal.SIGHUP, lambda _sig, _frame: signal.raise_signal(signal.SIGTERM))
-    uvicorn.run(create_app(settings), host=args.host, port=args.port,
-                log_level=args.log_level, access_log=False)
+    server.run(create_app(settings), settings, host=args.host, port=args.port,
+               log_level=args.log_level)
     return 0
 
 

@@ -68,6 +68,26 @@ class Settings:
     cache_max_bytes: int = 16 * 1024 * 1024
     cache_ttl_s: float = 600.0
 
+    # --- connections ---
+    #: A connection must complete its request head (request line and headers, a few hundred
+    #: bytes) within this long of opening, or of its previous response: ample for a real
+    #: client on a poor mobile link, and the most a slowloris client holds a connection.
+    #: (Not the image ``header_timeout_s`` above: this one is HTTP's.)
+    http_header_timeout_s: float = 10.0
+    #: The longest pause between two chunks of a request body before 408: an upload over a
+    #: poor link pauses for seconds; one silent for 30 s has stopped.
+    http_body_timeout_s: float = 30.0
+    #: Idle time between requests on a keep-alive connection (uvicorn's default). Behind a
+    #: proxy that reuses connections, set it above the proxy's idle timeout (an AWS ALB's is
+    #: 60 s), or the proxy may send a request down a connection the service is closing.
+    #: The header timeout runs between requests too, so an idle connection closes at the
+    #: smaller of the two: raise both together.
+    keep_alive_timeout_s: float = 5.0
+    #: Open connections per process (uvicorn's limit_concurrency): from this many on, a new
+    #: request gets 503. Far above what max_concurrency + max_queue can serve, so real clients
+    #: never meet it; low enough that a flood meets it before the open-file limit.
+    max_connections: int = 1024
+
     # --- logging ---
     json_logs: bool = False
 

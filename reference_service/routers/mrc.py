@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.datastructures import FormData
 from starlette.formparsers import MultiPartException, MultiPartParser, parse_options_header
+from starlette.requests import ClientDisconnect
 
 from reference_service.errors import ServiceError
 from reference_service.middleware import BodyTooLarge
@@ -166,8 +167,8 @@ async def mrc_upload(request: Request) -> dict[str, Any]:
         form = await _form(request, settings)
     except _NotUTF8 as exc:
         raise ServiceError.of("invalid_utf8", exc.message) from None
-    except BodyTooLarge:
-        raise  # the body limit answers 413 itself
+    except (BodyTooLarge, ClientDisconnect):
+        raise  # the body limit answers 413 itself, and logs a client gone away once
     except MultiPartException as exc:
         raise ServiceError.of("bad_request", f"malformed multipart body: {exc.message}") from None
     except Exception as exc:  # python-multipart parse errors: the client's body
