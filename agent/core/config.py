@@ -291,6 +291,13 @@ class AgentConfig:
     log_level: str = setting(
         "info", parse=_text, check=_check_log_level, commands=_AGENT, metavar="LEVEL",
         help="debug, info, warning or error")
+    #: TLS, client certificates, basic auth and response headers for every endpoint, in the
+    #: Prometheus exporter-toolkit format (node_exporter's --web.config.file); read by
+    #: agent/core/webconfig.py at start and again on SIGHUP. Empty means none, as there.
+    web_config_file: str | None = setting(
+        parse=_text, commands=(RUN,), metavar="PATH",
+        help="Prometheus exporter-toolkit web configuration file (as node_exporter's "
+             "--web.config.file): TLS, client certificates, basic auth, response headers")
     #: The Alertmanager webhook (``POST /hooks/alertmanager``) and the captures endpoints are
     #: served only when a shared token is given: a file (``--webhook-token-file``, mounted from
     #: a Secret) or ``MRC_AGENT_WEBHOOK_TOKEN``. Never on the command line or in the config

@@ -1,5 +1,6 @@
 """``mrc-agent run``: the sidecar's life — build from the config, sample, serve, re-read the
 configuration on SIGHUP (as Prometheus does), stop on SIGTERM/SIGINT and close what was opened.
+SIGHUP also re-reads the web configuration file (TLS, basic auth, headers).
 
 Extra routes (the on-alert capture endpoints of :mod:`agent.tools.capture`) come in through
 ``routes_factory``, so the core never imports a tool.
@@ -16,8 +17,9 @@ from typing import Any, Protocol, runtime_checkable
 from agent import __version__
 from agent.core.config import AgentConfig, ConfigError
 from agent.core.runner import Runner
+from agent.core.webconfig import WebConfig, load_web_config, reload_web_config
 from agent.core.wiring import build_runner, build_server, make_sources
-from exporters.exposition.http import Routes
+from exporters.exposition.http import ExpositionServer, Routes
 
 log = logging.getLogger("agent")
 
@@ -32,10 +34,11 @@ RoutesFactory = Callable[[AgentConfig, Runner], Routes | None]
 #: Reads the configuration again (file < environment < the flags given); raises ConfigError.
 Reloader = Callable[[], AgentConfig]
 
-#: Settings SIGHUP applies to the running agent: which processes to watch and how much to log.
+#: Settings SIGHUP applies to the running agent: which processes to watch, how much to log and
+#: the web configuration file (read again even when its path stays: certificates rotate).
 #: Every other setting shapes what was built at start (collectors, sources, the listening
 #: socket, captures) and needs a restart.
-RELOADABLE = ("pids", "pidfile", "process_name", "log_level")
+RELOADABLE = ("pids", "pidfile", "process_name", "log_level", "web_config_file")
 
 
 def apply_reload(cfg: AgentConfig, new: AgentConfig, runner: Runner) -> list[str]:
@@ -52,6 +55,14 @@ def apply_reload(cfg: AgentConfig, new: AgentConfig, runner: Runner) -> list[str
     return [name for name in vars(cfg) if getattr(new, name) != getattr(cfg, name)]
 
 
+def _apply_web(server: ExpositionServer, running: WebConfig, new: WebConfig) -> WebConfig:
+    """Serve with ``new`` from the next connection (TLS) or request (auth, headers) on."""
+    server.reconfigure(new.tls, new.auth, new.headers)
+    if new.path or running.path:
+        log.info("web config file %s re-read: %s", new.path or "-", new.summary())
+    return new
+
+
 def run_agent(cfg: AgentConfig, routes_factory: RoutesFactory | None = None,
               reload: Reloader | None = None) -> int:
     """Run until SIGTERM or SIGINT, re-reading the configuration through ``reload`` on
@@ -60,6 +71,7 @@ def run_agent(cfg: AgentConfig, routes_factory: RoutesFactory | None = None,
     from agent.core.hw.replay import ReplayFormatError
     from agent.core.targets import PidfileError, read_pidfile
 
+    web = load_web_config(cfg.web_config_file)  # before anything is opened
     if cfg.pidfile:
         try:
             read_pidfile(cfg.pidfile)
@@ -73,7 +85,7 @@ def run_agent(cfg: AgentConfig, routes_factory: RoutesFactory | None = None,
     routes = routes_factory(cfg, runner) if routes_factory is not None else None
     host, port = cfg.host_port
     try:
-        server = build_server(cfg, runner, routes)
+        server = build_server(cfg, runner, routes, web)
     except OSError as exc:
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     if not runner.targets.configured:
@@ -92,9 +104,11 @@ def run_agent(cfg: AgentConfig, routes_factory: RoutesFactory | None = None,
     runner.start()
     server.start()
     shown = f"[{host}]" if ":" in host else host
-    log.info("mrc-agent %s listening on http://%s:%d/metrics (interval %.3gs, collectors %s, "
-             "gpu backend %s)", __version__, shown, server.port, cfg.interval,
-             ",".join(cfg.enabled), cfg.gpu_backend)
+    log.info("mrc-agent %s listening on %s://%s:%d/metrics (interval %.3gs, collectors %s, "
+             "gpu backend %s)", __version__, "https" if web.tls else "http", shown, server.port,
+             cfg.interval, ",".join(cfg.enabled), cfg.gpu_backend)
+    if web.path:
+        log.info("web config file %s: %s", web.path, web.summary())
     # The main thread sleeps until a signal comes (no periodic wake-up).
     while True:
         wake.wait()
@@ -109,11 +123,14 @@ def run_agent(cfg: AgentConfig, routes_factory: RoutesFactory | None = None,
             log.info("received SIGHUP; nothing to re-read")
             continue
         try:
-            later = apply_reload(cfg, reload(), runner)
+            new = reload()
+            new_web = reload_web_config(web, new.web_config_file)
         except ConfigError as exc:
             log.warning("received SIGHUP; configuration not reloaded, keeping the running "
                         "one: %s", exc)
             continue
+        later = apply_reload(cfg, new, runner)
+        web = _apply_web(server, web, new_web)
         log.info("received SIGHUP; configuration reloaded (targets: pids %s, pidfile %s, "
                  "process name %s; log level %s)%s", cfg.pids or "-", cfg.pidfile or "-",
                  cfg.process_name or "-", cfg.log_level,

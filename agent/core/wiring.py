@@ -18,6 +18,7 @@ from agent.core.hw.profiling import LazyProfiling
 from agent.core.hw.sources import Closable, Sources
 from agent.core.runner import Runner
 from agent.core.targets import TargetResolver
+from agent.core.webconfig import WebConfig
 from exporters.exposition.http import ExpositionServer, Routes
 from exporters.exposition.snapshot import SnapshotCollector
 
@@ -82,10 +83,14 @@ def build_registry(runner: Runner) -> CollectorRegistry:
     return registry
 
 
-def build_server(cfg: AgentConfig, runner: Runner,
-                 routes: Routes | None = None) -> ExpositionServer:
+def build_server(cfg: AgentConfig, runner: Runner, routes: Routes | None = None,
+                 web: WebConfig | None = None) -> ExpositionServer:
     """The agent's exposition server for ``runner``'s snapshots, with optional extra routes
-    (the on-alert capture endpoints). Binds now: "address in use" raises OSError here."""
+    (the on-alert capture endpoints) and the TLS, basic auth and headers of the web
+    configuration file (:func:`agent.core.webconfig.load_web_config`). Binds now: "address
+    in use" raises OSError here."""
     host, port = cfg.host_port
+    web = web or WebConfig()
     return ExpositionServer(build_registry(runner), host, port, runner.version,
-                            runner.not_ready_reason, routes=routes)
+                            runner.not_ready_reason, routes=routes, tls=web.tls, auth=web.auth,
+                            headers=web.headers)

@@ -19,6 +19,12 @@ Extra routes see a plain :class:`Request` and answer a :class:`Response`, in a w
 within the routes' ``max_body_bytes``; otherwise the answer is 411/413/400 and the connection
 closes after a *lingering close* (the unread body is drained for a short while), so the
 client reads the answer instead of a connection reset.
+
+Transport security and access come in already built (the agent reads them from the
+exporter-toolkit web configuration file): an ``ssl.SSLContext`` for TLS (the handshake is bounded
+by the head timeout), an :class:`Authenticator` that every request, on every path, must pass
+(401 with ``WWW-Authenticate: Basic`` otherwise, as exporter-toolkit answers), and headers added
+to every response. :meth:`ExpositionServer.reconfigure` swaps them while serving.
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Protocol
@@ -94,6 +102,24 @@ class Routes(Protocol):
         """The response, or None when the path is not one of these routes (the server then
         answers 404 to GET/HEAD and 405 to POST, as without routes)."""
         ...
+
+    # Optional: ``checks_own_bearer(path) -> bool``, True for paths whose requests carry a
+    # bearer token that :meth:`handle` checks; basic auth then does not apply to them.
+
+
+class Authenticator(Protocol):
+    """Decides whether a request's ``Authorization`` header lets it in."""
+
+    def cached(self, authorization: str | None) -> bool | None:
+        """The answer when it costs nothing (no credentials, malformed ones, a check that
+        already passed); None when only :meth:`check` can tell."""
+        ...
+
+    def check(self, authorization: str | None) -> bool:
+        """The full check. It may take tens of milliseconds (bcrypt), so the server runs it
+        in its own worker thread, never on the event loop."""
+        ...
+
 
 _INDEX = b"""<html><head><title>mrc-agent</title></head><body><h1>mrc-agent</h1>
 <p><a href="/metrics">/metrics</a> &middot; <a href="/healthz">/healthz</a> &middot;
@@ -170,11 +196,22 @@ class ExpositionServer:
         not_ready: Callable[[], str | None],
         routes: Routes | None = None,
         limits: Limits = Limits(),  # noqa: B008 - frozen, immutable
+        *,
+        tls: ssl.SSLContext | None = None,
+        auth: Authenticator | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         self._cache = _RenderCache(registry, version)
         self._not_ready = not_ready
         self._routes = routes
         self.limits = limits
+        self._tls = tls
+        self._auth = auth
+        self._headers = dict(headers or {})
+        # One thread for the slow credential checks: a flood of wrong passwords queues here
+        # (at most one per open connection) while the loop goes on serving cached ones.
+        self._auth_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mrc-agent-auth")
+        self._listener: asyncio.Server | None = None
         host = host.strip("[]")  # "[::1]" or "::1": an IPv6 address either way
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -203,6 +240,18 @@ class ExpositionServer:
         """Connections open now."""
         return len(self._conns)
 
+    def reconfigure(self, tls: ssl.SSLContext | None, auth: Authenticator | None,
+                    headers: Mapping[str, str] | None) -> None:
+        """Serve new connections with ``tls`` and every next request with ``auth`` and
+        ``headers`` (SIGHUP). Connections already open keep the TLS session they have."""
+        self._auth, self._headers = auth, dict(headers or {})
+        if tls is self._tls:
+            return
+        self._tls = tls
+        loop = self._loop
+        if loop is not None and not loop.is_closed() and self._listener is not None:
+            asyncio.run_coroutine_threadsafe(self._relisten(), loop).result(10)
+
     # -- life ----------------------------------------------------------------------------------
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="mrc-agent-http", daemon=True)
@@ -215,17 +264,34 @@ class ExpositionServer:
         try:
             loop.run_until_complete(self._serve())
         finally:
+            self._auth_pool.shutdown(wait=False, cancel_futures=True)
             loop.run_until_complete(loop.shutdown_default_executor())
             loop.close()
+            self._sock.close()
+
+    async def _listen(self) -> asyncio.Server:
+        """An asyncio server on a duplicate of the bound socket, so that :meth:`_relisten`
+        can close it without closing the port (connections wait in the backlog meanwhile)."""
+        tls = self._tls
+        return await asyncio.start_server(
+            self._client, sock=self._sock.dup(), limit=self.limits.max_head_bytes, ssl=tls,
+            ssl_handshake_timeout=self.limits.head_timeout_s if tls is not None else None)
+
+    async def _relisten(self) -> None:
+        new = await self._listen()
+        old, self._listener = self._listener, new
+        if old is not None:
+            old.close()  # stops accepting; its connections stay open
 
     async def _serve(self) -> None:
         self._stopped = asyncio.Event()
-        server = await asyncio.start_server(self._client, sock=self._sock,
-                                            limit=self.limits.max_head_bytes)
+        self._listener = await self._listen()
         self._started.set()
-        async with server:
+        try:
             await self._stopped.wait()
-            server.close()
+        finally:
+            if self._listener is not None:
+                self._listener.close()
             for conn in list(self._conns.values()):
                 conn.writer.close()  # their reads see the end and the handlers return
             if self._tasks:
@@ -236,7 +302,7 @@ class ExpositionServer:
             # Transports close their sockets in callbacks: let those run before the loop ends.
             for _ in range(3):
                 await asyncio.sleep(0)
-        # The listening socket is closed with the server.
+        # The bound socket itself is closed when the loop has ended (_run).
 
     def stop(self) -> None:
         loop, stopped = self._loop, self._stopped
@@ -321,6 +387,19 @@ class ExpositionServer:
             return False
         keep = head.keep_alive()
         method = head.method
+        auth = self._auth  # once: a reload may swap it meanwhile
+        if (auth is not None and not self._checked_by_route(head)
+                and not await self._authorized(auth, head)):
+            # Every path, as exporter-toolkit guards them; a body is never read for a stranger.
+            length = head.headers.get("content-length", "0").strip()
+            body_follows = "transfer-encoding" in head.headers or length != "0"
+            await self._send(writer, head, 401, b"unauthorized\n", _TEXT,
+                             {"WWW-Authenticate": 'Basic realm="mrc-agent"'},
+                             close=body_follows or not keep)
+            if body_follows:
+                await self._linger(reader, writer)
+                return False
+            return keep
         if method in ("GET", "HEAD"):
             status, body, ctype, extra = await self._get(head)
         elif method == "POST" and self._routes is None:
@@ -345,6 +424,29 @@ class ExpositionServer:
             keep = False
         await self._send(writer, head, status, body, ctype, extra, close=not keep)
         return keep
+
+    def _checked_by_route(self, head: _Head) -> bool:
+        """Whether a route checks this request's credential itself: a bearer token sent to a
+        path of routes that guard themselves with one (Alertmanager's webhook config sends a
+        single credential, so the webhook cannot carry basic auth as well). Everywhere else,
+        and without a bearer token, the web configuration's basic auth applies."""
+        own = getattr(self._routes, "checks_own_bearer", None)
+        bearer = head.headers.get("authorization", "")[:7].lower() == "bearer "
+        return bool(bearer and own is not None and own(head.path))
+
+    async def _authorized(self, auth: Authenticator, head: _Head) -> bool:
+        """Whether ``head``'s credentials pass ``auth``: at once when the answer is cached,
+        else in the server's credential-check thread (bcrypt must not stall the loop)."""
+        header = head.headers.get("authorization")
+        try:
+            quick = auth.cached(header)
+            if quick is not None:
+                return quick
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._auth_pool, auth.check, header)
+        except Exception:  # a bug in the check refuses the request, never kills the server
+            log.exception("credential check failed")
+            return False
 
     async def _read_head(self, reader: asyncio.StreamReader, first_line: bytes) -> _Head:
         try:
@@ -469,7 +571,11 @@ class ExpositionServer:
             reason = ""
         lines = [f"HTTP/1.1 {status} {reason}", "Server: mrc-agent",
                  f"Content-Type: {ctype}", f"Content-Length: {len(body)}"]
-        lines += [f"{k}: {v}" for k, v in (extra or {}).items()]
+        extra = extra or {}
+        lines += [f"{k}: {v}" for k, v in extra.items()]
+        # The configured headers, unless the answer sets its own (as a Go handler may).
+        own = {k.lower() for k in extra}
+        lines += [f"{k}: {v}" for k, v in self._headers.items() if k.lower() not in own]
         if close:
             lines.append("Connection: close")
         elif version == "HTTP/1.0":

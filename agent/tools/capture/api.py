@@ -66,10 +66,17 @@ class CaptureAPI:
         if self.manager is not None:
             self.manager.stop()
 
+    @staticmethod
+    def _ours(path: str) -> bool:
+        return path in ("/hooks/alertmanager", "/captures") or path.startswith("/captures/")
+
+    def checks_own_bearer(self, path: str) -> bool:
+        """Every path here is behind the bearer token (checked in :meth:`handle`)."""
+        return self.token is not None and self._ours(path)
+
     def handle(self, request: Request) -> Response | None:
         path = request.path
-        if path != "/hooks/alertmanager" and path != "/captures" and not path.startswith(
-                "/captures/"):
+        if not self._ours(path):
             return None
         if self.manager is None or self.token is None:
             return _json(404, {"error": "not found (the webhook is not enabled)"})
