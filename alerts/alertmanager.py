@@ -1,9 +1,11 @@
 """An example Alertmanager configuration for the MRC alerts, as a plain dict.
 
-``severity="page"`` goes to the on-call pager, ``severity="ticket"`` to the ticket queue, and
-anything else (an alert added without a severity) falls through to the ticket queue rather
-than being dropped. Alerts group per alert name and pod; a page inhibits the tickets of the same
-namespace and pod, so the pager does not also open tickets for the symptoms of the same cause.
+``severity="critical"`` goes to the on-call pager, ``severity="warning"`` to the ticket queue,
+and anything else (``info``, an alert added without a severity) falls through to the ticket
+queue rather than being dropped. These are kube-prometheus-stack's severities, so its own rules
+route the same way. Alerts group per alert name and pod; a critical alert inhibits the warnings
+of the same namespace and pod, so the pager does not also open tickets for the symptoms of the
+same cause.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 from alerts.config import Config
 from alerts.queries import check_duration
+from alerts.rules import PAGE, TICKET
 
 PAGE_RECEIVER = "mrc-page"
 TICKET_RECEIVER = "mrc-ticket"
@@ -31,21 +34,21 @@ def alertmanager_config(cfg: Config) -> dict[str, Any]:
             "routes": [
                 {
                     "receiver": PAGE_RECEIVER,
-                    "matchers": ['severity="page"'],
+                    "matchers": [f'severity="{PAGE}"'],
                     "group_wait": check_duration(cfg.page_group_wait),
                     "group_interval": "1m",
                     "repeat_interval": "1h",
                 },
                 {
                     "receiver": TICKET_RECEIVER,
-                    "matchers": ['severity="ticket"'],
+                    "matchers": [f'severity="{TICKET}"'],
                 },
             ],
         },
         "inhibit_rules": [
             {
-                "source_matchers": ['severity="page"'],
-                "target_matchers": ['severity="ticket"'],
+                "source_matchers": [f'severity="{PAGE}"'],
+                "target_matchers": [f'severity="{TICKET}"'],
                 # Alertmanager treats a label missing on both sides as equal: outside Kubernetes
                 # (no namespace/pod labels) a page inhibits every ticket without them.
                 "equal": list(cfg.pod_labels),
@@ -67,9 +70,10 @@ def alertmanager_config(cfg: Config) -> dict[str, Any]:
 HEADER = """\
 # Example Alertmanager configuration for the MRC alerts.
 #
-# Routes severity="page" to the on-call receiver `mrc-page` and severity="ticket" (and anything
-# without a severity) to `mrc-ticket`; groups by alertname, namespace, pod; a page inhibits the
-# tickets of the same namespace/pod; every receiver is told when an alert resolves.
+# Routes severity="critical" to the on-call receiver `mrc-page` and severity="warning" (and
+# anything else: info, no severity) to `mrc-ticket` — kube-prometheus-stack's severities; groups
+# by alertname, namespace, pod; a critical alert inhibits the warnings of the same namespace/pod;
+# every receiver is told when an alert resolves.
 #
 # The webhook URLs are placeholders on reserved example.com domains: replace them with your
 # pager's and ticket system's webhook endpoints (or swap the receivers for pagerduty_configs /

@@ -7,7 +7,8 @@ value recorded in the same evaluation, not the one before it — the `for` of an
 from the sample that crossed the line.
 
 Alert names are a contract: dashboards link to them and runbooks are named after them.
-Every alert has ``for``, ``severity`` (``page``: someone gets up; ``ticket``: next working day),
+Every alert has ``for``, ``severity`` (``critical``: someone gets up; ``warning``: next working
+day — the severities kube-prometheus-stack's rules and Alertmanager routing use),
 ``summary``, a ``description`` that carries the value, and ``runbook_url``.
 """
 
@@ -21,8 +22,10 @@ from alerts.queries import RuleQueries, check_duration, num
 Rule = dict[str, Any]
 Group = dict[str, Any]
 
-PAGE = "page"
-TICKET = "ticket"
+#: The severities of kube-prometheus-stack: its Alertmanager routing and inhibition, and most
+#: teams' pager integrations, key on these (``info`` is for rules that only inform; none here).
+PAGE = "critical"
+TICKET = "warning"
 
 
 def _pct(ratio: float) -> str:
@@ -45,7 +48,7 @@ def alert(cfg: Config, name: str, expr: str, for_: str, severity: str, summary: 
           description: str) -> Rule:
     """An alerting rule with the annotations every MRC alert carries."""
     if severity not in (PAGE, TICKET):
-        raise ValueError(f"{name}: severity must be page or ticket, not {severity!r}")
+        raise ValueError(f"{name}: severity must be {PAGE} or {TICKET}, not {severity!r}")
     return {
         "alert": name,
         "expr": expr,

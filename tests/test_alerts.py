@@ -117,7 +117,7 @@ def test_alerts_carry_what_on_call_needs() -> None:
     assert set(names) >= CONTRACT
     for a in alerts:
         assert duration_seconds(a["for"]) > 0, a["alert"]
-        assert a["labels"]["severity"] in ("page", "ticket"), a["alert"]
+        assert a["labels"]["severity"] in ("critical", "warning"), a["alert"]
         assert set(a["annotations"]) == {"summary", "description", "runbook_url"}, a["alert"]
         assert "$value" in a["annotations"]["description"], a["alert"]
         assert "{{" not in a["annotations"]["summary"], a["alert"]
@@ -297,10 +297,12 @@ def test_amtool_check_config(built: Path) -> None:
 
 
 @pytest.mark.parametrize(("labels", "receiver"), [
-    (["severity=page"], PAGE_RECEIVER),
-    (["severity=page", "alertname=MRCGPUStarved", "namespace=mrc", "pod=mrc-0"],
+    (["severity=critical"], PAGE_RECEIVER),
+    (["severity=critical", "alertname=MRCGPUStarved", "namespace=mrc", "pod=mrc-0"],
      PAGE_RECEIVER),
-    (["severity=ticket"], TICKET_RECEIVER),
+    (["severity=warning"], TICKET_RECEIVER),
+    (["severity=info"], TICKET_RECEIVER),
+    (["severity=page"], TICKET_RECEIVER),  # a rule still on the old name is not lost
     (["alertname=Unlabelled"], TICKET_RECEIVER),
 ])
 def test_amtool_routes(built: Path, labels: list[str], receiver: str) -> None:
@@ -351,9 +353,9 @@ def test_alertmanager_inhibits_tickets_of_a_paged_pod(built: Path, tmp_path: Pat
                 time.sleep(0.1)
         pod0, pod1 = {"namespace": "mrc", "pod": "mrc-0"}, {"namespace": "mrc", "pod": "mrc-1"}
         _http(f"{base}/alerts", [
-            {"labels": {"alertname": "MRCGPUStarved", "severity": "page", **pod0}},
-            {"labels": {"alertname": "MRCGPUMemoryBound", "severity": "ticket", **pod0}},
-            {"labels": {"alertname": "MRCGPUMemoryBound", "severity": "ticket", **pod1}},
+            {"labels": {"alertname": "MRCGPUStarved", "severity": "critical", **pod0}},
+            {"labels": {"alertname": "MRCGPUMemoryBound", "severity": "warning", **pod0}},
+            {"labels": {"alertname": "MRCGPUMemoryBound", "severity": "warning", **pod1}},
         ])
         state: dict[tuple[str, str], Any] = {}
         deadline = time.monotonic() + 10
@@ -376,7 +378,7 @@ def test_alertmanager_config_shape() -> None:
     assert am["route"]["group_by"] == ["alertname", "namespace", "pod"]
     for receiver in am["receivers"]:
         assert all(w["send_resolved"] is True for w in receiver["webhook_configs"])
-    assert am["inhibit_rules"] == [{"source_matchers": ['severity="page"'],
-                                    "target_matchers": ['severity="ticket"'],
+    assert am["inhibit_rules"] == [{"source_matchers": ['severity="critical"'],
+                                    "target_matchers": ['severity="warning"'],
                                     "equal": ["namespace", "pod"]}]
     assert "placeholder" in text

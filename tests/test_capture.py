@@ -32,7 +32,7 @@ DURATION, MARGIN = 2.0, 20.0
 
 def payload(alertname: str = "MRCGPUStarved", pid: int | None = None,
             status: str = "firing") -> dict[str, Any]:
-    labels = {"alertname": alertname, "severity": "page", "namespace": "mrc"}
+    labels = {"alertname": alertname, "severity": "critical", "namespace": "mrc"}
     if pid is not None:
         labels["pid"] = str(pid)
     return {

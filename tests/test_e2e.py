@@ -105,7 +105,7 @@ def _fired(paging: Paging, name: str, timeout: float) -> tuple[dict[str, Any], f
 def test_cpu_saturated_target_pages_oncall(paging: Paging) -> None:
     for_s = 30
     alert, after = _fired(paging, "MRCProcessCPUUserSaturated", for_s + 30)
-    assert alert["labels"]["severity"] == "page"
+    assert alert["labels"]["severity"] == "critical"
     assert alert["annotations"]["runbook_url"].endswith("/MRCProcessCPUUserSaturated.md")
     # The rules this Prometheus evaluates are the ones built with the test's line.
     assert f"(threshold {CPU_LINE * 100:g}%)" in alert["annotations"]["description"], alert
@@ -116,7 +116,7 @@ def test_cpu_saturated_target_pages_oncall(paging: Paging) -> None:
 def test_low_nvlink_trace_pages_oncall(paging: Paging) -> None:
     for_s, window_s = 60, 10
     alert, after = _fired(paging, "MRCNVLinkBandwidthLow", for_s + 2 * window_s + 40)
-    assert alert["labels"]["severity"] == "page"
+    assert alert["labels"]["severity"] == "critical"
     assert alert["labels"]["uuid"].startswith("GPU-synthetic")
     assert after >= for_s - 2
 
