@@ -119,14 +119,19 @@ class Alertmanager(_Proc):
 class Prometheus(_Proc):
     def __init__(self, workdir: Path, targets: dict[str, list[str]],
                  rule_files: list[Path] | None = None, alertmanager: str | None = None,
-                 interval: str = "1s") -> None:
+                 interval: str = "1s",
+                 labels: dict[str, dict[str, str]] | None = None) -> None:
+        """``labels``: per job, target labels (what service discovery would add: pod,
+        namespace)."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config: dict[str, Any] = {
             "global": {"scrape_interval": interval, "evaluation_interval": interval},
-            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": addrs}]}
-                               for job, addrs in targets.items()],
+            "scrape_configs": [{"job_name": job, "static_configs": [
+                {"targets": addrs, **({"labels": labels[job]} if labels and job in labels
+                                      else {})}]}
+                for job, addrs in targets.items()],
         }
         if rule_files:
             config["rule_files"] = [str(p) for p in rule_files]

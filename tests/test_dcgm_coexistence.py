@@ -1,0 +1,131 @@
+"""``docs/dcgm-exporter.md`` on real parts: every PromQL block of the page runs in a real
+Prometheus that scrapes a real agent (replaying a synthetic busy H200) and a
+dcgm-exporter-style exposition (``tests/data/dcgm_exporter_synthetic.prom``: dcgm-exporter's
+field and label names, synthetic values), with the pod labels the operator would add. The
+page's tables name only metrics the agent exports."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO, AgentProcess
+from tests.e2e_harness import Prometheus, wait_until
+
+DOC = REPO / "docs" / "dcgm-exporter.md"
+FIXTURE = REPO / "tests" / "data" / "dcgm_exporter_synthetic.prom"
+POD = {"namespace": "inference", "pod": "vllm-llava-0"}
+GPU0, GPU1 = "GPU-synthetic-0000", "GPU-synthetic-0001"
+
+
+def _blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", DOC.read_text(), re.S)
+
+
+class _Exposition(BaseHTTPRequestHandler):
+    body = FIXTURE.read_bytes()
+
+    def do_GET(self) -> None:  # noqa: N802
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def prom(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
+    tmp = tmp_path_factory.mktemp("dcgm")
+    trace = tmp / "busy.jsonl"
+    trace.write_text(subprocess.run(
+        [sys.executable, "-m", "agent.tools.tracegen", "busy", "1", "20"], cwd=REPO,
+        capture_output=True, text=True, check=True).stdout)
+    dcgm = ThreadingHTTPServer(("127.0.0.1", 0), _Exposition)
+    threading.Thread(target=dcgm.serve_forever, daemon=True).start()
+    agent = AgentProcess("--pid", str(os.getpid()), "--interval", "0.5",
+                         "--gpu-backend", f"replay:{trace}")
+    p = None
+    try:
+        p = Prometheus(tmp / "prom", {"agent": [f"127.0.0.1:{agent.port}"],
+                                      "dcgm-exporter": [f"127.0.0.1:{dcgm.server_port}"]},
+                       labels={"agent": POD})
+        wait_until(lambda: p.query("mrc_gpu_utilization_ratio")["data"]["result"]
+                   and p.query("DCGM_FI_DEV_GPU_UTIL")["data"]["result"]
+                   and p.query("mrc_gpu_starved")["data"]["result"], 30,
+                   what="both sides scraped")
+        yield p
+    finally:
+        if p is not None:
+            p.stop()
+        agent.stop()
+        dcgm.shutdown()
+
+
+def _run(prom: Prometheus, expr: str) -> list[dict[str, Any]]:
+    body = prom.query(expr)
+    assert body["status"] == "success", body
+    result: list[dict[str, Any]] = body["data"]["result"]
+    return result
+
+
+def test_the_page_has_the_queries_this_test_knows() -> None:
+    assert len(_blocks("promql")) == 5
+
+
+def test_utilisation_difference_joins_on_the_uuid(prom: Prometheus) -> None:
+    (s,) = _run(prom, _blocks("promql")[0])
+    assert s["metric"]["uuid"] == GPU0 and s["metric"]["gpu_model"].startswith("NVIDIA H200")
+    agent = float(_run(prom, "mrc_gpu_utilization_ratio")[0]["value"][1])
+    assert float(s["value"][1]) == pytest.approx(agent - 0.93, abs=1e-9)
+
+
+def test_dcgm_pod_attribution_lands_on_the_agents_series(prom: Prometheus) -> None:
+    (s,) = _run(prom, _blocks("promql")[1])
+    m = s["metric"]
+    assert (m["uuid"], m["gpu_pod"], m["gpu_namespace"]) == (GPU0, POD["pod"],
+                                                              POD["namespace"])
+    assert m["pod"] == POD["pod"], "the agent's own pod label is kept"
+    agent = float(_run(prom, "mrc_gpu_utilization_ratio")[0]["value"][1])
+    assert float(s["value"][1]) == pytest.approx(agent)
+
+
+def test_model_name_under_the_agents_label(prom: Prometheus) -> None:
+    (s,) = _run(prom, _blocks("promql")[2])
+    assert s["metric"] == {"gpu_model": "NVIDIA H200 (synthetic)"}
+    assert float(s["value"][1]) == 57220 * 1048576
+    agent_models = {r["metric"]["gpu_model"] for r in _run(prom, "mrc_gpu_memory_used_bytes")}
+    assert s["metric"]["gpu_model"] in agent_models
+
+
+def test_dcgm_activity_quotient_per_gpu(prom: Prometheus) -> None:
+    got = {r["metric"]["uuid"]: float(r["value"][1]) for r in _run(prom, _blocks("promql")[3])}
+    assert got == {GPU0: pytest.approx(2.0), GPU1: pytest.approx(0.5)}
+
+
+def test_starved_processes_with_what_dcgm_saw_in_their_pod(prom: Prometheus) -> None:
+    (s,) = _run(prom, _blocks("promql")[4])
+    assert s["metric"] == POD
+    starved = max(float(r["value"][1]) for r in _run(prom, "mrc_gpu_starved"))
+    assert float(s["value"][1]) == pytest.approx(starved * 0.97)
+
+
+def test_the_tables_and_the_drop_rule_name_only_what_the_agent_exports() -> None:
+    catalogue = set(re.findall(r"^\| `(mrc_[a-z0-9_]+)`", (REPO / "docs" / "metrics.md")
+                               .read_text(), re.M))
+    named = set(re.findall(r"`(mrc_[a-z0-9_]+)`", DOC.read_text()))
+    assert named <= catalogue, sorted(named - catalogue)
+    (rule,) = _blocks("yaml")
+    (alts,) = re.findall(r"regex: mrc_gpu_\((.*)\)", rule)
+    for alt in alts.split("|"):
+        assert f"mrc_gpu_{alt}" in catalogue, alt
