@@ -7,7 +7,12 @@ be compared with a fresh build:
 * ``provisioning/dashboards/mrc.yaml`` — a Grafana file provider loading the JSON files from
   ``DASHBOARD_DIR`` into the ``MRC`` folder;
 * ``mrc-dashboards-configmap.yaml`` — the same JSON files as one ConfigMap labelled
-  ``grafana_dashboard: "1"`` for the Grafana Helm chart's dashboard sidecar.
+  ``grafana_dashboard: "1"`` for the Grafana Helm chart's dashboard sidecar;
+* ``import/<uid>.json`` — the same dashboards as Grafana's "export for sharing externally"
+  writes them, for Dashboards → Import (upload) and grafana.com: ``__inputs`` asks the importer
+  for a Prometheus data source (the ``$datasource`` variable then defaults to it) and
+  ``__requires`` names the Grafana version and the plugins they need. The provisioned files
+  stay without that envelope: file provisioning does not substitute inputs.
 
 :func:`all_queries` lists every panel query (for the end-to-end test that runs them against a
 real Prometheus after :func:`substitute_macros`).
@@ -15,6 +20,7 @@ real Prometheus after :func:`substitute_macros`).
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +29,7 @@ from typing import Any
 from alerts.build import dump
 from alerts.config import DEFAULT, Config
 from dashboards import golden, heatmap, service
-from dashboards.panels import render
+from dashboards.panels import SCHEMA_VERSION, render
 from dashboards.queries import substitute_macros  # re-exported for the end-to-end test
 
 __all__ = ["DASHBOARDS", "all_queries", "build_all", "render_all", "run_build",
@@ -39,6 +45,13 @@ FOLDER = "MRC"
 PROVISIONING_FILE = "provisioning/dashboards/mrc.yaml"
 CONFIGMAP_FILE = "mrc-dashboards-configmap.yaml"
 CONFIGMAP_NAME = "mrc-dashboards"
+IMPORT_DIR = "import"
+#: The import files' data source input: Grafana's import form asks for it by this name.
+DS_INPUT = "DS_PROMETHEUS"
+#: The oldest Grafana that loads schemaVersion 41 dashboards without a downgrade.
+MIN_GRAFANA = {41: "12.0.0"}[SCHEMA_VERSION]
+_PANEL_NAMES = {"timeseries": "Time series", "stat": "Stat", "table": "Table",
+                "heatmap": "Heatmap", "bargauge": "Bar gauge", "barchart": "Bar chart"}
 #: A ConfigMap holds at most 1 MiB; stay well below so a client-side apply still fits.
 CONFIGMAP_LIMIT_BYTES = 900 * 1024
 
@@ -92,10 +105,37 @@ def configmap_yaml(texts: dict[str, str]) -> str:
     return text
 
 
+def importable(dashboard: dict[str, Any]) -> dict[str, Any]:
+    """``dashboard`` in Grafana's external-sharing envelope (``__inputs``, ``__requires``)."""
+    out = copy.deepcopy(dashboard)
+    for var in out["templating"]["list"]:
+        if var["type"] == "datasource":
+            ref = "${" + DS_INPUT + "}"
+            var["current"] = {"selected": True, "text": ref, "value": ref}
+    kinds = sorted({p["type"] for p in _panels(out)} - {"row"})
+    unknown = set(kinds) - set(_PANEL_NAMES)
+    if unknown:
+        raise ValueError(f"no plugin name for panel types {sorted(unknown)}")
+    return {
+        "__inputs": [{"name": DS_INPUT, "label": "Prometheus", "description": "",
+                      "type": "datasource", "pluginId": "prometheus",
+                      "pluginName": "Prometheus"}],
+        "__requires": [
+            {"type": "grafana", "id": "grafana", "name": "Grafana", "version": MIN_GRAFANA},
+            {"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"},
+            *({"type": "panel", "id": k, "name": _PANEL_NAMES[k], "version": ""} for k in kinds),
+        ],
+        **out,
+    }
+
+
 def render_all(cfg: Config = DEFAULT) -> dict[str, str]:
     """Every generated file's text, by path relative to the output directory."""
-    texts = {name: render(data) for name, data in build_all(cfg).items()}
-    return {**texts, PROVISIONING_FILE: provisioning_yaml(), CONFIGMAP_FILE: configmap_yaml(texts)}
+    built = build_all(cfg)
+    texts = {name: render(data) for name, data in built.items()}
+    imports = {f"{IMPORT_DIR}/{name}": render(importable(data)) for name, data in built.items()}
+    return {**texts, **imports, PROVISIONING_FILE: provisioning_yaml(),
+            CONFIGMAP_FILE: configmap_yaml(texts)}
 
 
 def write(out_dir: str | os.PathLike[str], cfg: Config = DEFAULT) -> list[Path]:

@@ -127,6 +127,7 @@ def build(cfg: Config) -> dict[str, Any]:
         TITLE, UID,
         "Per pod and GPU: target CPU, PCIe/NVLink bandwidth and SM instructions per DRAM "
         "byte, with GPU idle windows and the starvation signal (mrc-agent).",
-        variables({"namespace": q.variable_query("namespace"), "pod": q.variable_query("pod"),
+        variables({"cluster": q.variable_query("cluster"),
+                   "namespace": q.variable_query("namespace"), "pod": q.variable_query("pod"),
                    GPU_VAR: q.variable_query(GPU_VAR)}),
         [cpu, transfers, compute, utilisation, starvation])

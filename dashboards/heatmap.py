@@ -109,6 +109,7 @@ def build(cfg: Config) -> dict[str, Any]:
         TITLE, UID,
         "Request latency by image resolution x prompt length: P90 over the selected range "
         "as a fixed-order matrix, and the same buckets over time.",
-        variables({"namespace": q.service_variable_query("namespace"),
+        variables({"cluster": q.service_variable_query("cluster"),
+                   "namespace": q.service_variable_query("namespace"),
                    "pod": q.service_variable_query("pod")}),
         [matrices, over_time])

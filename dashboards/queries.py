@@ -28,6 +28,11 @@ from exporters.instrumentation.buckets import prompt_length_values, resolution_v
 #: Template variables every dashboard has (besides ``datasource``), and their label.
 POD_VARS: tuple[str, ...] = ("namespace", "pod")
 GPU_VAR = "gpu"
+#: The cluster variable of kube-prometheus-stack's dashboards: every query filters on it. Its
+#: "All" is ``.*``, which also matches series without a ``cluster`` label, so the filter is
+#: harmless on a Prometheus that does not set one.
+CLUSTER_VAR = "cluster"
+_IN_CLUSTER = 'cluster=~"$cluster"'
 
 #: Column and row order of the latency heatmap: the service's default label buckets, smallest
 #: first (``<1MP, 1-4MP, >4MP`` x ``0-50, 50-100, 100+``).
@@ -38,7 +43,7 @@ PROMPT_LENGTH_ORDER: tuple[str, ...] = prompt_length_values()
 #: before ``groupingToMatrix`` (which keeps the order rows first appear in).
 RESOLUTION_RANK_LABEL = "resolution_rank"
 
-_IN_NAMESPACE = 'namespace=~"$namespace"'
+_IN_NAMESPACE = 'cluster=~"$cluster",namespace=~"$namespace"'
 
 RATE = "$__rate_interval"
 RANGE = "$__range"
@@ -72,8 +77,9 @@ class PanelQueries:
     # -- selectors -------------------------------------------------------------------------
 
     def pod(self, extra: str = "") -> str:
-        """Matchers for one pod's series: the config selector, ``$namespace``, ``$pod``."""
-        parts = [f'{label}=~"${label}"' for label in POD_VARS]
+        """Matchers for one pod's series: the config selector, ``$cluster``, ``$namespace``,
+        ``$pod``."""
+        parts = [_IN_CLUSTER, *(f'{label}=~"${label}"' for label in POD_VARS)]
         if extra:
             parts.append(extra)
         return self.cfg.sel(",".join(parts))
@@ -84,8 +90,10 @@ class PanelQueries:
 
     def variable_query(self, var: str) -> str:
         """The ``label_values`` query of a template variable (each filtered by the ones before)."""
+        if var == CLUSTER_VAR:
+            return f"label_values(mrc_agent_samples_total{self.cfg.sel()}, cluster)"
         if var == "namespace":
-            return f"label_values(mrc_agent_samples_total{self.cfg.sel()}, namespace)"
+            return f"label_values(mrc_agent_samples_total{self.cfg.sel(_IN_CLUSTER)}, namespace)"
         if var == "pod":
             return f"label_values(mrc_agent_samples_total{self.cfg.sel(_IN_NAMESPACE)}, pod)"
         if var == GPU_VAR:
@@ -94,8 +102,10 @@ class PanelQueries:
 
     def service_variable_query(self, var: str) -> str:
         """``label_values`` for the service dashboards, anchored on the service's own metric."""
+        if var == CLUSTER_VAR:
+            return f"label_values(mrc_requests_total{self.cfg.sel()}, cluster)"
         if var == "namespace":
-            return f"label_values(mrc_requests_total{self.cfg.sel()}, namespace)"
+            return f"label_values(mrc_requests_total{self.cfg.sel(_IN_CLUSTER)}, namespace)"
         if var == "pod":
             return f"label_values(mrc_requests_total{self.cfg.sel(_IN_NAMESPACE)}, pod)"
         raise KeyError(var)
@@ -352,7 +362,7 @@ def substitute_macros(expr: str, range_s: float = 3600.0, rate_interval_s: float
             return macros[name]
         if name in given:
             return given[name]
-        if name in (*POD_VARS, GPU_VAR):
+        if name in (*POD_VARS, GPU_VAR, CLUSTER_VAR):
             return default_var
         if name == "datasource":
             return "prometheus"

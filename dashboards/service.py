@@ -127,6 +127,7 @@ def build(cfg: Config) -> dict[str, Any]:
         TITLE, UID,
         "Request side of an MRC service: latency and TTFT against the SLOs, throughput, "
         "errors, stages, peak GPU memory, cache, chain breaks, load and model.",
-        variables({"namespace": q.service_variable_query("namespace"),
+        variables({"cluster": q.service_variable_query("cluster"),
+                   "namespace": q.service_variable_query("namespace"),
                    "pod": q.service_variable_query("pod")}),
         [latency, traffic, stages, state])

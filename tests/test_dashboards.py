@@ -156,7 +156,38 @@ def test_template_variables() -> None:
     golden = DASHBOARDS["mrc-golden-triangle.json"]
     gpu = next(v for v in golden["templating"]["list"] if v["name"] == "gpu")
     assert gpu["query"] == ('label_values(mrc_gpu_utilization_ratio'
-                            '{namespace=~"$namespace",pod=~"$pod"}, gpu)')
+                            '{cluster=~"$cluster",namespace=~"$namespace",pod=~"$pod"}, gpu)')
+
+
+def test_every_query_and_variable_after_cluster_filters_on_it() -> None:
+    """kube-prometheus-stack's `cluster` variable: first in every dashboard, in every query."""
+    for dashboard in DASHBOARDS.values():
+        names = [v["name"] for v in dashboard["templating"]["list"]]
+        assert names[:3] == ["datasource", "cluster", "namespace"], dashboard["title"]
+    for title, panel, expr in all_queries():
+        assert 'cluster=~"$cluster"' in expr, (title, panel)
+    for title, var, query in template_queries():
+        if var != "cluster":
+            assert 'cluster=~"$cluster"' in query, (title, var)
+
+
+def test_import_files_carry_the_sharing_envelope_around_the_same_dashboard() -> None:
+    for name, dashboard in DASHBOARDS.items():
+        shared = json.loads((GENERATED / "import" / name).read_text())
+        assert shared["__inputs"] == [{"name": "DS_PROMETHEUS", "label": "Prometheus",
+                                       "description": "", "type": "datasource",
+                                       "pluginId": "prometheus", "pluginName": "Prometheus"}]
+        requires = {(r["type"], r["id"]) for r in shared["__requires"]}
+        used = {p["type"] for p in panels(dashboard)} - {"row"}
+        assert requires == {("grafana", "grafana"), ("datasource", "prometheus"),
+                            *(("panel", k) for k in used)}, name
+        # The input is referenced where Grafana's import substitutes it, and only there.
+        assert json.dumps(shared).count("${DS_PROMETHEUS}") == 2
+        body = {k: v for k, v in shared.items() if not k.startswith("__")}
+        ds = next(v for v in body["templating"]["list"] if v["type"] == "datasource")
+        assert ds.pop("current") == {"selected": True, "text": "${DS_PROMETHEUS}",
+                                     "value": "${DS_PROMETHEUS}"}
+        assert body == dashboard, f"{name}: the import file is another dashboard"
 
 
 def test_layout_fits_the_grid_without_overlaps() -> None:
