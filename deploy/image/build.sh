@@ -25,7 +25,16 @@ done
 ctx=$(mktemp -d)
 trap 'rm -rf "$ctx"' EXIT
 cp "$here/Containerfile" "$ctx/"
-python3 -m pip wheel --quiet --disable-pip-version-check --no-deps -w "$ctx/wheels" "$repo"
+# Build from a copy of the working tree (tracked and not-ignored files, as git sees it), so
+# that setuptools' build/ and egg-info never land in the checkout.
+mkdir "$ctx/src"
+if git -C "$repo" rev-parse --git-dir >/dev/null 2>&1; then
+    git -C "$repo" ls-files -z --cached --others --exclude-standard \
+        | (cd "$repo" && tar --null -T - -cf -) | tar -xf - -C "$ctx/src"
+else
+    cp -a "$repo/." "$ctx/src/"
+fi
+python3 -m pip wheel --quiet --disable-pip-version-check --no-deps -w "$ctx/wheels" "$ctx/src"
 arch=$(uname -m)
 # Binary wheels only, for the image's Python and any glibc from manylinux2014 up to bookworm's.
 set --
