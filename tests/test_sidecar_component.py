@@ -6,6 +6,7 @@ must never do to the pod it joins (ask for a GPU, gate its readiness, reorder it
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
@@ -140,19 +141,65 @@ def _agent_pss(objs: list[dict[str, Any]]) -> list[str]:
     return sorted(set(pss_violations(alone)["restricted"]))
 
 
-def test_the_restricted_component_drops_the_capability(tmp_path: Path) -> None:
-    (tmp_path / "w.yaml").write_text(yaml.safe_dump(_source("triton")))
+def _with(tmp_path: Path, workload: dict[str, Any], *variants: str) -> list[dict[str, Any]]:
+    """``workload`` built with components/sidecar and then ``variants`` of it."""
+    (tmp_path / "w.yaml").write_text(yaml.safe_dump(workload))
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
         "resources": ["w.yaml"],
-        "components": [os.path.relpath(COMPONENT, tmp_path),
-                       os.path.relpath(COMPONENT.parent / "sidecar-restricted", tmp_path)],
+        "components": [os.path.relpath(COMPONENT.parent / c, tmp_path)
+                       for c in ("sidecar", *variants)],
         "configMapGenerator": [{"name": "mrc-agent-sidecar",
                                 "literals": ["MRC_AGENT_PROCESS_NAME=x"]}]}))
-    objs = kustomize(tmp_path)
+    return kustomize(tmp_path)
+
+
+def _names(objs: list[dict[str, Any]]) -> list[str]:
+    return [c["name"] for c in _workload(objs)["spec"]["template"]["spec"]["containers"]]
+
+
+def test_the_restricted_component_drops_the_capability(tmp_path: Path) -> None:
+    objs = _with(tmp_path, _source("triton"), "sidecar-restricted")
     assert _agent_pss(objs) == []
     agent = _agent(objs)
     assert agent["securityContext"]["capabilities"]["drop"] == ["ALL"]
     assert agent["livenessProbe"]["httpGet"]["path"] == "/healthz"  # the rest is kept
+    assert _names(objs) == ["triton", AGENT]
+
+
+def test_the_web_config_component_mounts_the_file_the_agent_reads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    objs = _with(tmp_path, _source("vllm"), "sidecar-restricted", "sidecar-web-config")
+    assert _names(objs) == ["vllm", AGENT]
+    for obj in objs:
+        if obj["kind"] == "Deployment":
+            kubernetes_validate.validate(obj, LATEST, strict=True)
+    agent = _agent(objs)
+    cfg = _agent_config(objs, monkeypatch)
+    mount = next(m for m in agent["volumeMounts"] if m["name"] == "mrc-agent-web-config")
+    assert Path(cfg.web_config_file).parent == Path(mount["mountPath"]) and mount["readOnly"]
+    pod = _workload(objs)["spec"]["template"]["spec"]
+    vol = next(v for v in pod["volumes"] if v["name"] == "mrc-agent-web-config")
+    assert vol["secret"] == {"secretName": "mrc-agent-web-config", "defaultMode": 0o440}
+    # An HTTP probe would need the basic-auth credentials in the pod spec.
+    assert agent["livenessProbe"]["tcpSocket"] == {"port": "mrc-agent"}
+    assert _agent_pss(objs) == []
+
+
+def test_a_variant_refuses_a_pod_where_the_agent_is_not_second(tmp_path: Path) -> None:
+    """The variants patch the agent by index (a strategic merge would reorder the
+    containers): on a pod with two server containers the build fails instead of patching
+    the wrong container."""
+    two = _source("vllm")
+    spec = two["spec"]["template"]["spec"]
+    spec["containers"].append({"name": "proxy", "image": "envoyproxy/envoy:v1.31.0"})
+    (tmp_path / "w.yaml").write_text(yaml.safe_dump(two))
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": ["w.yaml"],
+        "components": [os.path.relpath(COMPONENT, tmp_path),
+                       os.path.relpath(COMPONENT.parent / "sidecar-restricted", tmp_path)]}))
+    res = subprocess.run(["kubectl", "kustomize", str(tmp_path)], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert res.returncode != 0 and "test" in res.stderr.lower(), res.stderr
 
 
 def _agent_config(objs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> Any:
@@ -210,3 +257,15 @@ def test_without_the_configmap_the_agent_names_what_is_missing(tmp_path: Path) -
     assert not [o for o in objs if o["kind"] == "ConfigMap"]
     ref = _agent(objs)["envFrom"][0]["configMapRef"]
     assert ref["name"] == "mrc-agent-sidecar" and not ref.get("optional", False)
+
+
+def test_the_podmonitor_patch_for_tls_and_basic_auth_is_what_the_operator_reads() -> None:
+    from tests.test_deploy import json_patch
+
+    (pm,) = [copy.deepcopy(o) for o in RENDERED["vllm"] if o["kind"] == "PodMonitor"]
+    ops = yaml.safe_load((COMPONENT.parent / "sidecar-web-config" / "podmonitor-patch.yaml")
+                         .read_text())
+    json_patch(pm, ops)
+    assert _round_trip(pm) == pm, "fields the operator does not know"
+    endpoint = pm["spec"]["podMetricsEndpoints"][0]
+    assert endpoint["scheme"] == "https" and endpoint["basicAuth"]["password"]["key"]
