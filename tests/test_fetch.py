@@ -253,6 +253,16 @@ def test_bad_urls_are_400(url: str) -> None:
     "http://[::ffff:169.254.169.254]/",
     "http://[2002:a00:1::]/",  # 6to4 around 10.0.0.1
     "http://[64:ff9b::a9fe:a9fe]/",  # NAT64 around 169.254.169.254
+    "http://[64:ff9b::127.0.0.1]/",  # NAT64, dotted tail
+    "http://[64:ff9b:1::a00:1]/",  # local-use NAT64 (RFC 8215)
+    "http://[::127.0.0.1]/",  # IPv4-compatible (deprecated) loopback
+    "http://[::ffff:7f00:1]/",  # mapped loopback, hex tail
+    "http://[0:0:0:0:0:ffff:127.0.0.1]/",  # mapped, uncompressed
+    "http://[::ffff:0:127.0.0.1]/",  # IPv4-translated (RFC 2765)
+    "http://[2002:7f00:1::1]/",  # 6to4 around 127.0.0.1
+    "http://[2001:0:4136:e378:8000:63bf:3fff:fdd2]/",  # Teredo
+    "http://[FE80::1]/",  # upper case
+    "http://[fe80::1%25eth0]/",  # with a zone
     "http://2130706433/",  # 127.0.0.1 as one decimal number
     "http://0x7f.1/",
     "http://0177.0.0.1/",

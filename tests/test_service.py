@@ -111,6 +111,17 @@ def test_answers_a_photo_question(service: Service) -> None:
                                                     "text_prompt": "Is the parcel damaged? No",
                                                     "max_new_tokens": 8}, timeout=60).json()
     assert other["cached"] is False
+    # The same image and question with another generation parameter: not the cached answer
+    # either (the README: the key includes the generation parameters).
+    longer = httpx.post(service.url + "/mrc", json={"image": photo,
+                                                     "text_prompt": "Is the parcel damaged?",
+                                                     "max_new_tokens": 9}, timeout=60).json()
+    assert longer["cached"] is False
+    # Another image, same question and parameters: not the cached answer.
+    elsewhere = httpx.post(service.url + "/mrc", json={"image": _b64(_jpeg(1200, 900, 5)),
+                                                        "text_prompt": "Is the parcel damaged?",
+                                                        "max_new_tokens": 8}, timeout=60).json()
+    assert elsewhere["cached"] is False
 
 
 def test_upload_endpoint_and_structured_log(service: Service) -> None:
