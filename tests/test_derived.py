@@ -62,3 +62,34 @@ def test_starvation_looks_only_at_the_gpus_the_target_holds() -> None:
 def test_no_gpu_data_means_no_starvation_series() -> None:
     c = DerivedCollector()
     assert c.update(_ctx(0.0, 1.0, 1.0, {})) == []
+
+
+def test_idle_threshold_is_at_or_below_on_both_sides() -> None:
+    """README: idle is utilisation at or below --idle-util-threshold (0.05)."""
+    at = IdleTracker(threshold=0.05)
+    at.feed([(0.0, 0.9), (1.0, 0.05), (2.0, 0.9)])  # exactly at the line: idle
+    assert at.histogram.total == 1 and abs(at.histogram.sum - 1.0) < 1e-9
+    above = IdleTracker(threshold=0.05)
+    above.feed([(0.0, 0.9), (1.0, 0.0501), (2.0, 0.9)])  # just above: busy
+    assert above.histogram.total == 0
+
+
+def test_starvation_thresholds_are_inclusive_on_both_sides() -> None:
+    """Starved: the target's CPU at or above --starvation-cpu-threshold and its GPUs at or
+    below --starvation-gpu-threshold (0.9 and 0.2 by default)."""
+    def starved(user: float, gpu: float) -> float:
+        c = DerivedCollector(DerivedThresholds(starved_cpu=0.9, starved_gpu=0.2))
+        return _starved(c.update(_ctx(0.0, user, user, {GPU0: gpu})))[0]
+
+    assert starved(0.9, 0.2) == 1.0
+    assert starved(0.8999, 0.2) == 0.0
+    assert starved(0.9, 0.2001) == 0.0
+    assert starved(1.0, 0.0) == 1.0
+
+
+def test_the_hottest_thread_alone_can_make_a_target_starved() -> None:
+    """A GIL-bound preprocessing thread at one core while the process total is spread."""
+    c = DerivedCollector(DerivedThresholds(starved_cpu=0.9, starved_gpu=0.2))
+    assert _starved(c.update(_ctx(0.0, 0.5, 0.95, {GPU0: 0.0})))[0] == 1.0
+    c = DerivedCollector(DerivedThresholds(starved_cpu=0.9, starved_gpu=0.2))
+    assert _starved(c.update(_ctx(0.0, 0.5, 0.85, {GPU0: 0.0})))[0] == 0.0

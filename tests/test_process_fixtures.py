@@ -85,9 +85,12 @@ class Agent:
         self.fs = ProcFS(root=str(root.path), max_open=max_open)
         self.collector = ProcessCollector(procfs=self.fs, threads=threads)
 
-    def sample(self, moment: str, pids: list[int] = ALL) -> tuple[SampleContext, Out]:
+    def sample(self, moment: str, pids: list[int] = ALL,
+               now: float | None = None) -> tuple[SampleContext, Out]:
+        """``now``: the monotonic time of the pass (default: the moment's own)."""
         self.root.become(moment)
-        ctx = SampleContext(now=NOW[moment], wall=BTIME + NOW[moment],
+        now = NOW[moment] if now is None else now
+        ctx = SampleContext(now=now, wall=BTIME + now,
                             targets=[Target(pid, "pid") for pid in pids])
         out: Out = {}
         for name, labels, value in self.collector.update(ctx):
@@ -153,6 +156,20 @@ def test_user_and_system_ratio_from_tick_deltas(agent: Agent) -> None:
     assert out[SWITCHES][("100", "python3", "involuntary")] == 700
     assert ctx.processes[100].user_ratio == approx(0.9)
     assert ctx.processes[300].user_ratio == approx(0.825)
+
+
+@pytest.mark.parametrize(("window", "user", "system"), [
+    (0.5, 3.6, 0.4), (4.0, 0.45, 0.05), (10.0, 0.18, 0.02)])
+def test_ratios_divide_by_the_measured_window(agent: Agent, window: float, user: float,
+                                             system: float) -> None:
+    """The same tick deltas over another window: the ratio is ticks / USER_HZ / the time
+    between the two passes as measured, whatever the configured interval (a late pass must
+    not read as a busier process). Above 1 is more than one core busy."""
+    agent.sample("t0")
+    ctx, out = agent.sample("t1", now=NOW["t0"] + window)
+    assert out[USER][("100", "python3")] == approx(user)
+    assert out[SYSTEM][("100", "python3")] == approx(system)
+    assert ctx.processes[100].user_ratio == approx(user)
 
 
 def test_idle_process_reads_zero_and_comm_keeps_its_parentheses(agent: Agent) -> None:
