@@ -58,22 +58,26 @@ def check_prometheus_duration(value: str) -> str:
 
 
 def format_duration(seconds: float) -> str:
-    """``seconds`` as a short Prometheus duration (``1h30m``, ``2s``, ``250ms``)."""
+    """``seconds`` as a short Prometheus duration (``1h30m``, ``2s``, ``1m1s500ms``), to the
+    millisecond; what it writes, :func:`parse_duration` and Prometheus read back."""
     ms = round(seconds * 1000)
-    if ms % 1000:
-        return f"{ms}ms" if ms < 60_000 else f"{seconds:g}s"
-    s = ms // 1000
+    if ms <= 0:
+        return "0s"
     parts = []
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
-        if s >= size:
-            parts.append(f"{s // size}{unit}")
-            s %= size
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000),
+                       ("ms", 1)):
+        if ms >= size:
+            parts.append(f"{ms // size}{unit}")
+            ms %= size
     return "".join(parts)
 
 
 def parse_bytes(value: Any) -> int:
-    """``104857600``, ``100Mi``, ``100MiB``, ``1G``, ``500k`` -> bytes."""
+    """``104857600``, ``100Mi``, ``100MiB``, ``1G``, ``500k`` -> bytes. Raises ValueError for
+    anything else, or a negative or infinite number."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{value!r} is not a finite, non-negative number of bytes")
         return int(value)
     m = _BYTES.fullmatch(str(value))
     if m is None:
