@@ -93,3 +93,40 @@ def test_the_hottest_thread_alone_can_make_a_target_starved() -> None:
     assert _starved(c.update(_ctx(0.0, 0.5, 0.95, {GPU0: 0.0})))[0] == 1.0
     c = DerivedCollector(DerivedThresholds(starved_cpu=0.9, starved_gpu=0.2))
     assert _starved(c.update(_ctx(0.0, 0.5, 0.85, {GPU0: 0.0})))[0] == 0.0
+
+
+def _ctx2(now: float, states: dict[int, tuple[float | None, float | None]],
+          utils: dict[GPUIdentity, float]) -> SampleContext:
+    ctx = SampleContext(now=now, wall=now, targets=[Target(pid, "pid") for pid in states])
+    for pid, (user, hot) in states.items():
+        ctx.processes[pid] = TargetState(pid, "python", user, hot)
+    ctx.gpu_util = dict(utils)
+    ctx.gpu_util_points = {g: [(now, u)] for g, u in utils.items()}
+    return ctx
+
+
+def _by_pid(samples) -> dict[str, tuple[float, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for name, labels, v in samples:
+        if name.startswith("mrc_gpu_starved"):
+            out.setdefault(labels[0], {})[name] = v
+    return {pid: (d["mrc_gpu_starved"], d["mrc_gpu_starved_seconds_total"])
+            for pid, d in out.items()}
+
+
+def test_an_idle_target_beside_an_idle_gpu_is_not_starved() -> None:
+    c = DerivedCollector(DerivedThresholds(starved_cpu=0.9, starved_gpu=0.2))
+    assert _by_pid(c.update(_ctx2(100.0, {7: (0.0, 0.0)}, {GPU0: 0.0}))) == {"7": (0.0, 0.0)}
+
+
+def test_each_target_has_its_own_starved_time_from_the_measured_window() -> None:
+    """Two targets, the first still without a CPU window (no series yet), the clock far
+    from zero: seconds accumulate per target, by the time between passes (a pass judges the
+    window that ends with it, so a target's first judged window counts in full)."""
+    c = DerivedCollector(DerivedThresholds(starved_cpu=0.9, starved_gpu=0.2))
+    out = _by_pid(c.update(_ctx2(100.0, {5: (None, None), 7: (1.0, 1.0)}, {GPU0: 0.0})))
+    assert out == {"7": (1.0, 0.0)}
+    out = _by_pid(c.update(_ctx2(102.5, {5: (0.95, 0.95), 7: (1.0, 1.0)}, {GPU0: 0.0})))
+    assert out == {"5": (1.0, 2.5), "7": (1.0, 2.5)}
+    out = _by_pid(c.update(_ctx2(103.0, {5: (0.95, 0.95), 7: (0.1, 0.1)}, {GPU0: 0.0})))
+    assert out == {"5": (1.0, 3.0), "7": (0.0, 2.5)}

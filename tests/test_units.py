@@ -26,8 +26,13 @@ def test_durations(text: object, seconds: float) -> None:
     True,
 ])
 def test_not_durations(text: object) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="duration"):
         parse_duration(text)
+
+
+def test_a_bad_duration_says_what_would_do() -> None:
+    with pytest.raises(ValueError, match=r"'1\.5h' is not a duration such as 3600, 90s, 30m"):
+        parse_duration("1.5h")
 
 
 def test_prometheus_durations_are_the_unit_forms_only() -> None:
@@ -40,7 +45,7 @@ def test_prometheus_durations_are_the_unit_forms_only() -> None:
 @pytest.mark.parametrize(("seconds", "text"), [
     (0, "0s"), (0.25, "250ms"), (1, "1s"), (59, "59s"), (60, "1m"), (90, "1m30s"),
     (3600, "1h"), (5400, "1h30m"), (86400, "1d"), (90061, "1d1h1m1s"), (61.5, "1m1s500ms"),
-    (59.999, "59s999ms"), (0.0004, "0s"),
+    (59.999, "59s999ms"), (0.0004, "0s"), (0.001, "1ms"), (0.0016, "2ms"),
 ])
 def test_format_duration_round_trips(seconds: float, text: str) -> None:
     assert format_duration(seconds) == text
@@ -60,5 +65,5 @@ def test_bytes(text: object, n: int) -> None:
 @pytest.mark.parametrize("text", ["", "Mi", "-1", "1T", "1 0", "ten", -1, float("inf"),
                                   float("nan")])
 def test_not_bytes(text: object) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="bytes"):
         parse_bytes(text)
