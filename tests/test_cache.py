@@ -182,3 +182,80 @@ def test_thread_safety_keeps_bounds() -> None:
     s = c.stats()
     assert s.entries <= 50 and s.bytes <= 500
     assert s.hits + s.misses == 8 * 2000
+
+
+# ------------------------------------------------------------- boundaries and counters, exactly
+
+
+def test_the_counters_count_one_by_one() -> None:
+    clock = FakeClock()
+    c: AnswerCache[str] = AnswerCache(2, 1000, 10.0, clock=clock)
+    assert c.get(key("a")) is None and c.get(key("b")) is None
+    c.put(key("a"), "A", 10)
+    c.put(key("b"), "B", 10)
+    assert c.get(key("a")) == "A"
+    c.put(key("c"), "C", 10)  # evicts b, the least recently used
+    clock.now += 10.0  # exactly the TTL: expired
+    assert c.get(key("a")) is None
+    s = c.stats()
+    assert (s.hits, s.misses, s.evictions, s.expirations) == (1, 3, 1, 1)
+    assert (s.entries, s.bytes) == (1, 10)
+    c.put(key("d"), "D", 10)
+    c.put(key("e"), "E", 10)  # c (expired) makes room: an expiration, not an eviction
+    s = c.stats()
+    assert (s.evictions, s.expirations) == (1, 2)
+
+
+def test_ttl_and_size_boundaries() -> None:
+    clock = FakeClock()
+    c: AnswerCache[str] = AnswerCache(10, 100, 5.0, clock=clock)
+    assert c.put(key("exactly"), "x", 100)  # exactly max_bytes fits
+    assert not c.put(key("over"), "x", 101)
+    assert c.put(key("zero"), "x", 0)  # a zero-byte payload is fine
+    assert len(c) == 2 and c.stats().bytes == 100
+    clock.now += 4.999
+    assert c.get(key("exactly")) == "x"
+    assert c.purge_expired() == 0
+    clock.now += 0.001  # exactly ttl_s after the put
+    assert c.purge_expired() == 2 and len(c) == 0
+    with pytest.raises(ValueError):
+        c.put(key("negative"), "x", -1)
+
+
+def test_bounds_are_checked_each() -> None:
+    with pytest.raises(ValueError):
+        AnswerCache(-1, 100, 1.0)
+    with pytest.raises(ValueError):
+        AnswerCache(10, -1, 1.0)
+    off: AnswerCache[str] = AnswerCache(10, 0, 1.0)  # zero bytes: nothing but empty payloads
+    assert off.put(key(), "x", 0) and not off.put(key("b"), "x", 1)
+    assert not AnswerCache(10, 100, 0.0).put(key(), "x", 1)  # no lifetime: never stored
+    tiny: AnswerCache[str] = AnswerCache(10, 100, 0.001)
+    assert tiny.put(key(), "x", 1)
+
+
+@pytest.mark.parametrize(("prompt", "max_bytes", "want"), [
+    ("abcd", 4, "abcd"), ("abcde", 4, "abcd"), ("ééé", 6, "ééé"), ("ééé", 5, "éé"),
+    ("ééé", 1, ""), ("é", 1, ""), ("aé", 2, "a"), ("€uro", 3, "€"), ("€uro", 2, ""),
+])
+def test_prefix_boundaries(prompt: str, max_bytes: int, want: str) -> None:
+    assert prompt_prefix(prompt, max_bytes) == want
+
+
+def test_key_fields_cannot_run_into_each_other() -> None:
+    # Length-prefixed fields: moving bytes between model and revision changes the key.
+    assert key(model="ab", revision="c") != key(model="a", revision="bc")
+    assert key(revision=None) == key(revision="")
+    assert key(model="m\ud800") != key(model="m")  # lone surrogates hash, distinctly
+    assert key(gen={"t": "é"}) != key(gen={"t": "e"})
+    with pytest.raises(ValueError):
+        key(gen={"temperature": float("nan")})
+
+
+def test_the_key_format_is_pinned() -> None:
+    """A changed key layout (field framing, JSON form of the parameters, text encoding) turns
+    every cached answer into a miss after a deploy and breaks shared caches between versions:
+    it must come with a new KEY_VERSION and a new digest here."""
+    k = make_key(IMG, "What is damaged? é", "m", "r1",
+                 {"max_new_tokens": 64, "do_sample": False, "stop": ["é", "x"]})
+    assert k.digest == "6b560e1c916ed53f320a77ff8e525056873ebf7eaa608f1b5afe551f481be241"

@@ -59,6 +59,12 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Location", q["to"][0])
             self.send_header("Content-Length", "0")
             self.end_headers()
+        elif url.path == "/chain":  # n more redirects, then the image
+            n = int(q["n"][0])
+            self.send_response(302)
+            self.send_header("Location", f"/chain?n={n - 1}" if n > 1 else "/img")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
         elif url.path == "/loop":
             self.send_response(302)
             self.send_header("Location", "/loop")
@@ -333,10 +339,17 @@ def test_redirect_to_allowlist_escape_is_refused(server: Server) -> None:
 
 
 def test_too_many_redirects_is_502(server: Server) -> None:
+    before = len(server.seen.requests)
     e = refused(server.url("/loop"), loopback_settings(max_redirects=3))
     assert (e.status, e.code) == (502, "fetch_failed")
-    hops = [p for p, _ in server.seen.requests[-4:]]
+    hops = [p for p, _ in server.seen.requests[before:]]
     assert hops == ["/loop"] * 4  # the first request + 3 redirects, then stop
+
+
+def test_exactly_max_redirects_are_followed(server: Server) -> None:
+    assert fetch(server.url("/chain?n=3"), loopback_settings(max_redirects=3)) == BODY
+    e = refused(server.url("/chain?n=4"), loopback_settings(max_redirects=3))
+    assert (e.status, e.code) == (502, "fetch_failed")
 
 
 # ------------------------------------------------------------------------------------ limits
