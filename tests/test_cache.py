@@ -229,7 +229,8 @@ def test_bounds_are_checked_each() -> None:
         AnswerCache(10, -1, 1.0)
     off: AnswerCache[str] = AnswerCache(10, 0, 1.0)  # zero bytes: nothing but empty payloads
     assert off.put(key(), "x", 0) and not off.put(key("b"), "x", 1)
-    assert not AnswerCache(10, 100, 0.0).put(key(), "x", 1)  # no lifetime: never stored
+    no_lifetime: AnswerCache[str] = AnswerCache(10, 100, 0.0)
+    assert not no_lifetime.put(key(), "x", 1)  # no lifetime: never stored
     tiny: AnswerCache[str] = AnswerCache(10, 100, 0.001)
     assert tiny.put(key(), "x", 1)
 
