@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 import httpx
@@ -443,3 +444,65 @@ def test_https_target_is_pinned_with_host_header_and_sni() -> None:
     r = FakeResolver({"xn--fiqs8s.test": ["93.184.216.34"]})
     t = asyncio.run(check_url("https://中国.test/a.png", Settings(), r))
     assert t.sni == "xn--fiqs8s.test" and r.calls == ["xn--fiqs8s.test"]
+
+
+# ---------------------------------------------------------- the client's own settings, observed
+
+
+def test_proxy_variables_in_the_environment_are_ignored(server: Server,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The URL was checked and pinned to its resolved address; a proxy from the environment
+    would make that check moot (the proxy resolves the name again, anywhere it likes)."""
+    proxied = Seen()
+    handler = type("P", (Handler,), {"seen": proxied})
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{proxy.server_address[1]}"
+        for var in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "ALL_PROXY", "all_proxy"):
+            monkeypatch.setenv(var, url)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        assert fetch(server.url("/img"), loopback_settings()) == BODY
+        assert proxied.requests == []
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+
+
+def test_an_upstream_whose_certificate_does_not_verify_is_refused(tmp_path: Path) -> None:
+    import datetime
+    import ssl
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(1)
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .sign(key, hashes.SHA256()))
+    (tmp_path / "c.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "k.pem").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(tmp_path / "c.pem", tmp_path / "k.pem")
+    seen = Seen()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), type("T", (Handler,), {"seen": seen}))
+    httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        e = refused(f"https://127.0.0.1:{httpd.server_address[1]}/img", loopback_settings())
+        assert (e.status, e.code) == (502, "fetch_failed")
+        assert seen.requests == []  # no request went over the unverified connection
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
