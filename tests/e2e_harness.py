@@ -152,8 +152,13 @@ class Prometheus(_Proc):
         except httpx.HTTPError:
             return self.proc.poll() is not None and _raise(self.text_log())
 
-    def query(self, expr: str) -> dict[str, Any]:
-        r = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10)
+    def query(self, expr: str, at: float | None = None) -> dict[str, Any]:
+        """``expr`` evaluated now, or at Unix time ``at`` (so that two queries compared in a
+        test see the same samples)."""
+        params: dict[str, Any] = {"query": expr}
+        if at is not None:
+            params["time"] = at
+        r = httpx.get(self.url + "/api/v1/query", params=params, timeout=10)
         body: dict[str, Any] = r.json()
         return body
 

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -64,6 +65,8 @@ def prom(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
                    and p.query("DCGM_FI_DEV_GPU_UTIL")["data"]["result"]
                    and p.query("mrc_gpu_starved")["data"]["result"], 30,
                    what="both sides scraped")
+        time.sleep(2.0)  # a second scrape of both, then evaluate between them
+        _AT[:] = [time.time() - 1.0]
         yield p
     finally:
         if p is not None:
@@ -72,8 +75,13 @@ def prom(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
         dcgm.shutdown()
 
 
+#: One evaluation time for every query of a run (set once both sides have been scraped): values
+#: compared across queries then come from the same samples.
+_AT: list[float] = []
+
+
 def _run(prom: Prometheus, expr: str) -> list[dict[str, Any]]:
-    body = prom.query(expr)
+    body = prom.query(expr, at=_AT[0])
     assert body["status"] == "success", body
     result: list[dict[str, Any]] = body["data"]["result"]
     return result
