@@ -428,25 +428,38 @@ def apply(cfg: AgentConfig, values: Mapping[str, Any], origin: str) -> None:
         setattr(cfg, key, parsed)
 
 
-def from_file(path: str) -> dict[str, Any]:
+def load_yaml_mapping(path: str, what: str, holds: str,
+                      loader: type[yaml.SafeLoader] = yaml.SafeLoader) -> dict[Any, Any]:
+    """The mapping in the YAML file ``path`` (``{}`` when empty), plain data only: read bounded
+    and without blocking, UTF-8. Every failure is one :class:`ConfigError` line naming
+    ``what`` and ``path`` (the line, for a YAML error; the problem, for a key given twice to a
+    loader that refuses that); ``holds`` says what the mapping should have been."""
+    where = f"{what} {path}"
     try:
-        text = read_bounded(path, MAX_CONFIG_BYTES, "config file").decode("utf-8")
+        text = read_bounded(path, MAX_CONFIG_BYTES, what).decode("utf-8")
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {describe(exc)}") from exc
+        raise ConfigError(f"cannot read {where}: {describe(exc)}") from exc
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {path} is not UTF-8 text") from exc
+        raise ConfigError(f"{where} is not UTF-8 text") from exc
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=loader)  # a SafeLoader or a subclass: plain data only
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"config file {path}{where} is not valid YAML") from exc
+        at = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None)
+        why = f": {problem}" if problem and "twice" in str(problem) else ""
+        raise ConfigError(f"{where}{at} is not valid YAML{why}") from exc
     except RecursionError as exc:
-        raise ConfigError(f"config file {path} is nested too deeply") from exc
+        raise ConfigError(f"{where} is nested too deeply") from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of settings")
+        raise ConfigError(f"{where} must hold {holds}")
+    return data
+
+
+def from_file(path: str) -> dict[str, Any]:
+    data = load_yaml_mapping(path, "config file", "a mapping of settings")
     out = {str(k).replace("-", "_"): v for k, v in data.items()}
     for key in out:
         spec = SETTINGS.get(key)

@@ -48,13 +48,12 @@ from typing import Any
 import bcrypt
 import yaml
 
-from agent.core.config import ConfigError
+from agent.core.config import ConfigError, load_yaml_mapping
 from agent.core.files import describe, read_bounded
 
 log = logging.getLogger(__name__)
 
-#: A web configuration file is a few dozen lines; a PEM file a few certificates.
-MAX_FILE_BYTES = 1 << 20
+#: A PEM file holds a few certificates (the file itself is read with the config file's bound).
 MAX_PEM_BYTES = 1 << 20
 
 _TOP = ("tls_server_config", "http_server_config", "basic_auth_users")
@@ -194,7 +193,8 @@ def load_web_config(path: str | None) -> WebConfig:
     if not path:
         return WebConfig()
     where = f"web config file {path}"
-    data = _read(path, where)
+    data = load_yaml_mapping(path, "web config file", "a mapping (tls_server_config, "
+                             "http_server_config, basic_auth_users)", _StrictLoader)
     _keys(data, _TOP, where, "")
     base = os.path.dirname(path)
     tls, client_auth = _tls_context(_section(data, "tls_server_config", where), base, where)
@@ -240,31 +240,6 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[An
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
                               _construct_mapping)
-
-
-def _read(path: str, where: str) -> dict[str, Any]:
-    try:
-        text = read_bounded(path, MAX_FILE_BYTES, "web config file").decode("utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read web config file {path}: {describe(exc)}") from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{where} is not UTF-8 text") from exc
-    try:
-        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: plain data only
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f":{mark.line + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None)
-        why = f": {problem}" if problem and "twice" in str(problem) else ""
-        raise ConfigError(f"{where}{at} is not valid YAML{why}") from exc
-    except RecursionError as exc:
-        raise ConfigError(f"{where} is nested too deeply") from exc
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must hold a mapping (tls_server_config, "
-                          "http_server_config, basic_auth_users)")
-    return data
 
 
 def _keys(section: Mapping[Any, Any], known: tuple[str, ...], where: str, prefix: str) -> None:
