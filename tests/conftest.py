@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -117,6 +118,37 @@ def parse_metrics(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], flo
         for s in fam.samples:
             out[(s.name, frozenset(s.labels.items()))] = s.value
     return out
+
+
+def requests_by_outcome(url: str) -> Counter[str]:
+    """``mrc_requests_total`` of the service at ``url``, summed by outcome."""
+    import httpx
+
+    m = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
+    return Counter({dict(labels)["outcome"]: int(v) for (name, labels), v in m.items()
+                    if name == "mrc_requests_total"})
+
+
+def read_http_response(sock: socket.socket, pending: bytes = b""
+                       ) -> tuple[str, dict[str, str], bytes, bytes]:
+    """One HTTP response off a raw socket (after ``pending``, bytes read before): its status
+    line, headers (lower-case names), body by Content-Length, and what was read past it."""
+    data = pending
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed before a full response head: {data!r}")
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    status, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines)}
+    n = int(headers.get("content-length", "0"))
+    while len(rest) < n:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        rest += chunk
+    return status, headers, rest[:n], rest[n:]
 
 
 def series(metrics: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str,

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from reference_service.loadgen import make_photo
-from tests.conftest import parse_metrics
+from tests.conftest import requests_by_outcome
 from tests.test_service import Service
 
 MAX_IMAGE = 2 * 1024 * 1024
@@ -95,12 +95,6 @@ def test_control_characters_never_reach_the_log_raw(service: Service) -> None:
     assert "\\u001b" in line
 
 
-def _requests_total(service: Service) -> Counter[str]:
-    m = parse_metrics(httpx.get(service.url + "/metrics", timeout=10).text)
-    return Counter({dict(labels)["outcome"]: int(v) for (name, labels), v in m.items()
-                    if name == "mrc_requests_total"})
-
-
 def _outcome(status: int) -> str:
     # Written out here, not taken from exporters.instrumentation.outcome_for_status: the
     # expectation must not agree with the code under test by construction.
@@ -114,7 +108,7 @@ def _outcome(status: int) -> str:
 
 
 def test_every_request_is_counted_once_by_outcome(service: Service) -> None:
-    before = _requests_total(service)
+    before = requests_by_outcome(service.url)
     image = _image()
     sent: list[tuple[str, dict[str, object]]] = [
         ("/mrc", {"content": json.dumps({"image": image, "text_prompt": "what?",
@@ -140,14 +134,14 @@ def test_every_request_is_counted_once_by_outcome(service: Service) -> None:
         r = httpx.post(service.url + path, timeout=60, headers=headers, **kw)  # type: ignore
         statuses[_outcome(r.status_code)] += 1
     assert statuses["ok"] == 2 and statuses["client_error"] == len(sent) - 2, statuses
-    after = _requests_total(service)
+    after = requests_by_outcome(service.url)
     assert after - before == statuses
 
 
 def test_content_length_with_transfer_encoding_is_refused(service: Service) -> None:
     import socket
 
-    before = _requests_total(service)
+    before = requests_by_outcome(service.url)
     raw = (b"POST /mrc HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
            b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
     with socket.create_connection(("127.0.0.1", service.port), timeout=10) as s:
@@ -160,7 +154,8 @@ def test_content_length_with_transfer_encoding_is_refused(service: Service) -> N
         assert b"connection: close" in head
     else:  # the HTTP parser itself may refuse it first: never a 2xx
         assert not head.startswith(b"http/1.1 2"), head
-    assert (_requests_total(service) - before) in (Counter({"client_error": 1}), Counter())
+    counted = requests_by_outcome(service.url) - before
+    assert counted in (Counter({"client_error": 1}), Counter())
 
 
 def test_a_crafted_header_does_not_freeze_the_service(service: Service) -> None:
@@ -196,13 +191,13 @@ def test_a_form_field_that_is_not_utf8_is_400(service: Service) -> None:
             b"caf\xe9?\r\n--" + boundary + b'\r\nContent-Disposition: form-data; name="file"; '
             b'filename="p.jpg"\r\nContent-Type: image/jpeg\r\n\r\n' + make_photo(64, 48, 3)
             + b"\r\n--" + boundary + b"--\r\n")
-    before = _requests_total(service)
+    before = requests_by_outcome(service.url)
     r = httpx.post(service.url + "/mrc/upload", content=body, timeout=60,
                    headers={"Content-Type": "multipart/form-data; boundary=b0undary"})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == "invalid_utf8" and "'text_prompt'" in err["message"]
-    assert _requests_total(service) - before == Counter({"client_error": 1})
+    assert requests_by_outcome(service.url) - before == Counter({"client_error": 1})
     # The same bytes, declared Latin-1 by the client, are what it says they are.
     r = httpx.post(service.url + "/mrc/upload", timeout=60, content=body, headers={
         "Content-Type": "multipart/form-data; boundary=b0undary; charset=latin-1"})

@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.registry import CollectorRegistry
 
 from exporters.exposition.http import ExpositionServer, Limits, Request, Response
+from tests.conftest import read_http_response
 
 LIMITS = Limits(max_connections=64, idle_timeout_s=1.0, head_timeout_s=0.5,
                 body_timeout_s=0.5, write_timeout_s=2.0, linger_s=2.0, linger_bytes=16 << 20)
@@ -47,25 +48,10 @@ _LEFT: dict[int, bytes] = {}  # bytes read past one response, per socket
 
 def _read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
     """One response off ``sock``: status, headers, body (by Content-Length)."""
-    data = _LEFT.pop(sock.fileno(), b"")
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError(f"closed before a full response head: {data!r}")
-        data += chunk
-    head, _, rest = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split(" ")[1])
-    headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
-    n = int(headers.get("content-length", "0"))
-    while len(rest) < n:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        rest += chunk
-    if rest[n:]:
-        _LEFT[sock.fileno()] = rest[n:]
-    return status, headers, rest[:n]
+    line, headers, body, rest = read_http_response(sock, _LEFT.pop(sock.fileno(), b""))
+    if rest:
+        _LEFT[sock.fileno()] = rest
+    return int(line.split(" ")[1]), headers, body
 
 
 def _closed(sock: socket.socket, within: float = 3.0) -> bool:

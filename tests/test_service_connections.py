@@ -20,7 +20,6 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ import pytest
 from reference_service.__main__ import main as service_main
 from reference_service.loadgen import make_photo
 from reference_service.middleware import CLIENT_CLOSED, BodyLimit
-from tests.conftest import parse_metrics
+from tests.conftest import read_http_response, requests_by_outcome
 from tests.test_service import Service
 
 MAX_IMAGE = 2 * 1024 * 1024
@@ -85,27 +84,8 @@ def _read_response(sock: socket.socket) -> tuple[str, dict[str, str], bytes]:
     """The first response on ``sock``, raw: its status line (a 100 Continue is not skipped),
     headers and body."""
     sock.settimeout(WAIT_S)
-    buf = b""
-    while b"\r\n\r\n" not in buf:
-        chunk = sock.recv(65536)
-        assert chunk, f"closed before a response: {buf!r}"
-        buf += chunk
-    head, _, body = buf.partition(b"\r\n\r\n")
-    status, *lines = head.decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines)}
-    length = int(headers.get("content-length", "0"))
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        body += chunk
+    status, headers, body, _ = read_http_response(sock)
     return status, headers, body
-
-
-def _outcomes(service: Service) -> Counter[str]:
-    m = parse_metrics(httpx.get(service.url + "/metrics", timeout=10).text)
-    return Counter({dict(labels)["outcome"]: int(v) for (name, labels), v in m.items()
-                    if name == "mrc_requests_total"})
 
 
 def _wait_for(what: str, check: Any) -> None:
@@ -167,7 +147,7 @@ def test_an_idle_keep_alive_connection_is_closed(service: Service) -> None:
 
 
 def test_a_stalled_body_gets_408_and_a_close(service: Service) -> None:
-    before = _outcomes(service)
+    before = requests_by_outcome(service.url)
     with _connect(service) as s:
         s.sendall(_head("/mrc", 1000) + b'{"image": "')
         status, headers, body = _read_response(s)
@@ -177,9 +157,10 @@ def test_a_stalled_body_gets_408_and_a_close(service: Service) -> None:
         assert err["code"] == "request_timeout" and "stalled" in err["message"]
         assert _closed_by_server(s) == b""
     # Counted once, as the client's doing.
-    _wait_for("the stalled request counted", lambda: _outcomes(service)["client_error"] ==
-              before["client_error"] + 1)
-    assert _outcomes(service)["error"] == before["error"]
+    _wait_for("the stalled request counted",
+              lambda: requests_by_outcome(service.url)["client_error"]
+              == before["client_error"] + 1)
+    assert requests_by_outcome(service.url)["error"] == before["error"]
 
 
 def test_a_slow_body_that_keeps_moving_is_served(service: Service) -> None:
@@ -259,17 +240,17 @@ def _assert_413(status: int, body: bytes) -> None:
 
 def test_urllib_sending_40_mb_reads_the_413(service: Service) -> None:
     """urllib sends the whole body before it reads: an unread body used to mean a reset."""
-    before = _outcomes(service)
+    before = requests_by_outcome(service.url)
     req = urllib.request.Request(service.url + "/mrc/upload", data=b"\0" * BIG,
                                  headers={"Content-Type": "multipart/form-data; boundary=x"})
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(req, timeout=WAIT_S)
     _assert_413(refused.value.code, refused.value.read())
-    assert _outcomes(service)["client_error"] == before["client_error"] + 1
+    assert requests_by_outcome(service.url)["client_error"] == before["client_error"] + 1
 
 
 def test_a_chunked_body_past_the_cap_sent_whole_reads_the_413(service: Service) -> None:
-    before = _outcomes(service)
+    before = requests_by_outcome(service.url)
 
     def chunks() -> Iterator[bytes]:
         for _ in range(BIG // (1 << 20)):
@@ -283,12 +264,12 @@ def test_a_chunked_body_past_the_cap_sent_whole_reads_the_413(service: Service) 
         _assert_413(r.status, r.read())
     finally:
         conn.close()
-    assert _outcomes(service)["client_error"] == before["client_error"] + 1
+    assert requests_by_outcome(service.url)["client_error"] == before["client_error"] + 1
 
 
 def test_expect_100_continue_gets_the_413_without_sending_the_body(service: Service) -> None:
     """10 GB declared, nothing sent: the answer comes at once, no 100 Continue first."""
-    before = _outcomes(service)
+    before = requests_by_outcome(service.url)
     with _connect(service) as s:
         s.sendall(_head("/mrc/upload", 10 * 1000**3, "Expect: 100-continue",
                         content_type="multipart/form-data; boundary=x"))
@@ -297,7 +278,7 @@ def test_expect_100_continue_gets_the_413_without_sending_the_body(service: Serv
         _assert_413(413, body)
         assert headers["connection"] == "close"
         assert _closed_by_server(s) == b""
-    assert _outcomes(service)["client_error"] == before["client_error"] + 1
+    assert requests_by_outcome(service.url)["client_error"] == before["client_error"] + 1
 
 
 # --- 3. a client that leaves: one line, no traceback ---
@@ -312,7 +293,7 @@ def test_clients_that_leave_mid_request_leave_one_line_and_no_traceback(
         service: Service) -> None:
     gone = "the connection closed before the request body was complete"
     lines_before = service.text_log().count(gone)
-    before = _outcomes(service)
+    before = requests_by_outcome(service.url)
     raw = _image_json("gone?")
     multipart = (_head("/mrc/upload", 100_000, content_type="multipart/form-data; boundary=x")
                  + b'--x\r\nContent-Disposition: form-data; name="file"; filename="a.jpg"'
@@ -333,7 +314,7 @@ def test_clients_that_leave_mid_request_leave_one_line_and_no_traceback(
         close(s)
 
     def settled() -> bool:  # true before the fix too (then as errors), so it can only wait
-        now = _outcomes(service)
+        now = requests_by_outcome(service.url)
         return (now["client_error"] + now["error"]
                 >= before["client_error"] + before["error"] + 2)
 
@@ -343,7 +324,7 @@ def test_clients_that_leave_mid_request_leave_one_line_and_no_traceback(
     log = service.text_log()
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log
     assert log.count(gone) >= lines_before + 1, log
-    after = _outcomes(service)
+    after = requests_by_outcome(service.url)
     assert after["error"] == before["error"], (before, after)
 
 
