@@ -1,7 +1,7 @@
-"""``python -m agent`` is ``mrc-agent``."""
+"""``python -m mrc_agent.agent`` is ``mrc-agent``."""
 
 import sys
 
-from agent.cli import main
+from mrc_agent.agent.cli import main
 
 sys.exit(main())

@@ -16,8 +16,15 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from agent import __version__
-from agent.core.config import DIAGNOSE, DOCTOR, RUN, ConfigError, add_flags, config_from_args
+from mrc_agent.agent import __version__
+from mrc_agent.agent.core.config import (
+    DIAGNOSE,
+    DOCTOR,
+    RUN,
+    ConfigError,
+    add_flags,
+    config_from_args,
+)
 
 log = logging.getLogger("agent")
 
@@ -63,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "or the embedded synthetic one")
 
     serve = sub.add_parser("serve", help="run the reference MRC service (needs the 'service' "
-                           "extra); flags as python -m reference_service", add_help=False)
+                           "extra); flags as python -m mrc_agent.reference_service", add_help=False)
     serve.add_argument("args", nargs=argparse.REMAINDER)
 
     load = sub.add_parser("loadgen", help="send a realistic MRC request mix and print "
@@ -147,8 +154,8 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from agent.core.run import run_agent
-    from agent.tools.capture import build_capture_api
+    from mrc_agent.agent.core.run import run_agent
+    from mrc_agent.agent.tools.capture import build_capture_api
 
     cfg = config_from_args(args)
     _setup_logging(cfg.log_level)
@@ -162,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
         # Everything after "serve" belongs to the service's own parser (--help included).
-        from reference_service.__main__ import main as serve_main
+        from mrc_agent.reference_service.__main__ import main as serve_main
 
         return serve_main(argv[1:], prog="mrc-agent serve")
     parser = build_parser()
@@ -171,36 +178,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "run":
             return cmd_run(args)
         if args.command == "diagnose":
-            from agent.tools.diagnose import run_diagnose_command
+            from mrc_agent.agent.tools.diagnose import run_diagnose_command
 
             return run_diagnose_command(args)
         if args.command == "report":
-            from agent.tools.report import run_report_command
+            from mrc_agent.agent.tools.report import run_report_command
 
             return run_report_command(args)
         if args.command == "catalog":
-            from agent.tools.reference_docs import write_catalog
+            from mrc_agent.agent.tools.reference_docs import write_catalog
 
             return write_catalog(args.out, settings=args.settings)
         if args.command in ("alerts", "dashboards"):
-            from alerts.build import BuildError, config_for, run_build
+            from mrc_agent.alerts.build import BuildError, config_for, run_build
 
             try:
                 if args.command == "alerts":
                     return run_build(args.out, args.selector, args.runbook_base)
-                from dashboards.build import run_build as build_dashboards
+                from mrc_agent.dashboards.build import run_build as build_dashboards
 
                 return build_dashboards(args.out, config_for(args.selector, args.runbook_base))
             except BuildError as exc:
                 raise ConfigError(str(exc)) from exc
         if args.command == "doctor":
-            from agent.tools.doctor import run_doctor
+            from mrc_agent.agent.tools.doctor import run_doctor
 
             cfg = config_from_args(args)
             return run_doctor(cfg, explicit_collectors=set(args.enable),
                               explicit_backend=args.gpu_backend is not None)
         if args.command == "record":
-            from agent.tools.record import run_record
+            from mrc_agent.agent.tools.record import run_record
 
             if args.duration <= 0 or not 0.01 <= args.interval <= 60:
                 raise ConfigError("--duration must be > 0 and --interval 0.01-60 seconds")
@@ -210,12 +217,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError("--rate and --duration must be > 0, --max-in-flight >= 1")
             if not args.url.startswith(("http://", "https://")):
                 raise ConfigError(f"--url {args.url!r} is not an http(s) URL")
-            from reference_service.loadgen import run_loadgen
+            from mrc_agent.reference_service.loadgen import run_loadgen
 
             return run_loadgen(args.url, args.rate, args.duration, args.max_new_tokens,
                                args.max_in_flight, args.seed)
         if args.command == "demo":
-            from agent.tools.demo import run_demo
+            from mrc_agent.agent.tools.demo import run_demo
 
             if args.duration <= 0 or args.rate <= 0 or not 0 < args.port < 65536:
                 raise ConfigError("--duration and --rate must be > 0, --port 1-65535")

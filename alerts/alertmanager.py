@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from alerts.config import Config
-from alerts.queries import check_duration
-from alerts.rules import PAGE, TICKET
+from mrc_agent.alerts.config import Config
+from mrc_agent.alerts.queries import check_duration
+from mrc_agent.alerts.rules import PAGE, TICKET
 
 PAGE_RECEIVER = "mrc-page"
 TICKET_RECEIVER = "mrc-ticket"

@@ -16,8 +16,8 @@ from typing import Any
 
 import yaml
 
-from alerts import alertmanager, rules
-from alerts.config import DEFAULT, Config
+from mrc_agent.alerts import alertmanager, rules
+from mrc_agent.alerts.config import DEFAULT, Config
 
 DEFAULT_OUT = Path("alerts/generated")
 RULES_FILE = "mrc-rules.yaml"

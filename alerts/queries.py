@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from prometheus_client.utils import floatToGoString
 
-from agent.core.units import check_prometheus_duration, parse_duration
-from alerts.config import Config, Thresholds
+from mrc_agent.agent.core.units import check_prometheus_duration, parse_duration
+from mrc_agent.alerts.config import Config, Thresholds
 
 
 def check_duration(value: str) -> str:

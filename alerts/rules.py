@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from alerts.config import Config
-from alerts.queries import RuleQueries, check_duration, num
+from mrc_agent.alerts.config import Config
+from mrc_agent.alerts.queries import RuleQueries, check_duration, num
 
 Rule = dict[str, Any]
 Group = dict[str, Any]

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from alerts import build, rules
-from alerts.config import DEFAULT, Config
+from mrc_agent.alerts import build, rules
+from mrc_agent.alerts.config import DEFAULT, Config
 
 #: Where the committed test files live, and the rule file they test, relative to them.
 OUT = Path(__file__).resolve().parent / "tests"

@@ -7,7 +7,8 @@ did not start, for instance).
 
 What one run does:
 
-1. Writes an 8-GPU replay trace (``python3 -m agent.tools.tracegen busy 8 20``) to a temp dir and
+1. Writes an 8-GPU replay trace (``python3 -m mrc_agent.agent.tools.tracegen busy 8 20``) to a
+   temp dir and
    starts four real target processes: a single-threaded spinner, a 4-thread process with one
    hot thread and three sleepers, one that alternates 0.5 s busy / 0.5 s idle, and an idle one.
 2. Runs ``mrc-agent run`` on them at ``--interval 1.0`` and then ``0.1``: the agent's own CPU
@@ -392,7 +393,7 @@ def agent_argv() -> list[str]:
     if beside.exists():
         return [str(beside)]
     found = shutil.which("mrc-agent")
-    return [found] if found else [sys.executable, "-m", "agent"]
+    return [found] if found else [sys.executable, "-m", "mrc_agent.agent"]
 
 
 @dataclass
@@ -417,7 +418,8 @@ class Bench:
     def setup(self) -> None:
         self.trace = os.path.join(self.workdir, "busy-8gpu.jsonl")
         with open(self.trace, "w", encoding="utf-8") as f:
-            subprocess.run([sys.executable, "-m", "agent.tools.tracegen", "busy", "8", "20"],
+            subprocess.run([sys.executable, "-m", "mrc_agent.agent.tools.tracegen",
+                            "busy", "8", "20"],
                            stdout=f, check=True, cwd=REPO, timeout=60)
         p = self.plan
         lifetime = 2 * (p.warmup + p.idle + 3 * (p.load + 3)) + p.accuracy + 90

@@ -33,10 +33,11 @@ def _rss_mb(pid: int) -> float:
 
 
 def _start(repo: Path) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen([sys.executable, "-m", "agent", "run", "--listen", "127.0.0.1:0",
-                             "--gpu-backend", "none", "--pid", str(os.getpid())],
-                            cwd=repo, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            text=True, env={**os.environ, "PYTHONPATH": str(repo)})
+    proc = subprocess.Popen([sys.executable, "-m", "mrc_agent.agent", "run",
+                             "--listen", "127.0.0.1:0", "--gpu-backend", "none",
+                             "--pid", str(os.getpid())],
+                            cwd=repo, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONPATH": str(repo / ".ci" / "namespace")})
     assert proc.stderr is not None
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -27,8 +27,8 @@ _CHILD = r"""
 import gc, io, json, resource, sys, threading, time
 import numpy as np
 from PIL import Image
-from reference_service.preprocess import preprocess
-from reference_service.settings import Settings
+from mrc_agent.reference_service.preprocess import preprocess
+from mrc_agent.reference_service.settings import Settings
 
 def rss():
     with open("/proc/self/status") as f:
@@ -48,7 +48,7 @@ gc.collect()
 settings = Settings()
 if sys.argv[3] == "1":
     try:
-        from reference_service.main import return_large_frees_to_the_os
+        from mrc_agent.reference_service.main import return_large_frees_to_the_os
         return_large_frees_to_the_os()  # what the service does at start
     except ImportError:
         pass  # a baseline from before it existed
@@ -76,7 +76,8 @@ print(json.dumps({"png_bytes": len(data), "start": start, "peak": max(peak, base
 def measure(repo: Path, side: int, parallel: int) -> dict[str, int]:
     out = subprocess.run([sys.executable, "-c", _CHILD, str(side), str(parallel), "1"], cwd=repo,
                          capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"})
+                         env={**os.environ, "PYTHONPATH": str(repo / ".ci" / "namespace"),
+                              "OMP_NUM_THREADS": "1"})
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 

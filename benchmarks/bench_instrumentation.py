@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
 
 GOAL_US = 30.0
 BODY = {"prompt": "What is damaged on this parcel, and how badly?", "width": 1920, "height": 1080}
@@ -80,7 +80,7 @@ def make_app(kind: str) -> Any:
     from fastapi import FastAPI
     from prometheus_client import CollectorRegistry
 
-    from exporters.instrumentation import MRCMetrics
+    from mrc_agent.exporters.instrumentation import MRCMetrics
 
     app = FastAPI()
     metrics = MRCMetrics() if kind == "mrc" else None
@@ -137,7 +137,7 @@ async def bench_http(requests: int, repeats: int) -> dict[str, list[float]]:
 
 
 def bench_tracker(iterations: int, repeats: int) -> list[float]:
-    from exporters.instrumentation import MRCMetrics
+    from mrc_agent.exporters.instrumentation import MRCMetrics
 
     m = MRCMetrics()
     prompt, width, height = BODY["prompt"], BODY["width"], BODY["height"]

@@ -49,10 +49,10 @@ import torch
 from PIL import Image, ImageDraw, ImageFont, features
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
 
-from reference_service.preprocess import preprocess  # noqa: E402
-from reference_service.settings import Settings  # noqa: E402
+from mrc_agent.reference_service.preprocess import preprocess  # noqa: E402
+from mrc_agent.reference_service.settings import Settings  # noqa: E402
 
 WIDTH, HEIGHT = 4000, 3000
 TARGET_HW = (336, 336)

@@ -46,10 +46,10 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
 
-from exporters.instrumentation import outcome_for_status  # noqa: E402
-from reference_service.loadgen import (  # noqa: E402
+from mrc_agent.exporters.instrumentation import outcome_for_status  # noqa: E402
+from mrc_agent.reference_service.loadgen import (  # noqa: E402
     PROMPT_BUCKETS,
     RESOLUTIONS,
     make_photo,
@@ -302,17 +302,17 @@ def main() -> int:
     svc, agent = f"http://127.0.0.1:{svc_port}", f"http://127.0.0.1:{agent_port}"
     cache = os.environ.get("MRC_CACHE_DIR") or tempfile.mkdtemp(prefix="mrc-bench-cache-")
     logdir = Path(tempfile.mkdtemp(prefix="mrc-soak-"))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO / ".ci" / "namespace")}
     svc_log = open(logdir / "service.log", "wb")  # noqa: SIM115
-    agent_log = open(logdir / "agent.log", "wb")  # noqa: SIM115
+    agent_log = open(logdir / "mrc_agent.agent.log", "wb")  # noqa: SIM115
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "reference_service", "--host", "127.0.0.1", "--port",
+        [sys.executable, "-m", "mrc_agent.reference_service", "--host", "127.0.0.1", "--port",
          str(svc_port), "--cache-dir", cache, "--max-image-bytes", str(MAX_IMAGE),
          "--log-level", "warning"], stdout=svc_log, stderr=subprocess.STDOUT, cwd=REPO, env=env)]
     try:
         _wait(svc + "/ready", "service")
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "agent", "run", "--listen", f"127.0.0.1:{agent_port}",
+            [sys.executable, "-m", "mrc_agent.agent", "run", "--listen", f"127.0.0.1:{agent_port}",
              "--gpu-backend", "none", "--pid", str(procs[0].pid), "--interval", "1"],
             stdout=agent_log, stderr=subprocess.STDOUT, cwd=REPO, env=env))
         _wait(agent + "/readyz", "agent", 60)
@@ -340,7 +340,7 @@ def main() -> int:
     fivexx = sum(v for k, v in tally.statuses.items() if k >= 500 or k < 0)
     unexpected = sum(tally.unexpected.values())
     tracebacks = sum((logdir / f).read_text(errors="replace").count("Traceback")
-                     for f in ("service.log", "agent.log"))
+                     for f in ("service.log", "mrc_agent.agent.log"))
 
     def ms(values: list[float], q: float) -> str:
         return f"{percentile(values, q) * 1000:.0f}" if values else "-"

@@ -26,11 +26,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from alerts.build import dump
-from alerts.config import DEFAULT, Config
-from dashboards import golden, heatmap, service
-from dashboards.panels import SCHEMA_VERSION, render
-from dashboards.queries import substitute_macros  # re-exported for the end-to-end test
+from mrc_agent.alerts.build import dump
+from mrc_agent.alerts.config import DEFAULT, Config
+from mrc_agent.dashboards import golden, heatmap, service
+from mrc_agent.dashboards.panels import SCHEMA_VERSION, render
+from mrc_agent.dashboards.queries import substitute_macros  # re-exported for the end-to-end test
 
 __all__ = ["DASHBOARDS", "all_queries", "build_all", "render_all", "run_build",
            "substitute_macros", "template_queries", "write"]

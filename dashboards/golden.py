@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from alerts.config import Config
-from dashboards.panels import (
+from mrc_agent.alerts.config import Config
+from mrc_agent.dashboards.panels import (
     Alerts,
     Section,
     above,
@@ -24,7 +24,7 @@ from dashboards.panels import (
     timeseries,
     variables,
 )
-from dashboards.queries import GPU_VAR, PanelQueries
+from mrc_agent.dashboards.queries import GPU_VAR, PanelQueries
 
 UID = "mrc-golden-triangle"
 TITLE = "MRC golden triangle"

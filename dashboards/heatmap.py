@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from alerts.config import Config
-from dashboards.panels import (
+from mrc_agent.alerts.config import Config
+from mrc_agent.dashboards.panels import (
     Alerts,
     Section,
     above,
@@ -32,7 +32,7 @@ from dashboards.panels import (
     transformation,
     variables,
 )
-from dashboards.queries import (
+from mrc_agent.dashboards.queries import (
     PROMPT_LENGTH_ORDER,
     RESOLUTION_ORDER,
     RESOLUTION_RANK_LABEL,

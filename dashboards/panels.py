@@ -46,8 +46,8 @@ from grafanalib.core import (
     TimeSeries,
 )
 
-from alerts.config import Config
-from dashboards.queries import Query
+from mrc_agent.alerts.config import Config
+from mrc_agent.dashboards.queries import Query
 
 #: The dashboard JSON schema version written (the vendored schema's default); Grafana migrates
 #: older dashboards up to its own on load, so writing the current one skips every migration.

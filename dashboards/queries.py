@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from prometheus_client.utils import floatToGoString
 
-from alerts.config import Config
-from exporters.instrumentation.buckets import prompt_length_values, resolution_values
+from mrc_agent.alerts.config import Config
+from mrc_agent.exporters.instrumentation.buckets import prompt_length_values, resolution_values
 
 #: Template variables every dashboard has (besides ``datasource``), and their label.
 POD_VARS: tuple[str, ...] = ("namespace", "pod")

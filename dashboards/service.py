@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from alerts.config import Config
-from dashboards.panels import (
+from mrc_agent.alerts.config import Config
+from mrc_agent.dashboards.panels import (
     Alerts,
     Section,
     above,
@@ -23,7 +23,7 @@ from dashboards.panels import (
     transformation,
     variables,
 )
-from dashboards.queries import PanelQueries
+from mrc_agent.dashboards.queries import PanelQueries
 
 UID = "mrc-service"
 TITLE = "MRC service"

@@ -1,10 +1,11 @@
 """The instrumented reference MRC service: an image and a question in, a VLM's answer out.
 
 A FastAPI application that runs the MRC chain (fetch → decode → preprocess → OCR → answer) over
-a vision-language model and exports what it does through the ``exporters`` instrumentation
-library, so the sidecar has a realistic service to watch. ``python -m reference_service`` (also
-``mrc-agent serve``) starts it; :mod:`reference_service.main` wires the app: state, routers,
-error handlers, and the lifespan that loads the model.
+a vision-language model and exports what it does through the ``mrc_agent.exporters``
+instrumentation library, so the sidecar has a realistic service to watch.
+``python -m mrc_agent.reference_service`` (also ``mrc-agent serve``) starts it;
+:mod:`reference_service.main` wires the app: state, routers, error handlers, and the lifespan
+that loads the model.
 
 * :mod:`~reference_service.routers`: HTTP routers, one per concern (``/mrc`` endpoints;
   ``/health`` and ``/ready``).

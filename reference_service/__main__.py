@@ -1,4 +1,4 @@
-"""``python -m reference_service --host H --port P`` (also ``mrc-agent serve``).
+"""``python -m mrc_agent.reference_service --host H --port P`` (also ``mrc-agent serve``).
 
 Flags become one :class:`~reference_service.settings.Settings` (a bad value: one line, exit 2);
 how the server meets the network (uvicorn's protocol, timeouts and connection cap) is built in
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from reference_service.settings import ENV_SETTINGS, Settings, settings_to_json
+from mrc_agent.reference_service.settings import ENV_SETTINGS, Settings, settings_to_json
 
 #: Above an hour a connection deadline is no deadline; a typo (ms for s) more likely.
 MAX_TIMEOUT_S = 3600
@@ -29,7 +29,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def build_parser(prog: str = "python -m reference_service") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m mrc_agent.reference_service") -> argparse.ArgumentParser:
     d = Settings()
     p = _Parser(prog=prog, description="The instrumented reference MRC service.")
     p.add_argument("--host", default="127.0.0.1")
@@ -104,7 +104,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     max_connections=args.max_connections)
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m reference_service") -> int:
+def main(argv: Sequence[str] | None = None,
+         prog: str = "python -m mrc_agent.reference_service") -> int:
     args = build_parser(prog).parse_args(argv)
     try:
         settings = settings_from_args(args)
@@ -117,23 +118,23 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m reference_ser
         return 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from reference_service import server
+    from mrc_agent.reference_service import server
 
     if args.workers > 1:
         # Must be in the environment before the workers import prometheus-client.
         import tempfile
 
-        from exporters.instrumentation import prepare_multiproc_dir
+        from mrc_agent.exporters.instrumentation import prepare_multiproc_dir
 
         path = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or tempfile.mkdtemp(
             prefix="mrc-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(prepare_multiproc_dir(path))
         os.environ[ENV_SETTINGS] = settings_to_json(settings)
-        server.run("reference_service.main:app_from_env", settings, factory=True,
+        server.run("mrc_agent.reference_service.main:app_from_env", settings, factory=True,
                    host=args.host, port=args.port, workers=args.workers,
                    log_level=args.log_level)
         return 0
-    from reference_service.main import create_app
+    from mrc_agent.reference_service.main import create_app
 
     # SIGHUP (a closed terminal, a supervisor's reload) would kill the process on the spot:
     # make it uvicorn's clean stop instead, which finishes the requests in flight and runs the

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from reference_service.errors import ServiceError
-from reference_service.settings import Settings
+from mrc_agent.reference_service.errors import ServiceError
+from mrc_agent.reference_service.settings import Settings
 
 log = logging.getLogger(__name__)
 

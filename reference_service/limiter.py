@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 
-from reference_service.errors import ServiceError
+from mrc_agent.reference_service.errors import ServiceError
 
 
 class Overloaded(ServiceError):

@@ -16,7 +16,7 @@ import logging
 import re
 from typing import Any
 
-log = logging.getLogger("reference_service.requests")
+log = logging.getLogger("mrc_agent.reference_service.requests")
 
 #: Characters that must never reach a log line raw: C0/C1 controls (NUL, ESC for terminal
 #: escape sequences, U+0085 NEL), line and paragraph separators, bidi overrides and

@@ -19,18 +19,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from exporters.instrumentation import MRCMetrics, mark_process_dead, metrics_endpoint
-from reference_service.cache import AnswerCache
-from reference_service.errors import ServiceError
-from reference_service.limiter import Admission, Overloaded
-from reference_service.middleware import BodyLimit
-from reference_service.ocr import OCR
-from reference_service.pipeline import counted
-from reference_service.preprocess import DecodePool, max_encoded_len
-from reference_service.routers import health, mrc
-from reference_service.routers.mrc import MRC_PATHS
-from reference_service.settings import Settings
-from reference_service.state import ServiceState
+from mrc_agent.exporters.instrumentation import MRCMetrics, mark_process_dead, metrics_endpoint
+from mrc_agent.reference_service.cache import AnswerCache
+from mrc_agent.reference_service.errors import ServiceError
+from mrc_agent.reference_service.limiter import Admission, Overloaded
+from mrc_agent.reference_service.middleware import BodyLimit
+from mrc_agent.reference_service.ocr import OCR
+from mrc_agent.reference_service.pipeline import counted
+from mrc_agent.reference_service.preprocess import DecodePool, max_encoded_len
+from mrc_agent.reference_service.routers import health, mrc
+from mrc_agent.reference_service.routers.mrc import MRC_PATHS
+from mrc_agent.reference_service.settings import Settings
+from mrc_agent.reference_service.state import ServiceState
 
 log = logging.getLogger("reference_service")
 
@@ -39,7 +39,7 @@ Loader = Callable[[Settings, Callable[[str], None]], Any]
 
 
 def _default_loader(settings: Settings, progress: Callable[[str], None]) -> Any:
-    from reference_service.model import load_vlm
+    from mrc_agent.reference_service.model import load_vlm
 
     return load_vlm(settings, progress=progress)
 
@@ -197,6 +197,6 @@ def app_from_env() -> FastAPI:
     """Factory for uvicorn worker processes: settings come through the environment."""
     import os
 
-    from reference_service.settings import ENV_SETTINGS, settings_from_json
+    from mrc_agent.reference_service.settings import ENV_SETTINGS, settings_from_json
 
     return create_app(settings_from_json(os.environ[ENV_SETTINGS]))

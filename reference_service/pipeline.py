@@ -15,13 +15,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from reference_service.cache import make_key
-from reference_service.errors import ServiceError
-from reference_service.fetch import fetch_image
-from reference_service.logs import log_request
-from reference_service.ocr import OCRError
-from reference_service.preprocess import preprocess_async, probe_async
-from reference_service.state import ServiceState
+from mrc_agent.reference_service.cache import make_key
+from mrc_agent.reference_service.errors import ServiceError
+from mrc_agent.reference_service.fetch import fetch_image
+from mrc_agent.reference_service.logs import log_request
+from mrc_agent.reference_service.ocr import OCRError
+from mrc_agent.reference_service.preprocess import preprocess_async, probe_async
+from mrc_agent.reference_service.state import ServiceState
 
 #: OCR text is added to the prompt as context for the model; long page dumps are cut so the
 #: user's question is never truncated away by the OCR text.

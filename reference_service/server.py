@@ -45,7 +45,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from reference_service.settings import Settings
+from mrc_agent.reference_service.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The reference service's settings: one typed object with every limit in one place.
 
-Each limit says why it is what it is. Settings come from ``python -m reference_service`` flags
-(and ``MRC_SERVICE_*`` environment variables); tests build them directly.
+Each limit says why it is what it is. Settings come from ``python -m mrc_agent.reference_service``
+flags (and ``MRC_SERVICE_*`` environment variables); tests build them directly.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class Settings:
 
 
 #: Environment variable that carries the settings (as :func:`settings_to_json`) from
-#: ``python -m reference_service --workers N`` to each uvicorn worker's app factory.
+#: ``python -m mrc_agent.reference_service --workers N`` to each uvicorn worker's app factory.
 ENV_SETTINGS = "MRC_SERVICE_SETTINGS"
 
 

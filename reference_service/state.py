@@ -7,12 +7,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from exporters.instrumentation import MRCMetrics
-from reference_service.cache import AnswerCache
-from reference_service.limiter import Admission
-from reference_service.ocr import OCR
-from reference_service.preprocess import DecodePool
-from reference_service.settings import Settings
+from mrc_agent.exporters.instrumentation import MRCMetrics
+from mrc_agent.reference_service.cache import AnswerCache
+from mrc_agent.reference_service.limiter import Admission
+from mrc_agent.reference_service.ocr import OCR
+from mrc_agent.reference_service.preprocess import DecodePool
+from mrc_agent.reference_service.settings import Settings
 
 
 @dataclass

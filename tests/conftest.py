@@ -62,7 +62,7 @@ class AgentProcess:
 
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agent", "run", "--listen", "127.0.0.1:0", *args],
+            [sys.executable, "-m", "mrc_agent.agent", "run", "--listen", "127.0.0.1:0", *args],
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
             env={**os.environ, **(env or {})}, cwd=REPO)
         self.log: list[str] = []

@@ -26,12 +26,12 @@ from typing import Any
 import pytest
 import yaml
 
-from agent.cli import main as cli_main
-from alerts import build, rules, unit_tests
-from alerts.alertmanager import PAGE_RECEIVER, TICKET_RECEIVER
-from alerts.config import DEFAULT, Config, Thresholds
-from alerts.queries import duration_seconds
-from alerts.unit_tests import (
+from mrc_agent.agent.cli import main as cli_main
+from mrc_agent.alerts import build, rules, unit_tests
+from mrc_agent.alerts.alertmanager import PAGE_RECEIVER, TICKET_RECEIVER
+from mrc_agent.alerts.config import DEFAULT, Config, Thresholds
+from mrc_agent.alerts.queries import duration_seconds
+from mrc_agent.alerts.unit_tests import (
     CASES,
     FLEET_EXPECTED,
     AlertTest,

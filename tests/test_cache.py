@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from reference_service.cache import AnswerCache, CacheKey, make_key, prompt_prefix
+from mrc_agent.reference_service.cache import AnswerCache, CacheKey, make_key, prompt_prefix
 
 IMG = b"\xff\xd8\xff" + bytes(range(256)) * 10
 GEN = {"max_new_tokens": 64, "do_sample": False}

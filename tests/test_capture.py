@@ -16,12 +16,12 @@ from typing import Any
 import httpx
 import pytest
 
-from agent.core.config import AgentConfig, ConfigError
-from agent.core.runner import Runner
-from agent.core.targets import TargetResolver
-from agent.tools.capture.manager import CaptureManager
-from agent.tools.capture.store import CaptureStore
-from agent.tools.capture.webhook import Token, WebhookError, parse_webhook
+from mrc_agent.agent.core.config import AgentConfig, ConfigError
+from mrc_agent.agent.core.runner import Runner
+from mrc_agent.agent.core.targets import TargetResolver
+from mrc_agent.agent.tools.capture.manager import CaptureManager
+from mrc_agent.agent.tools.capture.store import CaptureStore
+from mrc_agent.agent.tools.capture.webhook import Token, WebhookError, parse_webhook
 from tests.conftest import IDLE, REPO, Procs
 from tests.test_diagnose import PTRACER_ANY, spawn_preprocess, starved_trace
 
@@ -212,13 +212,13 @@ def test_run_rejects_bad_capture_settings(tmp_path: Path) -> None:
             (["--capture-retention", "7 days"], "invalid value '7 days' for capture_retention"),
             (["--capture-duration", "0.5"], "capture-duration 0.5 is out of range"),
             (["--capture-max-per-hour", "0"], "capture-max-per-hour 0 is out of range")):
-        r = subprocess.run([sys.executable, "-m", "agent", "run", "--listen", "127.0.0.1:0",
-                            "--gpu-backend", "none", *args], capture_output=True, text=True,
-                           timeout=30, cwd=REPO)
+        r = subprocess.run([sys.executable, "-m", "mrc_agent.agent", "run",
+                            "--listen", "127.0.0.1:0", "--gpu-backend", "none", *args],
+                           capture_output=True, text=True, timeout=30, cwd=REPO)
         assert r.returncode == 2, (args, r.stderr)
         assert message in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-    r = subprocess.run([sys.executable, "-m", "agent", "run", "--listen", "127.0.0.1:0"],
+    r = subprocess.run([sys.executable, "-m", "mrc_agent.agent", "run", "--listen", "127.0.0.1:0"],
                        capture_output=True, text=True, timeout=30, cwd=REPO,
                        env={**os.environ, "MRC_AGENT_WEBHOOK_TOKEN": "short"})
     assert r.returncode == 2 and "MRC_AGENT_WEBHOOK_TOKEN" in r.stderr

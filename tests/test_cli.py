@@ -15,7 +15,7 @@ from tests.conftest import BUSY, DATA, IDLE, REPO, Procs, parse_metrics, series
 
 
 def _mrc(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "mrc_agent.agent", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=REPO)
 
 
@@ -66,7 +66,8 @@ def test_port_in_use_is_exit_2(busy_port: int) -> None:
 
 
 def test_env_and_config_file_bad_values_exit_2(tmp_path) -> None:
-    r = subprocess.run([sys.executable, "-m", "agent", "run"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "mrc_agent.agent", "run"], capture_output=True,
+                       text=True,
                        env={"MRC_AGENT_INTERVAL": "never", "PATH": "/usr/bin:/bin"},
                        cwd=REPO, timeout=30)
     assert r.returncode == 2 and "invalid value 'never' for interval" in r.stderr

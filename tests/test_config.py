@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.core.config import ConfigError, load, parse_listen
+from mrc_agent.agent.core.config import ConfigError, load, parse_listen
 
 
 def test_precedence_file_then_env_then_cli(tmp_path) -> None:
@@ -80,8 +80,8 @@ def test_every_setting_is_declared_once_and_offered_with_its_environment_name() 
     import argparse
     from dataclasses import fields
 
-    from agent.cli import build_parser
-    from agent.core.config import SETTINGS, AgentConfig
+    from mrc_agent.agent.cli import build_parser
+    from mrc_agent.agent.core.config import SETTINGS, AgentConfig
 
     assert list(SETTINGS) == [f.name for f in fields(AgentConfig)]
     parser = build_parser()

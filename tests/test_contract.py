@@ -71,7 +71,10 @@ def test_the_nvlink_and_memory_alerts_only_judge_a_busy_gpu() -> None:
 
 
 def test_the_ttft_slo_reads_the_500_ms_bucket_with_a_99_percent_objective() -> None:
-    from exporters.instrumentation.buckets import TIME_TO_FIRST_TOKEN_BUCKETS, TTFT_SLA_SECONDS
+    from mrc_agent.exporters.instrumentation.buckets import (
+        TIME_TO_FIRST_TOKEN_BUCKETS,
+        TTFT_SLA_SECONDS,
+    )
 
     assert TTFT_SLA_SECONDS == 0.5 and 0.5 in TIME_TO_FIRST_TOKEN_BUCKETS
     text = RULES.read_text()
@@ -83,7 +86,7 @@ def test_the_ttft_slo_reads_the_500_ms_bucket_with_a_99_percent_objective() -> N
 # -- the nine cells -----------------------------------------------------------------------------
 
 def test_the_nine_prompt_length_by_resolution_cells() -> None:
-    from exporters.instrumentation.buckets import prompt_length_values, resolution_values
+    from mrc_agent.exporters.instrumentation.buckets import prompt_length_values, resolution_values
 
     assert prompt_length_values() == ("0-50", "50-100", "100+")
     assert resolution_values() == ("<1MP", "1-4MP", ">4MP")
@@ -92,7 +95,7 @@ def test_the_nine_prompt_length_by_resolution_cells() -> None:
 @pytest.mark.parametrize(("chars", "bucket"), [
     (0, "0-50"), (49, "0-50"), (50, "50-100"), (99, "50-100"), (100, "100+"), (5000, "100+")])
 def test_prompt_length_edges_belong_to_the_bucket_above(chars: int, bucket: str) -> None:
-    from exporters.instrumentation.buckets import prompt_length_bucket
+    from mrc_agent.exporters.instrumentation.buckets import prompt_length_bucket
 
     assert prompt_length_bucket(chars) == bucket
 
@@ -101,7 +104,7 @@ def test_prompt_length_edges_belong_to_the_bucket_above(chars: int, bucket: str)
     (999, 1000, "<1MP"), (1000, 1000, "1-4MP"), (1999, 2000, "1-4MP"), (2000, 2000, ">4MP"),
     (4000, 3000, ">4MP"), (1, 1, "<1MP")])
 def test_resolution_edges_belong_to_the_bucket_above(w: int, h: int, bucket: str) -> None:
-    from exporters.instrumentation.buckets import resolution_bucket
+    from mrc_agent.exporters.instrumentation.buckets import resolution_bucket
 
     assert resolution_bucket(w, h) == bucket
 
@@ -119,7 +122,7 @@ STATUSES = {
 
 
 def test_every_error_code_has_its_promised_status() -> None:
-    from reference_service.errors import STATUS_BY_CODE
+    from mrc_agent.reference_service.errors import STATUS_BY_CODE
 
     assert STATUS_BY_CODE == STATUSES
 
@@ -135,7 +138,7 @@ def test_the_readme_error_list_says_the_same_statuses() -> None:
 
 
 def test_the_service_limits_are_the_documented_ones() -> None:
-    from reference_service.settings import Settings
+    from mrc_agent.reference_service.settings import Settings
 
     s = Settings()
     assert (s.max_image_bytes, s.max_image_pixels) == (20 * 1024 * 1024, 50_000_000)
@@ -150,9 +153,9 @@ def test_the_service_limits_are_the_documented_ones() -> None:
 def test_the_agent_defaults_are_the_documented_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from agent.cli import build_parser, config_from_args
-    from agent.core.config import ENV_PREFIX
-    from agent.core.runner import STALE_INTERVALS
+    from mrc_agent.agent.cli import build_parser, config_from_args
+    from mrc_agent.agent.core.config import ENV_PREFIX
+    from mrc_agent.agent.core.runner import STALE_INTERVALS
 
     for name in [n for n in os.environ if n.startswith(ENV_PREFIX)]:
         monkeypatch.delenv(name)
@@ -171,8 +174,8 @@ def test_the_interval_range_is_0_05_to_60_seconds(value: str, ok: bool,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from agent.cli import build_parser, config_from_args
-    from agent.core.config import ENV_PREFIX, ConfigError
+    from mrc_agent.agent.cli import build_parser, config_from_args
+    from mrc_agent.agent.core.config import ENV_PREFIX, ConfigError
 
     for name in [n for n in os.environ if n.startswith(ENV_PREFIX)]:
         monkeypatch.delenv(name)

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from agent.core.hw import cupti_pm
-from agent.core.hw.base import GPUIdentity, HardwareError, SourceUnavailable
-from agent.core.hw.cupti_pm import (
+from mrc_agent.agent.core.hw import cupti_pm
+from mrc_agent.agent.core.hw.base import GPUIdentity, HardwareError, SourceUnavailable
+from mrc_agent.agent.core.hw.cupti_pm import (
     DRAM_READ_METRICS,
     HARDWARE_BUFFER_BYTES,
     PROFILING_METRICS,
@@ -276,7 +276,7 @@ def test_reason_is_logged_once_not_per_sample(caplog: pytest.LogCaptureFixture) 
     device = FakeDevice(errors={"enable": [PermissionError("ERR_NVGPUCTRPERM")]})
     sampler, _ = sampler_for(device)
 
-    with caplog.at_level(logging.INFO, logger="agent.core.hw.cupti_pm"):
+    with caplog.at_level(logging.INFO, logger="mrc_agent.agent.core.hw.cupti_pm"):
         for _ in range(5):
             with pytest.raises(SourceUnavailable):
                 sampler.sample_profiling()
@@ -298,7 +298,7 @@ def test_failure_after_start_is_hardware_error_and_recovers_keeping_totals(
     sampler, lib = sampler_for(device)
 
     assert totals(sampler) == [(10.0, 100.0)]
-    with caplog.at_level(logging.WARNING, logger="agent.core.hw.cupti_pm"):
+    with caplog.at_level(logging.WARNING, logger="mrc_agent.agent.core.hw.cupti_pm"):
         with pytest.raises(HardwareError) as first:
             sampler.sample_profiling()
         assert not isinstance(first.value, SourceUnavailable)

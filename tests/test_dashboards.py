@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import yaml
 
-from agent.cli import main as cli_main
-from alerts.config import DEFAULT, Config
-from alerts.rules import alerts as alert_rules
-from dashboards.build import (
+from mrc_agent.agent.cli import main as cli_main
+from mrc_agent.alerts.config import DEFAULT, Config
+from mrc_agent.alerts.rules import alerts as alert_rules
+from mrc_agent.dashboards.build import (
     CONFIGMAP_FILE,
     PROVISIONING_FILE,
     all_queries,
@@ -31,17 +31,17 @@ from dashboards.build import (
     render_all,
     template_queries,
 )
-from dashboards.heatmap import CORNER_FIELD, CORNER_TITLE
-from dashboards.heatmap import build as build_heatmap
-from dashboards.panels import Alerts
-from dashboards.queries import (
+from mrc_agent.dashboards.heatmap import CORNER_FIELD, CORNER_TITLE
+from mrc_agent.dashboards.heatmap import build as build_heatmap
+from mrc_agent.dashboards.panels import Alerts
+from mrc_agent.dashboards.queries import (
     PROMPT_LENGTH_ORDER,
     RESOLUTION_ORDER,
     RESOLUTION_RANK_LABEL,
     PanelQueries,
     substitute_macros,
 )
-from dashboards.validate import SCHEMA_DIR, validate
+from mrc_agent.dashboards.validate import SCHEMA_DIR, validate
 
 REPO = Path(__file__).resolve().parent.parent
 GENERATED = REPO / "dashboards" / "generated"

@@ -50,7 +50,7 @@ def prom(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
     tmp = tmp_path_factory.mktemp("dcgm")
     trace = tmp / "busy.jsonl"
     trace.write_text(subprocess.run(
-        [sys.executable, "-m", "agent.tools.tracegen", "busy", "1", "20"], cwd=REPO,
+        [sys.executable, "-m", "mrc_agent.agent.tools.tracegen", "busy", "1", "20"], cwd=REPO,
         capture_output=True, text=True, check=True).stdout)
     dcgm = ThreadingHTTPServer(("127.0.0.1", 0), _Exposition)
     threading.Thread(target=dcgm.serve_forever, daemon=True).start()

@@ -32,11 +32,11 @@ import pytest
 import yaml
 from cloudcoil.models.prometheus_operator import v1 as prom
 
-from agent.cli import build_parser, config_from_args
-from agent.core.config import ENV_PREFIX
-from agent.core.units import parse_bytes
-from alerts import build as alerts_build
-from dashboards import build as dashboards_build
+from mrc_agent.agent.cli import build_parser, config_from_args
+from mrc_agent.agent.core.config import ENV_PREFIX
+from mrc_agent.agent.core.units import parse_bytes
+from mrc_agent.alerts import build as alerts_build
+from mrc_agent.dashboards import build as dashboards_build
 from tests.conftest import REPO, AgentProcess
 
 DEPLOY = REPO / "deploy"
@@ -466,7 +466,7 @@ def test_agent_args_are_its_real_command_line(variant: str, agent_config: Any) -
     # arguments joined by spaces) and not a neighbour that merely imports the package.
     service_cmdline = " ".join([*service["command"], *service["args"]])
     assert re.search(cfg.process_name, service_cmdline)
-    assert not re.search(cfg.process_name, "python3 -m reference_service.loadgen --url x")
+    assert not re.search(cfg.process_name, "python3 -m mrc_agent.reference_service.loadgen --url x")
     ports = {p["name"]: p["containerPort"] for p in agent["ports"]}
     assert cfg.host_port == ("0.0.0.0", ports["agent-metrics"])
     assert 0.05 <= cfg.interval <= 1.0, "sub-second sampling resolves GPU idle windows"
@@ -486,12 +486,12 @@ def test_agent_args_are_its_real_command_line(variant: str, agent_config: Any) -
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_service_args_are_its_real_command_line(variant: str) -> None:
-    from reference_service.__main__ import build_parser as service_parser
-    from reference_service.__main__ import settings_from_args
+    from mrc_agent.reference_service.__main__ import build_parser as service_parser
+    from mrc_agent.reference_service.__main__ import settings_from_args
 
     objs = VARIANTS[variant]
     c = _container(objs, SERVICE)
-    assert c["command"] == ["python3", "-m", "reference_service"]
+    assert c["command"] == ["python3", "-m", "mrc_agent.reference_service"]
     args = service_parser().parse_args(c["args"])
     settings = settings_from_args(args)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
@@ -505,7 +505,7 @@ def test_service_probes_hit_its_routes() -> None:
     so /health is live and /ready says 503 until it is)."""
     from fastapi.testclient import TestClient
 
-    from reference_service.main import create_app
+    from mrc_agent.reference_service.main import create_app
 
     app = create_app()
     state = app.state.mrc

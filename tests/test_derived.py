@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from agent.core.collectors.base import DerivedThresholds, SampleContext, TargetState
-from agent.core.collectors.derived import DerivedCollector, IdleTracker
-from agent.core.hw.base import GPUIdentity
-from agent.core.targets import Target
+from mrc_agent.agent.core.collectors.base import DerivedThresholds, SampleContext, TargetState
+from mrc_agent.agent.core.collectors.derived import DerivedCollector, IdleTracker
+from mrc_agent.agent.core.hw.base import GPUIdentity
+from mrc_agent.agent.core.targets import Target
 
 GPU0 = GPUIdentity(0, "GPU-a", "NVIDIA H200")
 GPU1 = GPUIdentity(1, "GPU-b", "NVIDIA H200")

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.tools.diagnose.pyspy import explain_failure, find_py_spy
-from agent.tools.diagnose.sampling import runnable
-from agent.tools.diagnose.stacks import image_share, parse_collapsed, top_functions
-from agent.tools.diagnose.verdict import Rules, analyse_cpu, decide
+from mrc_agent.agent.tools.diagnose.pyspy import explain_failure, find_py_spy
+from mrc_agent.agent.tools.diagnose.sampling import runnable
+from mrc_agent.agent.tools.diagnose.stacks import image_share, parse_collapsed, top_functions
+from mrc_agent.agent.tools.diagnose.verdict import Rules, analyse_cpu, decide
 from tests.conftest import BUSY, IDLE, REPO, Procs
 
 #: Targets let any process of their user read them (prctl PR_SET_PTRACER_ANY), so py-spy can
@@ -82,14 +82,15 @@ def wait_running(pid: int) -> None:
 def starved_trace(directory: Path) -> Path:
     """The synthetic starved GPU: a 0.6 s burst every 3 s, idle in between."""
     out = directory / "starved.jsonl"
-    r = subprocess.run([sys.executable, "-m", "agent.tools.tracegen", "starved", "1", "12"],
+    r = subprocess.run([sys.executable, "-m", "mrc_agent.agent.tools.tracegen",
+                        "starved", "1", "12"],
                        capture_output=True, text=True, check=True, cwd=REPO)
     out.write_text(r.stdout)
     return out
 
 
 def mrc(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "mrc_agent.agent", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=REPO)
 
 
@@ -166,7 +167,7 @@ def test_busy_gpu_with_few_instructions_per_byte_is_memory_bound(tmp_path: Path,
     p = procs.spawn(PTRACER_ANY + IDLE)
     trace = tmp_path / "busy.jsonl"
     trace.write_text(subprocess.run(
-        [sys.executable, "-m", "agent.tools.tracegen", "busy", "1", "12"],
+        [sys.executable, "-m", "mrc_agent.agent.tools.tracegen", "busy", "1", "12"],
         capture_output=True, text=True, check=True, cwd=REPO).stdout)
     out = tmp_path / "diag"
     r = mrc("diagnose", "--pid", str(p.pid), "--duration", "2", "--gpu-backend",

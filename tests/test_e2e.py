@@ -27,11 +27,11 @@ from typing import Any
 import pytest
 import yaml
 
-from alerts.alertmanager import alertmanager_config
-from alerts.build import rule_file
-from alerts.config import DEFAULT, Config
-from dashboards.build import all_queries, template_queries
-from dashboards.queries import substitute_macros
+from mrc_agent.alerts.alertmanager import alertmanager_config
+from mrc_agent.alerts.build import rule_file
+from mrc_agent.alerts.config import DEFAULT, Config
+from mrc_agent.dashboards.build import all_queries, template_queries
+from mrc_agent.dashboards.queries import substitute_macros
 from tests.conftest import BUSY, REPO, AgentProcess, Procs
 from tests.e2e_harness import Alertmanager, Prometheus, Webhook, wait_until
 from tests.test_service import Service
@@ -51,8 +51,9 @@ def _config(webhook: str) -> Config:
 
 def _trace(tmp: Path, pattern: str, gpus: int = 1, duration: float = 20) -> Path:
     path = tmp / f"{pattern}.jsonl"
-    out = subprocess.run([sys.executable, "-m", "agent.tools.tracegen", pattern, str(gpus),
-                          str(duration)], capture_output=True, text=True, check=True, cwd=REPO)
+    out = subprocess.run([sys.executable, "-m", "mrc_agent.agent.tools.tracegen", pattern,
+                          str(gpus), str(duration)], capture_output=True, text=True, check=True,
+                         cwd=REPO)
     path.write_text(out.stdout)
     return path
 
@@ -125,7 +126,7 @@ def test_low_nvlink_trace_pages_oncall(paging: Paging) -> None:
 def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
     """The reference service under the load generator, an agent watching it with every GPU
     source (a replayed busy trace with NVML, GPM and profiling fields), both scraped."""
-    from reference_service.loadgen import run_load
+    from mrc_agent.reference_service.loadgen import run_load
 
     tmp = tmp_path_factory.mktemp("e2e-dash")
     stack: list[Any] = []

@@ -13,17 +13,17 @@ from prometheus_client import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.registry import CollectorRegistry
 
-from agent.core.catalog import CATALOG
-from agent.core.collectors.base import Collector, SampleContext, TargetState
-from agent.core.collectors.derived import DerivedCollector
-from agent.core.collectors.gpm import GpmCollector
-from agent.core.collectors.gpu import GpuCollector
-from agent.core.collectors.profiling import ProfilingCollector
-from agent.core.hw.replay import ReplayBackend
-from agent.core.sample import Snapshot
-from agent.core.targets import Target
-from agent.tools.reference_docs import render, render_settings
-from exporters.exposition.snapshot import MetricSpec, SnapshotCollector
+from mrc_agent.agent.core.catalog import CATALOG
+from mrc_agent.agent.core.collectors.base import Collector, SampleContext, TargetState
+from mrc_agent.agent.core.collectors.derived import DerivedCollector
+from mrc_agent.agent.core.collectors.gpm import GpmCollector
+from mrc_agent.agent.core.collectors.gpu import GpuCollector
+from mrc_agent.agent.core.collectors.profiling import ProfilingCollector
+from mrc_agent.agent.core.hw.replay import ReplayBackend
+from mrc_agent.agent.core.sample import Snapshot
+from mrc_agent.agent.core.targets import Target
+from mrc_agent.agent.tools.reference_docs import render, render_settings
+from mrc_agent.exporters.exposition.snapshot import MetricSpec, SnapshotCollector
 from tests.conftest import BUSY, DATA, REPO, Procs, parse_metrics, series
 
 GOLDEN = DATA / "golden_gpu_metrics.txt"

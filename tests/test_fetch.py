@@ -17,15 +17,15 @@ from urllib.parse import parse_qs, urlparse
 import httpx
 import pytest
 
-from reference_service.errors import ServiceError
-from reference_service.fetch import (
+from mrc_agent.reference_service.errors import ServiceError
+from mrc_agent.reference_service.fetch import (
     address_refusal,
     check_url,
     fetch_image,
     host_allowed,
     ip_literal,
 )
-from reference_service.settings import Settings
+from mrc_agent.reference_service.settings import Settings
 
 #: These tests name private, link-local and public addresses as fetch targets: they run only
 #: in a network namespace with loopback alone, so a regression cannot send a packet off the

@@ -7,16 +7,15 @@ import pkgutil
 import subprocess
 import sys
 
-import agent
-import exporters
+from mrc_agent import agent, exporters
 from tests.conftest import REPO
 
 
 def test_no_heavy_imports() -> None:
-    modules = [m.name for m in pkgutil.walk_packages(agent.__path__, "agent.")
+    modules = [m.name for m in pkgutil.walk_packages(agent.__path__, "mrc_agent.agent.")
                if not m.name.endswith("__main__")]
-    modules += [m.name for m in pkgutil.walk_packages(exporters.__path__, "exporters.")]
-    assert "agent.core.hw.nvml" in modules and "agent.tools.diagnose" in modules
+    modules += [m.name for m in pkgutil.walk_packages(exporters.__path__, "mrc_agent.exporters.")]
+    assert "mrc_agent.agent.core.hw.nvml" in modules and "mrc_agent.agent.tools.diagnose" in modules
     code = ("import importlib, sys\n"
             f"for m in {modules!r}: importlib.import_module(m)\n"
             "bad = [m for m in ('torch', 'pynvml', 'cupti', 'numpy') if m in sys.modules]\n"

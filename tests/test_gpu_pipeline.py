@@ -8,15 +8,15 @@ import json
 
 import pynvml
 
-from agent.core.config import AgentConfig
-from agent.core.hw.nvml import NvmlBackend
-from agent.core.hw.replay import ReplayBackend, load_trace
-from agent.core.hw.sources import Sources
-from agent.core.runner import Runner
-from agent.core.targets import TargetResolver
-from agent.core.wiring import build_collectors
-from agent.tools.doctor import run_doctor
-from agent.tools.record import record
+from mrc_agent.agent.core.config import AgentConfig
+from mrc_agent.agent.core.hw.nvml import NvmlBackend
+from mrc_agent.agent.core.hw.replay import ReplayBackend, load_trace
+from mrc_agent.agent.core.hw.sources import Sources
+from mrc_agent.agent.core.runner import Runner
+from mrc_agent.agent.core.targets import TargetResolver
+from mrc_agent.agent.core.wiring import build_collectors
+from mrc_agent.agent.tools.doctor import run_doctor
+from mrc_agent.agent.tools.record import record
 from tests.conftest import DATA
 from tests.fakes.fake_cupti import FakeCupti, FakeDevice
 from tests.fakes.fake_pynvml import FakeNvml, gpu, nvlink
@@ -116,8 +116,8 @@ REASONS = {"nvml_missing", "driver_not_loaded", "no_gpu", "no_permission", "cupt
 def test_real_libraries_on_this_host_answer_or_say_why() -> None:
     """The real pynvml and cupti modules, not fakes: on a host without a GPU they must map to
     a bounded reason; on a GPU host they must sample."""
-    from agent.core.hw.base import GPUIdentity, SourceUnavailable
-    from agent.core.hw.cupti_pm import CuptiPmSampler
+    from mrc_agent.agent.core.hw.base import GPUIdentity, SourceUnavailable
+    from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
 
     nvml = NvmlBackend(pcie_thread=False)
     try:

@@ -18,17 +18,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agent.cli import main as cli_main
-from agent.core.config import ConfigError, load, parse_listen
-from agent.core.files import FileRefused, read_bounded
-from agent.core.hw.replay import MAX_TRACE_BYTES, ReplayFormatError, load_trace
-from agent.core.runner import Runner
-from agent.core.targets import PidfileError, TargetResolver, read_pidfile
-from agent.tools.capture.api import CaptureAPI
-from agent.tools.capture.manager import CaptureManager
-from agent.tools.capture.store import CaptureStore
-from agent.tools.capture.webhook import Token, WebhookError, parse_webhook
-from exporters.exposition.http import Request
+from mrc_agent.agent.cli import main as cli_main
+from mrc_agent.agent.core.config import ConfigError, load, parse_listen
+from mrc_agent.agent.core.files import FileRefused, read_bounded
+from mrc_agent.agent.core.hw.replay import MAX_TRACE_BYTES, ReplayFormatError, load_trace
+from mrc_agent.agent.core.runner import Runner
+from mrc_agent.agent.core.targets import PidfileError, TargetResolver, read_pidfile
+from mrc_agent.agent.tools.capture.api import CaptureAPI
+from mrc_agent.agent.tools.capture.manager import CaptureManager
+from mrc_agent.agent.tools.capture.store import CaptureStore
+from mrc_agent.agent.tools.capture.webhook import Token, WebhookError, parse_webhook
+from mrc_agent.exporters.exposition.http import Request
 
 TOKEN = "s3cret-token-0123456789abcdef"
 
@@ -121,9 +121,9 @@ def test_bad_listen_addresses(listen: str, capsys: pytest.CaptureFixture[str]) -
 
 def test_ipv6_listen_address_as_documented() -> None:
     assert parse_listen("[::1]:9478") == ("::1", 9478)
-    from agent.core.config import AgentConfig
-    from agent.core.hw.sources import Sources
-    from agent.core.wiring import build_runner, build_server
+    from mrc_agent.agent.core.config import AgentConfig
+    from mrc_agent.agent.core.hw.sources import Sources
+    from mrc_agent.agent.core.wiring import build_runner, build_server
 
     cfg = AgentConfig(listen="[::1]:0", gpu_backend="none")
     runner = build_runner(cfg, Sources())
@@ -173,7 +173,7 @@ def test_collector_switches_read_as_booleans(tmp_path: Path) -> None:
 
 
 def test_token_file_that_is_a_fifo(fifo: Path) -> None:
-    from agent.core.config import read_token_file
+    from mrc_agent.agent.core.config import read_token_file
 
     with pytest.raises(ConfigError, match="not a regular file"):
         _in_time(lambda: read_token_file(str(fifo)))
@@ -249,7 +249,7 @@ def test_deeply_nested_webhook_is_a_client_error() -> None:
 
 @pytest.fixture
 def api(tmp_path: Path) -> CaptureAPI:
-    from agent.core.config import AgentConfig
+    from mrc_agent.agent.core.config import AgentConfig
 
     cfg = AgentConfig(pids=[os.getpid()], gpu_backend="none", webhook_token=TOKEN)
     store = CaptureStore(str(tmp_path / "captures"), 10, 1 << 20, 3600)

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from reference_service.loadgen import make_photo
+from mrc_agent.reference_service.loadgen import make_photo
 from tests.conftest import requests_by_outcome
 from tests.test_service import Service
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.registry import CollectorRegistry
 
-from exporters.exposition.http import ExpositionServer, Limits, Request, Response
+from mrc_agent.exporters.exposition.http import ExpositionServer, Limits, Request, Response
 from tests.conftest import read_http_response
 
 LIMITS = Limits(max_connections=64, idle_timeout_s=1.0, head_timeout_s=0.5,

@@ -27,7 +27,7 @@ def _modules() -> dict[str, Path]:
             parts = list(path.relative_to(REPO).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
-            out[".".join(parts)] = path
+            out[".".join(["mrc_agent", *parts])] = path
     return out
 
 
@@ -63,25 +63,27 @@ def _reaches(start: str, prefix: str) -> list[str]:
 
 
 def test_the_rooms_exist() -> None:
-    for room in ("agent.core", "agent.core.collectors", "agent.core.hw", "agent.tools",
-                 "exporters.exposition", "exporters.instrumentation"):
+    for room in ("mrc_agent.agent.core", "mrc_agent.agent.core.collectors",
+                 "mrc_agent.agent.core.hw", "mrc_agent.agent.tools",
+                 "mrc_agent.exporters.exposition", "mrc_agent.exporters.instrumentation"):
         assert room in MODULES, room
         assert ast.get_docstring(ast.parse(MODULES[room].read_text())), f"{room} has no docstring"
 
 
 def test_the_core_never_imports_a_tool() -> None:
-    bad = {m: _reaches(m, "agent.tools") for m in GRAPH if m.startswith("agent.core")}
+    bad = {m: _reaches(m, "mrc_agent.agent.tools")
+           for m in GRAPH if m.startswith("mrc_agent.agent.core")}
     assert not {m: t for m, t in bad.items() if t}
 
 
 def test_exporters_and_the_service_never_import_the_agent() -> None:
     for module in GRAPH:
-        if module.startswith(("exporters", "reference_service")):
-            assert not _reaches(module, "agent"), module
-        if module.startswith("exporters.exposition"):
-            assert not _reaches(module, "exporters.instrumentation"), module
-        if module.startswith("exporters.instrumentation"):
-            assert not _reaches(module, "exporters.exposition"), module
+        if module.startswith(("mrc_agent.exporters", "mrc_agent.reference_service")):
+            assert not _reaches(module, "mrc_agent.agent"), module
+        if module.startswith("mrc_agent.exporters.exposition"):
+            assert not _reaches(module, "mrc_agent.exporters.instrumentation"), module
+        if module.startswith("mrc_agent.exporters.instrumentation"):
+            assert not _reaches(module, "mrc_agent.exporters.exposition"), module
 
 
 def test_no_import_cycle() -> None:
@@ -121,8 +123,8 @@ def test_no_import_cycle() -> None:
 
 def test_cycle_detection_sees_a_lazy_import(tmp_path: Path) -> None:
     a = tmp_path / "a.py"
-    a.write_text("def f():\n    from agent.cli import main\n")
-    assert "agent.cli" in _imports("agent.fake", a)
+    a.write_text("def f():\n    from mrc_agent.agent.cli import main\n")
+    assert "mrc_agent.agent.cli" in _imports("mrc_agent.agent.fake", a)
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

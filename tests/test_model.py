@@ -24,8 +24,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from reference_service import model as vlm_mod  # noqa: E402
-from reference_service.model import (  # noqa: E402  # noqa: E402
+from mrc_agent.reference_service import model as vlm_mod  # noqa: E402
+from mrc_agent.reference_service.model import (  # noqa: E402  # noqa: E402
     EMBEDDED_DIRNAME,
     EMBEDDED_MARKER,
     VLM,
@@ -43,7 +43,7 @@ from reference_service.model import (  # noqa: E402  # noqa: E402
     loading,
     probe_sdpa_backend,
 )
-from reference_service.settings import Settings  # noqa: E402
+from mrc_agent.reference_service.settings import Settings  # noqa: E402
 
 KNOWN_BACKENDS = {"flash", "efficient", "cudnn", "math", "eager"}
 

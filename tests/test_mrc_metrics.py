@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.registry import CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
-from exporters.instrumentation import (
+from mrc_agent.exporters.instrumentation import (
     CHAIN_BREAK_STEPS,
     OUTCOMES,
     STAGES,
@@ -158,7 +158,8 @@ def test_tracker_observes_duration_ttft_tpot_stages_and_outcome(m: MRCMetrics) -
 
 def test_tpot_is_time_after_first_token_per_remaining_token(
         m: MRCMetrics, monkeypatch: pytest.MonkeyPatch) -> None:
-    import exporters.instrumentation.metrics as mm  # where the tracker looks up perf_counter
+    # where the tracker looks up perf_counter
+    import mrc_agent.exporters.instrumentation.metrics as mm
 
     clock = iter([10.0, 10.2, 11.2, 11.5])  # enter, first token, 11 tokens done, exit
     monkeypatch.setattr(mm, "perf_counter", lambda: next(clock))

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from exporters.instrumentation import prepare_multiproc_dir
+from mrc_agent.exporters.instrumentation import prepare_multiproc_dir
 from tests.conftest import REPO, parse_metrics, series
 
 N = 40
@@ -30,7 +30,7 @@ APP = textwrap.dedent('''
 
     from fastapi import FastAPI, Request
 
-    from exporters.instrumentation import MRCMetrics, mark_process_dead, metrics_endpoint
+    from mrc_agent.exporters.instrumentation import MRCMetrics, mark_process_dead, metrics_endpoint
 
     metrics = MRCMetrics()
 
@@ -198,8 +198,9 @@ SCRIPT = textwrap.dedent("""
     import itertools, json, sys
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
-    import exporters.instrumentation.metrics as mm  # where the tracker looks up perf_counter
-    from exporters.instrumentation import STAGES, MRCMetrics, exposition_registry
+    # where the tracker looks up perf_counter
+    import mrc_agent.exporters.instrumentation.metrics as mm
+    from mrc_agent.exporters.instrumentation import STAGES, MRCMetrics, exposition_registry
 
     ticks = itertools.count()
     mm.perf_counter = lambda: next(ticks) * 0.037  # a fake clock: the same values in both runs
@@ -262,7 +263,7 @@ def test_env_var_set_after_import_is_refused(tmp_path: Path) -> None:
         import os
         import prometheus_client
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = {str(tmp_path)!r}
-        from exporters.instrumentation import MRCMetrics
+        from mrc_agent.exporters.instrumentation import MRCMetrics
         try:
             MRCMetrics()
         except RuntimeError as e:

@@ -12,9 +12,9 @@ from typing import Any
 import pynvml
 import pytest
 
-from agent.core.hw import nvml as nvml_mod
-from agent.core.hw.base import HardwareError, SourceUnavailable
-from agent.core.hw.nvml import NvmlBackend
+from mrc_agent.agent.core.hw import nvml as nvml_mod
+from mrc_agent.agent.core.hw.base import HardwareError, SourceUnavailable
+from mrc_agent.agent.core.hw.nvml import NvmlBackend
 from tests.fakes.fake_pynvml import FakeNvml, gpu, nvlink
 
 WALL_NOW = 1_700_000_000.0  # the fake wall clock, seconds since the epoch
@@ -165,7 +165,7 @@ def test_not_supported_leaves_field_none_and_is_not_retried_or_relogged(
 ) -> None:
     fake = FakeNvml([gpu(not_supported={"nvmlDeviceGetPowerUsage", "nvmlDeviceGetTotalEccErrors"})])
     b = backend(fake)
-    with caplog.at_level(logging.INFO, logger="agent.core.hw.nvml"):
+    with caplog.at_level(logging.INFO, logger="mrc_agent.agent.core.hw.nvml"):
         samples = [b.sample_devices()[0] for _ in range(3)]
     assert all(s.power_watts is None for s in samples)
     assert all(s.ecc_corrected_total is None and s.ecc_uncorrected_total is None for s in samples)
@@ -231,7 +231,7 @@ def test_pcie_not_supported_is_remembered_and_not_read_again(
     fake = FakeNvml([gpu(index=0, not_supported={"nvmlDeviceGetPcieThroughput"}), gpu(index=1)])
     b = backend(fake)
     b.sample_devices()
-    with caplog.at_level(logging.INFO, logger="agent.core.hw.nvml"):
+    with caplog.at_level(logging.INFO, logger="mrc_agent.agent.core.hw.nvml"):
         for _ in range(3):
             b._pcie.run_round()
     s0, s1 = b.sample_devices()
@@ -251,7 +251,7 @@ def test_failing_pcie_read_skips_the_gpu_and_does_not_break_sampling(
     fake = FakeNvml([gpu(index=0), gpu(index=1)])
     b = backend(fake)
     b.sample_devices()
-    with caplog.at_level(logging.DEBUG, logger="agent.core.hw.nvml"):
+    with caplog.at_level(logging.DEBUG, logger="mrc_agent.agent.core.hw.nvml"):
         for _ in range(2):
             fake.fail_next["nvmlDeviceGetPcieThroughput"] = [pynvml.NVML_ERROR_UNKNOWN]
             b._pcie.run_round()  # GPU 0's first call fails; no exception escapes
@@ -494,7 +494,7 @@ def test_library_missing_is_nvml_missing_and_logged_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     b = backend(FakeNvml([gpu()], library_missing=True))
-    with caplog.at_level(logging.WARNING, logger="agent.core.hw.nvml"):
+    with caplog.at_level(logging.WARNING, logger="mrc_agent.agent.core.hw.nvml"):
         for _ in range(3):
             with pytest.raises(SourceUnavailable) as info:
                 b.sample_devices()

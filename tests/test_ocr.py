@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
-from reference_service import ocr as ocr_mod
-from reference_service.ocr import OCR, OCRError, clean_text
+from mrc_agent.reference_service import ocr as ocr_mod
+from mrc_agent.reference_service.ocr import OCR, OCRError, clean_text
 
 DEJAVU = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans-Bold.ttf")
 

@@ -19,10 +19,10 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFile, ImageFont, ImageOps
 
-from reference_service import preprocess as P
-from reference_service.errors import ServiceError
-from reference_service.preprocess import core, decoding, gpu
-from reference_service.settings import Settings
+from mrc_agent.reference_service import preprocess as P
+from mrc_agent.reference_service.errors import ServiceError
+from mrc_agent.reference_service.preprocess import core, decoding, gpu
+from mrc_agent.reference_service.settings import Settings
 
 MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIP's
 STD = (0.26862954, 0.26130258, 0.27577711)

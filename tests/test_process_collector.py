@@ -13,10 +13,10 @@ import os
 import time
 from collections.abc import Callable
 
-from agent.core.collectors.base import SampleContext
-from agent.core.collectors.process import ProcessCollector
-from agent.core.hw.procfs import CLK_TCK, ProcessGone, ProcFS
-from agent.core.targets import Target, TargetResolver
+from mrc_agent.agent.core.collectors.base import SampleContext
+from mrc_agent.agent.core.collectors.process import ProcessCollector
+from mrc_agent.agent.core.hw.procfs import CLK_TCK, ProcessGone, ProcFS
+from mrc_agent.agent.core.targets import Target, TargetResolver
 from tests.conftest import BUSY, IDLE, THREADED, Procs
 
 

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from agent.core.collectors import process as process_collector
-from agent.core.collectors.base import SampleContext
-from agent.core.collectors.process import ProcessCollector, ratio
-from agent.core.hw import procfs
-from agent.core.hw.procfs import ProcFS
-from agent.core.sample import Value
-from agent.core.targets import Target, TargetResolver
+from mrc_agent.agent.core.collectors import process as process_collector
+from mrc_agent.agent.core.collectors.base import SampleContext
+from mrc_agent.agent.core.collectors.process import ProcessCollector, ratio
+from mrc_agent.agent.core.hw import procfs
+from mrc_agent.agent.core.hw.procfs import ProcFS
+from mrc_agent.agent.core.sample import Value
+from mrc_agent.agent.core.targets import Target, TargetResolver
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "proc"
 #: Monotonic time of each moment (the README's table).

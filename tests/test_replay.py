@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from agent.core.hw.base import SourceUnavailable
-from agent.core.hw.replay import ReplayBackend, ReplayFormatError, load_trace
+from mrc_agent.agent.core.hw.base import SourceUnavailable
+from mrc_agent.agent.core.hw.replay import ReplayBackend, ReplayFormatError, load_trace
 
 
 class Clock:

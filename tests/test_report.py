@@ -35,12 +35,12 @@ from typing import Any
 import httpx
 import pytest
 
-from agent.core.units import parse_duration
-from agent.tools.report.charts import chart_specs, heatmap_query
-from agent.tools.report.data import legend_for
-from agent.tools.report.prom import rate_interval
-from agent.tools.report.svg import heat_colour, nice_step, time_ticks, y_domain
-from alerts.config import DEFAULT
+from mrc_agent.agent.core.units import parse_duration
+from mrc_agent.agent.tools.report.charts import chart_specs, heatmap_query
+from mrc_agent.agent.tools.report.data import legend_for
+from mrc_agent.agent.tools.report.prom import rate_interval
+from mrc_agent.agent.tools.report.svg import heat_colour, nice_step, time_ticks, y_domain
+from mrc_agent.alerts.config import DEFAULT
 from tests.conftest import BUSY, REPO, AgentProcess, Procs
 from tests.e2e_harness import Prometheus, free_port, wait_until
 from tests.test_service import Service
@@ -169,7 +169,8 @@ class Stack:
 
 
 def _trace(tmp: Path) -> Path:
-    out = subprocess.run([sys.executable, "-m", "agent.tools.tracegen", "starved", "1", "20"],
+    out = subprocess.run([sys.executable, "-m", "mrc_agent.agent.tools.tracegen",
+                          "starved", "1", "20"],
                          capture_output=True, text=True, check=True, cwd=REPO, timeout=30)
     path = tmp / "starved.jsonl"
     path.write_text(out.stdout)
@@ -178,7 +179,7 @@ def _trace(tmp: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    from reference_service.loadgen import run_load
+    from mrc_agent.reference_service.loadgen import run_load
 
     tmp = tmp_path_factory.mktemp("report")
     procs = Procs()
@@ -212,8 +213,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def report(*args: str, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "agent", "report", *args], capture_output=True,
-                          text=True, cwd=REPO, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "mrc_agent.agent", "report", *args],
+                          capture_output=True, text=True, cwd=REPO, timeout=timeout)
 
 
 def _present(prom: Prometheus, metric: str, selector: str, window: str = "5m") -> bool:
@@ -441,7 +442,7 @@ def test_bad_url_and_out_exit_2(tmp_path: Path) -> None:
 
 def test_report_runs_the_dashboards_queries() -> None:
     pytest.importorskip("grafanalib")
-    from dashboards.build import all_queries
+    from mrc_agent.dashboards.build import all_queries
 
     panels = {(panel, expr) for _, panel, expr in all_queries()}
     for spec in chart_specs(DEFAULT, ["cupti_pm_sampling", "gpm_activity_proxy"]):
@@ -469,7 +470,7 @@ def test_pure_helpers() -> None:
 
 
 def test_malformed_range_points_never_end_in_a_traceback() -> None:
-    from agent.tools.report.data import points
+    from mrc_agent.agent.tools.report.data import points
 
     assert points([[1.0, "0.5"], ["x", "1"], [2, "NaN"], [3], "junk", [4, "oops"], [5, "1e3"]]) \
         == [(1.0, 0.5), (2.0, None), (4.0, None), (5.0, 1000.0)]

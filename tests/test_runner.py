@@ -6,12 +6,12 @@ import logging
 import time
 from collections.abc import Sequence
 
-from agent.core.collectors import PASS_FINISHERS
-from agent.core.collectors.base import SampleContext
-from agent.core.hw.base import HardwareError, SourceUnavailable
-from agent.core.runner import INTERVAL, SAMPLES, Runner
-from agent.core.sample import Sample, Snapshot, first
-from agent.core.targets import TargetResolver
+from mrc_agent.agent.core.collectors import PASS_FINISHERS
+from mrc_agent.agent.core.collectors.base import SampleContext
+from mrc_agent.agent.core.hw.base import HardwareError, SourceUnavailable
+from mrc_agent.agent.core.runner import INTERVAL, SAMPLES, Runner
+from mrc_agent.agent.core.sample import Sample, Snapshot, first
+from mrc_agent.agent.core.targets import TargetResolver
 
 
 class Scripted:
@@ -38,7 +38,7 @@ def test_one_failing_collector_never_breaks_the_others(caplog) -> None:
     absent = Scripted("profiling", [SourceUnavailable("no_permission", "admin only")])
     runner = Runner([ok, broken, absent], TargetResolver(), interval=1.0,
                     finishers=PASS_FINISHERS)
-    with caplog.at_level(logging.INFO, logger="agent.core.runner"):
+    with caplog.at_level(logging.INFO, logger="mrc_agent.agent.core.runner"):
         for _ in range(3):
             snap = runner.sample_once()
     assert _health(snap, "mrc_agent_collector_success") == {
@@ -52,7 +52,7 @@ def test_one_failing_collector_never_breaks_the_others(caplog) -> None:
     assert sum("GPU is lost" in r.message for r in caplog.records) == 1
     assert sum("no_permission" in r.message for r in caplog.records) == 1
     # The broken collector recovers when its source answers again.
-    with caplog.at_level(logging.INFO, logger="agent.core.runner"):
+    with caplog.at_level(logging.INFO, logger="mrc_agent.agent.core.runner"):
         snap = runner.sample_once()
     assert _health(snap, "mrc_agent_collector_success")["gpm"] == 1.0
     assert any("gpm recovered" in r.message for r in caplog.records)
@@ -80,9 +80,9 @@ def test_background_loop_keeps_sampling_at_100ms() -> None:
 def test_collectors_register_in_an_order_that_honours_what_they_read() -> None:
     import pytest
 
-    from agent.core.catalog import CATALOG
-    from agent.core.collectors import COLLECTORS, derived, gpu, process
-    from agent.core.collectors.base import check_order
+    from mrc_agent.agent.core.catalog import CATALOG
+    from mrc_agent.agent.core.collectors import COLLECTORS, derived, gpu, process
+    from mrc_agent.agent.core.collectors.base import check_order
 
     with pytest.raises(ValueError, match="derived"):
         check_order([process.DEFINITION, derived.DEFINITION, gpu.DEFINITION])
@@ -183,7 +183,7 @@ class BreaksAfterOnePass(TargetResolver):
 def test_a_failing_pass_turns_not_ready_and_is_logged_once(caplog) -> None:
     resolver = BreaksAfterOnePass()
     runner = Runner([Scripted("gpu", [1.0])], resolver, interval=0.05)
-    with caplog.at_level(logging.ERROR, logger="agent.core.runner"):
+    with caplog.at_level(logging.ERROR, logger="mrc_agent.agent.core.runner"):
         runner.start()
         try:
             deadline = time.monotonic() + 5
@@ -200,8 +200,8 @@ def test_a_failing_pass_turns_not_ready_and_is_logged_once(caplog) -> None:
 def test_readyz_says_why_it_is_not_ready() -> None:
     import httpx
 
-    from agent.core.config import AgentConfig
-    from agent.core.wiring import build_server
+    from mrc_agent.agent.core.config import AgentConfig
+    from mrc_agent.agent.core.wiring import build_server
 
     clock = ManualClock()
     runner = Runner([Scripted("gpu", [1.0])], TargetResolver(), interval=1.0, clock=clock)

@@ -41,18 +41,18 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.core.collectors import PASS_FINISHERS
-from agent.core.config import AgentConfig
-from agent.core.hw.nvml import NvmlBackend
-from agent.core.hw.sources import Sources
-from agent.core.runner import Runner
-from agent.core.targets import TargetResolver
-from agent.core.wiring import build_collectors, build_registry
-from agent.tools.tracegen import write_trace
-from alerts import rules
-from alerts.build import rule_file
-from alerts.config import DEFAULT
-from reference_service.loadgen import make_photo
+from mrc_agent.agent.core.collectors import PASS_FINISHERS
+from mrc_agent.agent.core.config import AgentConfig
+from mrc_agent.agent.core.hw.nvml import NvmlBackend
+from mrc_agent.agent.core.hw.sources import Sources
+from mrc_agent.agent.core.runner import Runner
+from mrc_agent.agent.core.targets import TargetResolver
+from mrc_agent.agent.core.wiring import build_collectors, build_registry
+from mrc_agent.agent.tools.tracegen import write_trace
+from mrc_agent.alerts import rules
+from mrc_agent.alerts.build import rule_file
+from mrc_agent.alerts.config import DEFAULT
+from mrc_agent.reference_service.loadgen import make_photo
 from tests.conftest import REPO
 from tests.e2e_harness import Prometheus, wait_until
 from tests.fakes.fake_pynvml import FakeNvml, gpu, nvlink

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from reference_service.loadgen import make_photo
+from mrc_agent.reference_service.loadgen import make_photo
 from tests.conftest import REPO, parse_metrics, series
 
 
@@ -38,7 +38,7 @@ class Service:
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "reference_service", "--host", "127.0.0.1", "--port",
+            [sys.executable, "-m", "mrc_agent.reference_service", "--host", "127.0.0.1", "--port",
              str(self.port), "--cache-dir", str(cache_dir), *extra],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         deadline = time.monotonic() + 240
@@ -222,7 +222,7 @@ def test_service_keeps_serving_after_the_bad_corpus(service: Service) -> None:
 
 
 def test_loadgen_prints_every_bucket(service: Service) -> None:
-    r = subprocess.run([sys.executable, "-m", "agent", "loadgen", "--url", service.url,
+    r = subprocess.run([sys.executable, "-m", "mrc_agent.agent", "loadgen", "--url", service.url,
                         "--rate", "6", "--duration", "4", "--max-new-tokens", "2"],
                        capture_output=True, text=True, timeout=180, cwd=REPO)
     assert r.returncode == 0, r.stdout + r.stderr

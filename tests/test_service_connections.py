@@ -27,9 +27,9 @@ from typing import Any
 import httpx
 import pytest
 
-from reference_service.__main__ import main as service_main
-from reference_service.loadgen import make_photo
-from reference_service.middleware import CLIENT_CLOSED, BodyLimit
+from mrc_agent.reference_service.__main__ import main as service_main
+from mrc_agent.reference_service.loadgen import make_photo
+from mrc_agent.reference_service.middleware import CLIENT_CLOSED, BodyLimit
 from tests.conftest import read_http_response, requests_by_outcome
 from tests.test_service import Service
 
@@ -346,9 +346,10 @@ def test_the_disconnect_traceback_is_there_at_debug(caplog: pytest.LogCaptureFix
     scope = {"type": "http", "method": "POST", "path": "/mrc", "headers": []}
     for level, traceback in ((logging.INFO, False), (logging.DEBUG, True)):
         caplog.clear()
-        with caplog.at_level(level, logger="reference_service.middleware"):
+        with caplog.at_level(level, logger="mrc_agent.reference_service.middleware"):
             asyncio.run(limit(scope, receive, send))
-        (record,) = [r for r in caplog.records if r.name == "reference_service.middleware"]
+        (record,) = [r for r in caplog.records
+                     if r.name == "mrc_agent.reference_service.middleware"]
         assert record.levelno == logging.INFO
         exc_info = record.exc_info if isinstance(record.exc_info, tuple) else None
         assert (exc_info is not None and exc_info[0] is ClientDisconnect) == traceback

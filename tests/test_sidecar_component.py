@@ -18,8 +18,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from agent.cli import build_parser, config_from_args
-from agent.core.config import ENV_PREFIX
+from mrc_agent.agent.cli import build_parser, config_from_args
+from mrc_agent.agent.core.config import ENV_PREFIX
 from tests.conftest import REPO
 from tests.test_deploy import LATEST, _gpu_requests, _round_trip, pss_violations
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.core.units import (
+from mrc_agent.agent.core.units import (
     check_prometheus_duration,
     format_duration,
     parse_bytes,

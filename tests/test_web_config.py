@@ -31,10 +31,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from prometheus_client.registry import CollectorRegistry
 
-from agent.cli import main
-from agent.core.config import load
-from agent.core.webconfig import BasicAuth, credentials, load_web_config
-from exporters.exposition.http import ExpositionServer, Limits, Request, Response
+from mrc_agent.agent.cli import main
+from mrc_agent.agent.core.config import load
+from mrc_agent.agent.core.webconfig import BasicAuth, credentials, load_web_config
+from mrc_agent.exporters.exposition.http import ExpositionServer, Limits, Request, Response
 from tests.conftest import REPO
 
 LIMITS = Limits(idle_timeout_s=2.0, head_timeout_s=2.0, body_timeout_s=2.0,
@@ -390,7 +390,7 @@ def test_a_bad_file_is_one_line_and_exit_2(pki: Pki, tmp_path, capsys, monkeypat
 
 
 def test_a_missing_file_named_in_the_environment_is_exit_2_from_the_command() -> None:
-    r = subprocess.run([sys.executable, "-m", "agent", "run", "--gpu-backend", "none",
+    r = subprocess.run([sys.executable, "-m", "mrc_agent.agent", "run", "--gpu-backend", "none",
                         "--listen", "127.0.0.1:0"], capture_output=True, text=True, cwd=REPO,
                        env={**os.environ, "MRC_AGENT_WEB_CONFIG_FILE": "/nonexistent/web.yml"},
                        timeout=60)
@@ -430,7 +430,7 @@ def test_the_agent_serves_the_file_and_rereads_it_on_sighup(pki: Pki, tmp_path) 
     headers = "http_server_config:\n  headers: {X-Content-Type-Options: nosniff}\n"
     web.write_text(_tls(pki) + f"basic_auth_users:\n  alice: {_hash('a')}\n" + headers)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agent", "run", "--listen", "127.0.0.1:0", "--gpu-backend",
+        [sys.executable, "-m", "mrc_agent.agent", "run", "--listen", "127.0.0.1:0", "--gpu-backend",
          "none", "--interval", "0.2", "--web-config-file", str(web)],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=REPO)
     try:

@@ -9,9 +9,9 @@ names the dashboards and alert rules use are a contract and must not change.
 
 from __future__ import annotations
 
-from agent.core import runner
-from agent.core.collectors import COLLECTORS, profiling
-from exporters.exposition.snapshot import MetricSpec
+from mrc_agent.agent.core import runner
+from mrc_agent.agent.core.collectors import COLLECTORS, profiling
+from mrc_agent.exporters.exposition.snapshot import MetricSpec
 
 CATALOG: list[MetricSpec] = [
     *runner.METRICS,

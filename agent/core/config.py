@@ -22,13 +22,15 @@ from typing import Any
 
 import yaml
 
-from agent.core.collectors import COLLECTOR_NAMES, DEFAULT_ON
-from agent.core.collectors.base import DerivedThresholds
-from agent.core.files import describe, read_bounded
-from agent.core.units import parse_bytes, parse_duration
+from mrc_agent.agent.core.collectors import COLLECTOR_NAMES, DEFAULT_ON
+from mrc_agent.agent.core.collectors.base import DerivedThresholds
+from mrc_agent.agent.core.files import describe, read_bounded
+from mrc_agent.agent.core.units import parse_bytes, parse_duration
 
-#: 9478: clear of dcgm-exporter (9400), node_exporter (9100), the OpenTelemetry Prometheus
-#: exporter (9464) and the Prometheus stack's own 9090-9094.
+#: 9478 is not a free number: the Prometheus default port allocation list gives it to another
+#: exporter, and the list's range (9100-9999) is full. The sidecar listens in the pod's network
+#: namespace beside the serving containers (8000-8002, 80, 3000, 8080), not the node's, where
+#: that exporter would run (README, `mrc-agent run`).
 DEFAULT_PORT = 9478
 DEFAULT_LISTEN = f"0.0.0.0:{DEFAULT_PORT}"
 MIN_INTERVAL, MAX_INTERVAL = 0.05, 60.0

@@ -14,12 +14,12 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from agent import __version__
-from agent.core.config import AgentConfig, ConfigError
-from agent.core.runner import Runner
-from agent.core.webconfig import WebConfig, load_web_config, reload_web_config
-from agent.core.wiring import build_runner, build_server, make_sources
-from exporters.exposition.http import ExpositionServer, Routes
+from mrc_agent.agent import __version__
+from mrc_agent.agent.core.config import AgentConfig, ConfigError
+from mrc_agent.agent.core.runner import Runner
+from mrc_agent.agent.core.webconfig import WebConfig, load_web_config, reload_web_config
+from mrc_agent.agent.core.wiring import build_runner, build_server, make_sources
+from mrc_agent.exporters.exposition.http import ExpositionServer, Routes
 
 log = logging.getLogger("agent")
 
@@ -44,7 +44,7 @@ RELOADABLE = ("pids", "pidfile", "process_name", "log_level", "web_config_file")
 def apply_reload(cfg: AgentConfig, new: AgentConfig, runner: Runner) -> list[str]:
     """Apply ``new``'s reloadable settings to the running agent; returns the names of the
     other settings that changed (they take effect at the next restart)."""
-    from agent.core.targets import TargetResolver
+    from mrc_agent.agent.core.targets import TargetResolver
 
     if (new.pids, new.pidfile, new.process_name) != (cfg.pids, cfg.pidfile, cfg.process_name):
         runner.targets = TargetResolver(new.pids, new.pidfile, new.process_name)
@@ -68,8 +68,8 @@ def run_agent(cfg: AgentConfig, routes_factory: RoutesFactory | None = None,
     """Run until SIGTERM or SIGINT, re-reading the configuration through ``reload`` on
     SIGHUP; bad input at start raises ConfigError (exit 2 in the CLI), at a reload it is
     logged and the running configuration kept."""
-    from agent.core.hw.replay import ReplayFormatError
-    from agent.core.targets import PidfileError, read_pidfile
+    from mrc_agent.agent.core.hw.replay import ReplayFormatError
+    from mrc_agent.agent.core.targets import PidfileError, read_pidfile
 
     web = load_web_config(cfg.web_config_file)  # before anything is opened
     if cfg.pidfile:

@@ -16,11 +16,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from agent import __version__
-from agent.core.collectors.base import Collector, PassFinisher, SampleContext
-from agent.core.hw.base import SourceUnavailable
-from agent.core.sample import EMPTY, Sample, Snapshot, counter, gauge, info
-from agent.core.targets import TargetResolver
+from mrc_agent.agent import __version__
+from mrc_agent.agent.core.collectors.base import Collector, PassFinisher, SampleContext
+from mrc_agent.agent.core.hw.base import SourceUnavailable
+from mrc_agent.agent.core.sample import EMPTY, Sample, Snapshot, counter, gauge, info
+from mrc_agent.agent.core.targets import TargetResolver
 
 log = logging.getLogger(__name__)
 

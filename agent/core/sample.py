@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from exporters.exposition.snapshot import MetricSpec
+from mrc_agent.exporters.exposition.snapshot import MetricSpec
 
 
 def counter(collector: str, name: str, labels: tuple[str, ...], help_: str) -> MetricSpec:

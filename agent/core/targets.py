@@ -13,8 +13,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from agent.core.files import describe, read_bounded
-from agent.core.hw.procfs import ProcessGone, ProcFS
+from mrc_agent.agent.core.files import describe, read_bounded
+from mrc_agent.agent.core.hw.procfs import ProcessGone, ProcFS
 
 log = logging.getLogger(__name__)
 

@@ -48,8 +48,8 @@ from typing import Any
 import bcrypt
 import yaml
 
-from agent.core.config import ConfigError, load_yaml_mapping
-from agent.core.files import describe, read_bounded
+from mrc_agent.agent.core.config import ConfigError, load_yaml_mapping
+from mrc_agent.agent.core.files import describe, read_bounded
 
 log = logging.getLogger(__name__)
 

@@ -10,21 +10,21 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.registry import CollectorRegistry
 
-from agent.core.catalog import CATALOG
-from agent.core.collectors import BY_NAME, PASS_FINISHERS
-from agent.core.collectors.base import BuildContext, Collector
-from agent.core.config import AgentConfig
-from agent.core.hw.profiling import LazyProfiling
-from agent.core.hw.sources import Closable, Sources
-from agent.core.runner import Runner
-from agent.core.targets import TargetResolver
-from agent.core.webconfig import WebConfig
-from exporters.exposition.http import ExpositionServer, Routes
-from exporters.exposition.snapshot import SnapshotCollector
+from mrc_agent.agent.core.catalog import CATALOG
+from mrc_agent.agent.core.collectors import BY_NAME, PASS_FINISHERS
+from mrc_agent.agent.core.collectors.base import BuildContext, Collector
+from mrc_agent.agent.core.config import AgentConfig
+from mrc_agent.agent.core.hw.profiling import LazyProfiling
+from mrc_agent.agent.core.hw.sources import Closable, Sources
+from mrc_agent.agent.core.runner import Runner
+from mrc_agent.agent.core.targets import TargetResolver
+from mrc_agent.agent.core.webconfig import WebConfig
+from mrc_agent.exporters.exposition.http import ExpositionServer, Routes
+from mrc_agent.exporters.exposition.snapshot import SnapshotCollector
 
 if TYPE_CHECKING:
-    from agent.core.hw.nvml import NvmlBackend
-    from agent.core.hw.replay import ReplayBackend
+    from mrc_agent.agent.core.hw.nvml import NvmlBackend
+    from mrc_agent.agent.core.hw.replay import ReplayBackend
 
 #: How often the lazily built CUPTI sampler reads the performance monitors by default.
 PROFILING_INTERVAL_S = 0.1
@@ -37,12 +37,12 @@ def open_gpu_backend(backend: str, nvml_lib: Any | None = None, *,
     NVML for ``auto`` and ``nvml`` (which reports "unavailable" per call when there is no
     GPU)."""
     if backend.startswith("replay:"):
-        from agent.core.hw.replay import ReplayBackend
+        from mrc_agent.agent.core.hw.replay import ReplayBackend
 
         return ReplayBackend(backend[len("replay:"):])
     if backend == "none":
         return None
-    from agent.core.hw.nvml import NvmlBackend
+    from mrc_agent.agent.core.hw.nvml import NvmlBackend
 
     return NvmlBackend(lib=nvml_lib, pcie_thread=pcie_thread)
 
@@ -51,7 +51,7 @@ def make_sources(cfg: AgentConfig, nvml_lib: Any | None = None, *, profiling: bo
                  profiling_interval_s: float = PROFILING_INTERVAL_S) -> Sources:
     """The GPU sources for ``cfg.gpu_backend``. Under NVML the profiling source is CUPTI PM
     sampling built on first use (``profiling=False`` leaves it out)."""
-    from agent.core.hw.replay import ReplayBackend
+    from mrc_agent.agent.core.hw.replay import ReplayBackend
 
     backend = open_gpu_backend(cfg.gpu_backend, nvml_lib)
     if backend is None:

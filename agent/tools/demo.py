@@ -19,16 +19,16 @@ import time
 from importlib import resources
 from typing import Any
 
-from agent.core.collectors import DEFAULT_ON, derived, gpm, gpu, process, profiling
-from agent.core.config import AgentConfig, validate
-from agent.core.hw.base import SourceUnavailable
-from agent.core.sample import HistogramValue, Snapshot, first, readings
-from agent.core.wiring import build_runner, build_server, make_sources, open_gpu_backend
-from exporters.exposition.snapshot import MetricSpec
+from mrc_agent.agent.core.collectors import DEFAULT_ON, derived, gpm, gpu, process, profiling
+from mrc_agent.agent.core.config import AgentConfig, validate
+from mrc_agent.agent.core.hw.base import SourceUnavailable
+from mrc_agent.agent.core.sample import HistogramValue, Snapshot, first, readings
+from mrc_agent.agent.core.wiring import build_runner, build_server, make_sources, open_gpu_backend
+from mrc_agent.exporters.exposition.snapshot import MetricSpec
 
 
 def embedded_trace() -> str:
-    return str(resources.files("agent.tools") / "data" / "demo_starved.jsonl")
+    return str(resources.files("mrc_agent.agent.tools") / "data" / "demo_starved.jsonl")
 
 
 def _value(snap: Snapshot | None, spec: MetricSpec) -> float | None:
@@ -88,8 +88,8 @@ def _gpu_backend() -> tuple[str, str]:
 def _start_service(port: int, log_path: str) -> subprocess.Popen[bytes]:
     log = open(log_path, "wb")  # noqa: SIM115 - owned by the child for its lifetime
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen([sys.executable, "-m", "reference_service", "--host", "127.0.0.1",
-                             "--port", str(port), "--log-level", "warning"],
+    return subprocess.Popen([sys.executable, "-m", "mrc_agent.reference_service",
+                             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -126,7 +126,7 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], log_path: str,
 
 def run_demo(duration: float, listen: str, trace: str | None, port: int = 8000,
              rate: float = 2.0) -> int:
-    from reference_service.loadgen import Outcome, percentile, run_load, table
+    from mrc_agent.reference_service.loadgen import Outcome, percentile, run_load, table
 
     url = f"http://127.0.0.1:{port}"
     log_path = os.path.join(tempfile.mkdtemp(prefix="mrc-demo-"), "service.log")

@@ -14,10 +14,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from agent.core.config import AgentConfig, ConfigError
-from agent.core.hw.base import HardwareError, SourceUnavailable
-from agent.core.hw.procfs import ProcessGone, ProcFS
-from agent.core.targets import TargetResolver
+from mrc_agent.agent.core.config import AgentConfig, ConfigError
+from mrc_agent.agent.core.hw.base import HardwareError, SourceUnavailable
+from mrc_agent.agent.core.hw.procfs import ProcessGone, ProcFS
+from mrc_agent.agent.core.targets import TargetResolver
 
 CAP_SYS_PTRACE = 19
 EXIT_MISSING = 1
@@ -61,8 +61,8 @@ def gather(cfg: AgentConfig, nvml_lib: Any | None = None, cupti_lib: Any | None 
            procfs: ProcFS | None = None) -> list[Check]:
     procfs = procfs or ProcFS()
     checks: list[Check] = []
-    from agent.core.hw.replay import ReplayBackend, ReplayFormatError
-    from agent.core.wiring import open_gpu_backend
+    from mrc_agent.agent.core.hw.replay import ReplayBackend, ReplayFormatError
+    from mrc_agent.agent.core.wiring import open_gpu_backend
 
     try:
         backend = open_gpu_backend(cfg.gpu_backend, nvml_lib)
@@ -111,7 +111,7 @@ def gather(cfg: AgentConfig, nvml_lib: Any | None = None, cupti_lib: Any | None 
 
 
 def _profiling_check(nvml: Any, cupti_lib: Any | None) -> Check:
-    from agent.core.hw.cupti_pm import CuptiPmSampler
+    from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
 
     try:
         devices = [s.gpu for s in nvml.sample_devices()]

@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from agent.core.hw.base import HardwareError, SourceUnavailable
-from agent.core.hw.replay import TRACE_FIELDS
-from agent.core.hw.sources import Sources
+from mrc_agent.agent.core.hw.base import HardwareError, SourceUnavailable
+from mrc_agent.agent.core.hw.replay import TRACE_FIELDS
+from mrc_agent.agent.core.hw.sources import Sources
 
 #: (sample kind, attribute) -> trace field, the inverse of the replay table.
 _FIELD_OF = {(kind, attr): key for key, (kind, attr, _) in TRACE_FIELDS.items()}
@@ -71,8 +71,8 @@ def record(sources: Sources, out: TextIO, duration: float, interval: float,
 
 
 def run_record(path: str, duration: float, interval: float, profiling: bool) -> int:
-    from agent.core.config import AgentConfig
-    from agent.core.wiring import make_sources
+    from mrc_agent.agent.core.config import AgentConfig
+    from mrc_agent.agent.core.wiring import make_sources
 
     sources = make_sources(AgentConfig(gpu_backend="nvml"), profiling=profiling,
                            profiling_interval_s=min(interval, 0.1))

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import sys
 
-from agent.core.catalog import CATALOG
-from agent.core.collectors import COLLECTORS
-from agent.core.config import CONFIG_ENV, SETTINGS, default_text
+from mrc_agent.agent.core.catalog import CATALOG
+from mrc_agent.agent.core.collectors import COLLECTORS
+from mrc_agent.agent.core.config import CONFIG_ENV, SETTINGS, default_text
 
 HEADER = """# Metric catalogue
 

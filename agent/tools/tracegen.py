@@ -70,7 +70,7 @@ def write_trace(out: TextIO, gpus: int = 1, duration: float = 12.0, step: float 
     return lines
 
 
-if __name__ == "__main__":  # python -m agent.tools.tracegen PATTERN GPUS DURATION > file
+if __name__ == "__main__":  # python -m mrc_agent.agent.tools.tracegen PATTERN GPUS DURATION > file
     import sys
 
     pat, n, dur = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])

@@ -44,7 +44,7 @@ from typing import Protocol
 
 from prometheus_client.registry import CollectorRegistry
 
-from exporters.render import content_type, render, wants_gzip
+from mrc_agent.exporters.render import content_type, render, wants_gzip
 
 log = logging.getLogger(__name__)
 

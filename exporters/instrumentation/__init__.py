@@ -14,14 +14,14 @@ values), :mod:`~exporters.instrumentation.buckets` (boundaries and label edges),
 :mod:`~exporters.instrumentation.asgi` (``GET /metrics``).
 """
 
-from exporters.instrumentation import buckets
-from exporters.instrumentation.asgi import (
+from mrc_agent.exporters.instrumentation import buckets
+from mrc_agent.exporters.instrumentation.asgi import (
     exposition_registry,
     metrics_app,
     metrics_endpoint,
     metrics_route,
 )
-from exporters.instrumentation.families import (
+from mrc_agent.exporters.instrumentation.families import (
     CHAIN_BREAK_STEPS,
     FAMILIES,
     LATENCY_OUTCOMES,
@@ -34,8 +34,8 @@ from exporters.instrumentation.families import (
     Stage,
     outcome_for_status,
 )
-from exporters.instrumentation.metrics import MRCMetrics, RequestTracker
-from exporters.instrumentation.multiprocess import (
+from mrc_agent.exporters.instrumentation.metrics import MRCMetrics, RequestTracker
+from mrc_agent.exporters.instrumentation.multiprocess import (
     mark_process_dead,
     multiprocess_enabled,
     prepare_multiproc_dir,

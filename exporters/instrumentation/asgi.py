@@ -28,8 +28,8 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from exporters import render as _render
-from exporters.instrumentation.multiprocess import multiprocess_enabled
+from mrc_agent.exporters import render as _render
+from mrc_agent.exporters.instrumentation.multiprocess import multiprocess_enabled
 
 Handler = Callable[[Request], Awaitable[Response]]
 

@@ -17,7 +17,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from exporters.instrumentation import buckets
+from mrc_agent.exporters.instrumentation import buckets
 
 Stage = Literal["fetch", "decode", "preprocess", "ocr", "prefill", "generate", "postprocess"]
 Outcome = Literal["ok", "client_error", "overloaded", "timeout", "error"]

@@ -38,8 +38,8 @@ from types import TracebackType
 
 from prometheus_client.registry import CollectorRegistry
 
-from exporters.instrumentation import buckets
-from exporters.instrumentation.families import (
+from mrc_agent.exporters.instrumentation import buckets
+from mrc_agent.exporters.instrumentation.families import (
     CACHE_HITS,
     CACHE_LOOKUPS,
     CHAIN_BREAK_STEPS,
@@ -61,8 +61,8 @@ from exporters.instrumentation.families import (
     _outcome_for_exception,
     outcome_for_status,
 )
-from exporters.instrumentation.multiprocess import _ENV, multiprocess_enabled
-from exporters.instrumentation.stores import _LocalStore, _PromStore, _Series, _Store
+from mrc_agent.exporters.instrumentation.multiprocess import _ENV, multiprocess_enabled
+from mrc_agent.exporters.instrumentation.stores import _LocalStore, _PromStore, _Series, _Store
 
 
 class MRCMetrics:

@@ -40,7 +40,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
-from exporters.instrumentation.families import FAMILIES, MODEL_INFO, Family
+from mrc_agent.exporters.instrumentation.families import FAMILIES, MODEL_INFO, Family
 
 #: A series: its family and label values. Stores address series by their index in a list of these.
 _Series = tuple[Family, tuple[str, ...]]

@@ -34,7 +34,7 @@ Everything callers use is re-exported here: import from ``reference_service.mode
 
 from __future__ import annotations
 
-from reference_service.model.attention import (
+from mrc_agent.reference_service.model.attention import (
     ATTENTION_BACKENDS,
     SDPA_KERNEL_OPS,
     SDPA_OP,
@@ -46,8 +46,8 @@ from reference_service.model.attention import (
     probe_sdpa_backend,
     sdpa_priority_order,
 )
-from reference_service.model.common import ModelLoadError, Progress
-from reference_service.model.embedded import (
+from mrc_agent.reference_service.model.common import ModelLoadError, Progress
+from mrc_agent.reference_service.model.embedded import (
     EMBEDDED_DIRNAME,
     EMBEDDED_FORMAT,
     EMBEDDED_IMAGE_SIZE,
@@ -61,13 +61,13 @@ from reference_service.model.embedded import (
     build_tokenizer,
     ensure_embedded,
 )
-from reference_service.model.generation import (
+from mrc_agent.reference_service.model.generation import (
     FALLBACK_TEMPLATE,
     VLM,
     GenerationResult,
     ModelInfo,
 )
-from reference_service.model.loading import (
+from mrc_agent.reference_service.model.loading import (
     NF4_SKIP_MODULES,
     load_vlm,
     nf4_config,

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from reference_service.model.common import (
+from mrc_agent.reference_service.model.common import (
     _CLIP_MEAN,
     _CLIP_STD,
     ModelLoadError,
@@ -32,7 +32,7 @@ from reference_service.model.common import (
 )
 
 #: One logger for the whole model layer, named as it was before the package split.
-logger = logging.getLogger("reference_service.model")
+logger = logging.getLogger("mrc_agent.reference_service.model")
 
 #: Directory name of the embedded model under ``settings.cache_dir``.
 EMBEDDED_DIRNAME = "embedded-llava-tiny"

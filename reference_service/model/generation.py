@@ -24,17 +24,17 @@ from typing import Any
 
 import torch
 
-from reference_service.model.attention import (
+from mrc_agent.reference_service.model.attention import (
     AttentionReport,
     _attn_implementation,
     detect_attention_backend,
     probe_sdpa_backend,
 )
-from reference_service.model.common import _CLIP_MEAN, _CLIP_STD, ModelLoadError
-from reference_service.settings import Settings
+from mrc_agent.reference_service.model.common import _CLIP_MEAN, _CLIP_STD, ModelLoadError
+from mrc_agent.reference_service.settings import Settings
 
 #: One logger for the whole model layer, named as it was before the package split.
-logger = logging.getLogger("reference_service.model")
+logger = logging.getLogger("mrc_agent.reference_service.model")
 
 #: Fallback prompt format when a checkpoint has no chat template (llava-1.5 style).
 FALLBACK_TEMPLATE = "USER: {image}\n{prompt} ASSISTANT:"

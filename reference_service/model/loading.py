@@ -21,14 +21,18 @@ from typing import Any
 
 import torch
 
-from reference_service.model.attention import attention_warning
-from reference_service.model.common import ModelLoadError, Progress, _quiet_transformers
-from reference_service.model.embedded import EMBEDDED_MARKER, EMBEDDED_NOTE, ensure_embedded
-from reference_service.model.generation import VLM
-from reference_service.settings import Settings
+from mrc_agent.reference_service.model.attention import attention_warning
+from mrc_agent.reference_service.model.common import ModelLoadError, Progress, _quiet_transformers
+from mrc_agent.reference_service.model.embedded import (
+    EMBEDDED_MARKER,
+    EMBEDDED_NOTE,
+    ensure_embedded,
+)
+from mrc_agent.reference_service.model.generation import VLM
+from mrc_agent.reference_service.settings import Settings
 
 #: One logger for the whole model layer, named as it was before the package split.
-logger = logging.getLogger("reference_service.model")
+logger = logging.getLogger("mrc_agent.reference_service.model")
 
 #: Modules kept out of NF4: the vision tower and projector are small next to the language
 #: model but sensitive to 4-bit error (their output feeds every text token), and the lm_head

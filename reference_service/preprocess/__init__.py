@@ -34,16 +34,16 @@ Everything used outside the package is re-exported here: import from
 
 from __future__ import annotations
 
-from reference_service.preprocess.b64 import decode_base64, max_encoded_len
-from reference_service.preprocess.core import (
+from mrc_agent.reference_service.preprocess.b64 import decode_base64, max_encoded_len
+from mrc_agent.reference_service.preprocess.core import (
     ResizeBackend,
     preprocess,
     preprocess_async,
     probe_async,
 )
-from reference_service.preprocess.gpu import kornia_resize
-from reference_service.preprocess.header import probe
-from reference_service.preprocess.pool import DecodePool
+from mrc_agent.reference_service.preprocess.gpu import kornia_resize
+from mrc_agent.reference_service.preprocess.header import probe
+from mrc_agent.reference_service.preprocess.pool import DecodePool
 
 __all__ = [
     "DecodePool",

@@ -12,8 +12,8 @@ import base64
 import binascii
 import re
 
-from reference_service.errors import ServiceError
-from reference_service.settings import Settings
+from mrc_agent.reference_service.errors import ServiceError
+from mrc_agent.reference_service.settings import Settings
 
 _DATA_URL = re.compile(r"data:(?P<mime>[^,;]*)(?P<params>(;[^,;]*)*?);base64,", re.IGNORECASE)
 _WS = re.compile(r"[ \t\r\n]+")

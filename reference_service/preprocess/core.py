@@ -18,13 +18,13 @@ from typing import Literal
 import torch
 from PIL import Image
 
-from reference_service.errors import ServiceError
-from reference_service.preprocess.cpu import _resize_pil
-from reference_service.preprocess.decoding import _SWAPS_AXES, _decode
-from reference_service.preprocess.gpu import _resize_kornia
-from reference_service.preprocess.header import probe
-from reference_service.preprocess.pool import DecodePool
-from reference_service.settings import Settings
+from mrc_agent.reference_service.errors import ServiceError
+from mrc_agent.reference_service.preprocess.cpu import _resize_pil
+from mrc_agent.reference_service.preprocess.decoding import _SWAPS_AXES, _decode
+from mrc_agent.reference_service.preprocess.gpu import _resize_kornia
+from mrc_agent.reference_service.preprocess.header import probe
+from mrc_agent.reference_service.preprocess.pool import DecodePool
+from mrc_agent.reference_service.settings import Settings
 
 ResizeBackend = Literal["auto", "pil", "kornia"]
 

@@ -15,7 +15,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from reference_service.preprocess.decoding import _ORIENT_TRANSPOSE, _Decoded, _ocr_size, _stored
+from mrc_agent.reference_service.preprocess.decoding import (
+    _ORIENT_TRANSPOSE,
+    _Decoded,
+    _ocr_size,
+    _stored,
+)
 
 #: Pillow's ``reducing_gap``: a box ``reduce()`` by the largest integer factor that stays within
 #: this factor of the target, then Lanczos for the rest. Chosen by measurement as the fastest

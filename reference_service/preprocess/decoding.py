@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from reference_service.errors import ServiceError
-from reference_service.preprocess.header import _open
-from reference_service.settings import Settings
+from mrc_agent.reference_service.errors import ServiceError
+from mrc_agent.reference_service.preprocess.header import _open
+from mrc_agent.reference_service.settings import Settings
 
-log = logging.getLogger("reference_service.preprocess")
+log = logging.getLogger("mrc_agent.reference_service.preprocess")
 
 _EXIF_ORIENTATION = 0x0112
 #: EXIF orientation -> the transpose that displays the image upright (as ImageOps.exif_transpose).

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from reference_service.preprocess.decoding import _Decoded, _ocr_size, _stored
+from mrc_agent.reference_service.preprocess.decoding import _Decoded, _ocr_size, _stored
 
 #: ITU-R 601-2 luma, the weights Pillow's ``convert("L")`` uses: the GPU path's OCR image is the
 #: same greyscale the CPU path produces.

@@ -18,10 +18,10 @@ import warnings
 
 from PIL import Image, UnidentifiedImageError
 
-from reference_service.errors import ServiceError
-from reference_service.settings import Settings
+from mrc_agent.reference_service.errors import ServiceError
+from mrc_agent.reference_service.settings import Settings
 
-log = logging.getLogger("reference_service.preprocess")
+log = logging.getLogger("mrc_agent.reference_service.preprocess")
 
 #: Formats the service decodes. An allowlist, not Pillow's full registry: EPS would run
 #: Ghostscript, and rarely used plugins are where decoder bugs live. (Phone-camera JPEGs with a

@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from reference_service.errors import ServiceError
+from mrc_agent.reference_service.errors import ServiceError
 
-log = logging.getLogger("reference_service.preprocess")
+log = logging.getLogger("mrc_agent.reference_service.preprocess")
 
 T = TypeVar("T")
 

@@ -18,12 +18,12 @@ from starlette.datastructures import FormData
 from starlette.formparsers import MultiPartException, MultiPartParser, parse_options_header
 from starlette.requests import ClientDisconnect
 
-from reference_service.errors import ServiceError
-from reference_service.middleware import BodyTooLarge
-from reference_service.pipeline import MRCRequest, answer
-from reference_service.preprocess import decode_base64
-from reference_service.settings import Settings
-from reference_service.state import ServiceState
+from mrc_agent.reference_service.errors import ServiceError
+from mrc_agent.reference_service.middleware import BodyTooLarge
+from mrc_agent.reference_service.pipeline import MRCRequest, answer
+from mrc_agent.reference_service.preprocess import decode_base64
+from mrc_agent.reference_service.settings import Settings
+from mrc_agent.reference_service.state import ServiceState
 
 router = APIRouter()
 

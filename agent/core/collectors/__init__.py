@@ -8,8 +8,8 @@ collector would run before one it reads from (derived reads process and gpu).
 
 from __future__ import annotations
 
-from agent.core.collectors import derived, gpm, gpu, process, profiling
-from agent.core.collectors.base import CollectorDef, PassFinisher, check_order
+from mrc_agent.agent.core.collectors import derived, gpm, gpu, process, profiling
+from mrc_agent.agent.core.collectors.base import CollectorDef, PassFinisher, check_order
 
 COLLECTORS: tuple[CollectorDef, ...] = check_order([
     process.DEFINITION,

@@ -17,11 +17,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from agent.core.hw.base import GPUIdentity, SourceUnavailable
-from agent.core.hw.sources import Sources
-from agent.core.sample import Sample
-from agent.core.targets import Target
-from exporters.exposition.snapshot import MetricSpec
+from mrc_agent.agent.core.hw.base import GPUIdentity, SourceUnavailable
+from mrc_agent.agent.core.hw.sources import Sources
+from mrc_agent.agent.core.sample import Sample
+from mrc_agent.agent.core.targets import Target
+from mrc_agent.exporters.exposition.snapshot import MetricSpec
 
 #: Labels of per-target series.
 PROC = ("pid", "process")

@@ -12,7 +12,7 @@ the GPU threshold: the CPU-side pipeline is the bottleneck and the GPU waits.
 
 from __future__ import annotations
 
-from agent.core.collectors.base import (
+from mrc_agent.agent.core.collectors.base import (
     GPU,
     PROC,
     BuildContext,
@@ -20,8 +20,8 @@ from agent.core.collectors.base import (
     DerivedThresholds,
     SampleContext,
 )
-from agent.core.hw.base import GPUIdentity
-from agent.core.sample import HistogramValue, Sample, counter, gauge, histogram
+from mrc_agent.agent.core.hw.base import GPUIdentity
+from mrc_agent.agent.core.sample import HistogramValue, Sample, counter, gauge, histogram
 
 NAME = "derived"
 

@@ -4,7 +4,7 @@ are unavailable (an activity ratio, not an instruction count)."""
 
 from __future__ import annotations
 
-from agent.core.collectors.base import (
+from mrc_agent.agent.core.collectors.base import (
     GPU,
     BuildContext,
     CollectorDef,
@@ -12,8 +12,8 @@ from agent.core.collectors.base import (
     field_samples,
     require,
 )
-from agent.core.hw.base import GpmSource
-from agent.core.sample import Sample, gauge
+from mrc_agent.agent.core.hw.base import GpmSource
+from mrc_agent.agent.core.sample import Sample, gauge
 
 NAME = "gpm"
 

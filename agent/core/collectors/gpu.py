@@ -9,7 +9,7 @@ derived collector.
 
 from __future__ import annotations
 
-from agent.core.collectors.base import (
+from mrc_agent.agent.core.collectors.base import (
     GPU,
     PROC,
     BuildContext,
@@ -18,8 +18,8 @@ from agent.core.collectors.base import (
     field_samples,
     require,
 )
-from agent.core.hw.base import DeviceSource
-from agent.core.sample import Sample, counter, gauge
+from mrc_agent.agent.core.hw.base import DeviceSource
+from mrc_agent.agent.core.sample import Sample, counter, gauge
 
 NAME = "gpu"
 

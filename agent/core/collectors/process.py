@@ -11,9 +11,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from agent.core.collectors.base import PROC, BuildContext, CollectorDef, SampleContext, TargetState
-from agent.core.hw.procfs import CLK_TCK, ProcessGone, ProcFS
-from agent.core.sample import Sample, counter, gauge
+from mrc_agent.agent.core.collectors.base import (
+    PROC,
+    BuildContext,
+    CollectorDef,
+    SampleContext,
+    TargetState,
+)
+from mrc_agent.agent.core.hw.procfs import CLK_TCK, ProcessGone, ProcFS
+from mrc_agent.agent.core.sample import Sample, counter, gauge
 
 log = logging.getLogger(__name__)
 

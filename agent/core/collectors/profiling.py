@@ -8,7 +8,7 @@ activity quotient off as an instruction count.
 
 from __future__ import annotations
 
-from agent.core.collectors.base import (
+from mrc_agent.agent.core.collectors.base import (
     GPU,
     BuildContext,
     CollectorDef,
@@ -16,8 +16,8 @@ from agent.core.collectors.base import (
     field_samples,
     require,
 )
-from agent.core.hw.base import ProfilingSource, SourceUnavailable
-from agent.core.sample import Sample, counter, info
+from mrc_agent.agent.core.hw.base import ProfilingSource, SourceUnavailable
+from mrc_agent.agent.core.sample import Sample, counter, info
 
 NAME = "profiling"
 

@@ -36,7 +36,12 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Any
 
-from agent.core.hw.base import GPUIdentity, HardwareError, ProfilingSample, SourceUnavailable
+from mrc_agent.agent.core.hw.base import (
+    GPUIdentity,
+    HardwareError,
+    ProfilingSample,
+    SourceUnavailable,
+)
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from agent.core.hw.base import DeviceSource, ProfilingSample
+from mrc_agent.agent.core.hw.base import DeviceSource, ProfilingSample
 
 if TYPE_CHECKING:
-    from agent.core.hw.cupti_pm import CuptiPmSampler
+    from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
 
 
 class LazyProfiling:
@@ -29,7 +29,7 @@ class LazyProfiling:
             # CUPTI takes CUDA device indices; PCI order makes them agree with NVML's. The
             # agent's own environment is the only one it changes (the target's is its own).
             os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-            from agent.core.hw.cupti_pm import CuptiPmSampler
+            from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
 
             self._sampler = CuptiPmSampler([s.gpu for s in self._devices.sample_devices()],
                                            interval_s=self._interval_s)

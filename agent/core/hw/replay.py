@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
-from agent.core.files import describe, read_bounded
-from agent.core.hw.base import (
+from mrc_agent.agent.core.files import describe, read_bounded
+from mrc_agent.agent.core.hw.base import (
     DeviceSample,
     GpmSample,
     GPUIdentity,

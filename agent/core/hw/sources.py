@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from agent.core.hw.base import DeviceSource, GpmSource, ProfilingSource
+from mrc_agent.agent.core.hw.base import DeviceSource, GpmSource, ProfilingSource
 
 
 class Closable(Protocol):

@@ -34,6 +34,6 @@ the rest is imported from its room.
 
 from __future__ import annotations
 
-from agent.tools.capture.api import build_capture_api
+from mrc_agent.agent.tools.capture.api import build_capture_api
 
 __all__ = ["build_capture_api"]

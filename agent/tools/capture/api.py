@@ -12,13 +12,13 @@ import os
 import socket
 from typing import Any
 
-from agent.core.config import AgentConfig, ConfigError
-from agent.core.runner import Runner
-from agent.tools.capture.manager import CaptureManager
-from agent.tools.capture.store import CaptureStore
-from agent.tools.capture.webhook import MAX_BODY_BYTES, Token, WebhookError, parse_webhook
-from agent.tools.diagnose.pyspy import PySpyError, find_py_spy
-from exporters.exposition.http import Request, Response
+from mrc_agent.agent.core.config import AgentConfig, ConfigError
+from mrc_agent.agent.core.runner import Runner
+from mrc_agent.agent.tools.capture.manager import CaptureManager
+from mrc_agent.agent.tools.capture.store import CaptureStore
+from mrc_agent.agent.tools.capture.webhook import MAX_BODY_BYTES, Token, WebhookError, parse_webhook
+from mrc_agent.agent.tools.diagnose.pyspy import PySpyError, find_py_spy
+from mrc_agent.exporters.exposition.http import Request, Response
 
 log = logging.getLogger(__name__)
 

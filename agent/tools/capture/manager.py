@@ -12,15 +12,15 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 
-from agent.core.collectors import COLLECTOR_NAMES, process, profiling
-from agent.core.collectors.base import Collector
-from agent.core.config import AgentConfig, ConfigError
-from agent.core.runner import Runner
-from agent.core.sample import readings
-from agent.tools.capture.store import CaptureStore, _iso
-from agent.tools.diagnose.command import diagnose
-from agent.tools.diagnose.pyspy import PySpyError
-from agent.tools.diagnose.sampling import Borrowed
+from mrc_agent.agent.core.collectors import COLLECTOR_NAMES, process, profiling
+from mrc_agent.agent.core.collectors.base import Collector
+from mrc_agent.agent.core.config import AgentConfig, ConfigError
+from mrc_agent.agent.core.runner import Runner
+from mrc_agent.agent.core.sample import readings
+from mrc_agent.agent.tools.capture.store import CaptureStore, _iso
+from mrc_agent.agent.tools.diagnose.command import diagnose
+from mrc_agent.agent.tools.diagnose.pyspy import PySpyError
+from mrc_agent.agent.tools.diagnose.sampling import Borrowed
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agent.tools.diagnose.writers import FILES
+from mrc_agent.agent.tools.diagnose.writers import FILES
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from agent.core.config import ConfigError, read_token_file
+from mrc_agent.agent.core.config import ConfigError, read_token_file
 
 log = logging.getLogger(__name__)
 

@@ -33,6 +33,6 @@ rest is imported from its room.
 
 from __future__ import annotations
 
-from agent.tools.diagnose.command import diagnose, run_diagnose_command
+from mrc_agent.agent.tools.diagnose.command import diagnose, run_diagnose_command
 
 __all__ = ["diagnose", "run_diagnose_command"]

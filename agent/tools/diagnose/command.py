@@ -15,18 +15,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agent.core.collectors import process
-from agent.core.collectors.base import Collector
-from agent.core.config import AgentConfig, ConfigError
-from agent.core.hw.procfs import ProcessGone, ProcFS
-from agent.core.runner import Runner
-from agent.core.sample import Snapshot, first
-from agent.core.targets import TargetResolver
-from agent.tools.diagnose.pyspy import PY_SPY_RATE, PySpy, PySpyError, find_py_spy
-from agent.tools.diagnose.sampling import IdleWindows, _Watched, runnable
-from agent.tools.diagnose.stacks import image_share, parse_collapsed, thread_samples, top_functions
-from agent.tools.diagnose.verdict import Rules, Verdict, analyse_cpu, analyse_gpu, decide
-from agent.tools.diagnose.writers import FILES, render_text, write_golden_triangle, write_samples
+from mrc_agent.agent.core.collectors import process
+from mrc_agent.agent.core.collectors.base import Collector
+from mrc_agent.agent.core.config import AgentConfig, ConfigError
+from mrc_agent.agent.core.hw.procfs import ProcessGone, ProcFS
+from mrc_agent.agent.core.runner import Runner
+from mrc_agent.agent.core.sample import Snapshot, first
+from mrc_agent.agent.core.targets import TargetResolver
+from mrc_agent.agent.tools.diagnose.pyspy import PY_SPY_RATE, PySpy, PySpyError, find_py_spy
+from mrc_agent.agent.tools.diagnose.sampling import IdleWindows, _Watched, runnable
+from mrc_agent.agent.tools.diagnose.stacks import (
+    image_share,
+    parse_collapsed,
+    thread_samples,
+    top_functions,
+)
+from mrc_agent.agent.tools.diagnose.verdict import Rules, Verdict, analyse_cpu, analyse_gpu, decide
+from mrc_agent.agent.tools.diagnose.writers import (
+    FILES,
+    render_text,
+    write_golden_triangle,
+    write_samples,
+)
 
 EXIT_OK, EXIT_PY_SPY = 0, 1
 MIN_DURATION, MAX_DURATION = 1.0, 600.0
@@ -68,7 +78,7 @@ def diagnose(
     """Run py-spy and the collectors over one window on ``pid`` and write the report into
     ``out_dir``. Raises PySpyError (py-spy missing or cannot attach), ConfigError (no such
     process) and ReplayFormatError (bad replay trace)."""
-    from agent.core.wiring import build_collectors, make_sources
+    from mrc_agent.agent.core.wiring import build_collectors, make_sources
 
     check_pid(pid)
     exe = find_py_spy(py_spy)
@@ -177,8 +187,8 @@ def _exited_at(snaps: Sequence[Snapshot], pid: int, start_wall: float) -> float 
 
 def run_diagnose_command(args: Any) -> int:
     """``mrc-agent diagnose``; bad input raises ConfigError (exit 2 in cli.py)."""
-    from agent.core.config import config_from_args
-    from agent.core.hw.replay import ReplayFormatError
+    from mrc_agent.agent.core.config import config_from_args
+    from mrc_agent.agent.core.hw.replay import ReplayFormatError
 
     if not MIN_DURATION <= args.duration <= MAX_DURATION:
         raise ConfigError(f"--duration must be {MIN_DURATION:g}-{MAX_DURATION:g} seconds")

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from typing import IO
 
-from agent.core.hw.procfs import ProcFS
+from mrc_agent.agent.core.hw.procfs import ProcFS
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def find_py_spy(explicit: str | None = None) -> str:
 
 def _ptrace_hint(pid: int) -> str:
     try:
-        from agent.tools.doctor import ptrace_ok
+        from mrc_agent.agent.tools.doctor import ptrace_ok
 
         return ptrace_ok(pid, ProcFS())[1]
     except Exception as exc:  # the hint is best effort; the error itself stands

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from agent.core.collectors.base import Collector, SampleContext
-from agent.core.collectors.derived import IdleTracker
-from agent.core.hw.base import GPUIdentity, SourceUnavailable
-from agent.core.sample import Sample, Snapshot
+from mrc_agent.agent.core.collectors.base import Collector, SampleContext
+from mrc_agent.agent.core.collectors.derived import IdleTracker
+from mrc_agent.agent.core.hw.base import GPUIdentity, SourceUnavailable
+from mrc_agent.agent.core.sample import Sample, Snapshot
 
 
 class _WindowTracker(IdleTracker):

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agent.tools.diagnose.pyspy import PY_SPY_RATE
+from mrc_agent.agent.tools.diagnose.pyspy import PY_SPY_RATE
 
 #: Function names of CPU-side image work: decoding, resizing, colour conversion, tensor
 #: conversion and normalisation, whatever library does it (PIL, OpenCV, kornia, torchvision,

@@ -9,11 +9,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.core.collectors import derived, gpm, gpu, process, profiling
-from agent.core.collectors.base import GPU, DerivedThresholds
-from agent.core.sample import Reading, Snapshot, readings
-from agent.tools.diagnose.sampling import IdleWindows, _WindowTracker
-from exporters.exposition.snapshot import MetricSpec
+from mrc_agent.agent.core.collectors import derived, gpm, gpu, process, profiling
+from mrc_agent.agent.core.collectors.base import GPU, DerivedThresholds
+from mrc_agent.agent.core.sample import Reading, Snapshot, readings
+from mrc_agent.agent.tools.diagnose.sampling import IdleWindows, _WindowTracker
+from mrc_agent.exporters.exposition.snapshot import MetricSpec
 
 #: The verdicts; ``inconclusive`` when the target exited before the window's end.
 VERDICTS = ("preprocessing-bound", "cpu-bound", "transfer-bound", "memory-bound", "healthy",

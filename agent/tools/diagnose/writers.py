@@ -9,10 +9,10 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from agent.core.catalog import CATALOG
-from agent.core.collectors import derived, gpm, gpu, process, profiling
-from agent.core.collectors.base import GPU
-from agent.core.sample import HistogramValue, Snapshot, first, readings
+from mrc_agent.agent.core.catalog import CATALOG
+from mrc_agent.agent.core.collectors import derived, gpm, gpu, process, profiling
+from mrc_agent.agent.core.collectors.base import GPU
+from mrc_agent.agent.core.sample import HistogramValue, Snapshot, first, readings
 
 #: The files of one diagnosis, in the order report.txt lists them.
 FILES = {

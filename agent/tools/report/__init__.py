@@ -44,6 +44,6 @@ room.
 
 from __future__ import annotations
 
-from agent.tools.report.command import run_report_command
+from mrc_agent.agent.tools.report.command import run_report_command
 
 __all__ = ["run_report_command"]

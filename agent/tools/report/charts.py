@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from alerts.config import Config
-from dashboards.queries import PanelQueries, Query
+from mrc_agent.alerts.config import Config
+from mrc_agent.dashboards.queries import PanelQueries, Query
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from agent.tools.report.chromium import screenshot
-from agent.tools.report.data import Report, collect
-from agent.tools.report.options import ReportOptions, options_from_args
-from agent.tools.report.page import page_height, render_html
-from agent.tools.report.prom import PromClient, Unreachable
-from dashboards.queries import PROMPT_LENGTH_ORDER, RESOLUTION_ORDER
+from mrc_agent.agent.tools.report.chromium import screenshot
+from mrc_agent.agent.tools.report.data import Report, collect
+from mrc_agent.agent.tools.report.options import ReportOptions, options_from_args
+from mrc_agent.agent.tools.report.page import page_height, render_html
+from mrc_agent.agent.tools.report.prom import PromClient, Unreachable
+from mrc_agent.dashboards.queries import PROMPT_LENGTH_ORDER, RESOLUTION_ORDER
 
 #: Exit code when Prometheus cannot be reached or does not answer like Prometheus (bad flags
 #: are code 2, from cli.py).

@@ -10,15 +10,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from agent.tools.report.charts import HEATMAP_TITLE, ChartSpec, chart_specs, heatmap_query
-from agent.tools.report.prom import (
+from mrc_agent.agent.tools.report.charts import HEATMAP_TITLE, ChartSpec, chart_specs, heatmap_query
+from mrc_agent.agent.tools.report.prom import (
     DEFAULT_SCRAPE_INTERVAL_S,
     PromClient,
     QueryError,
     _value,
     rate_interval,
 )
-from dashboards.queries import (
+from mrc_agent.dashboards.queries import (
     PROMPT_LENGTH_ORDER,
     RESOLUTION_ORDER,
     PanelQueries,
@@ -27,7 +27,7 @@ from dashboards.queries import (
 )
 
 if TYPE_CHECKING:
-    from agent.tools.report.options import ReportOptions
+    from mrc_agent.agent.tools.report.options import ReportOptions
 
 
 #: Series drawn per chart at most: a fleet-wide selector would otherwise draw a thousand lines

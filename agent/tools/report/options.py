@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.core.config import ConfigError
-from agent.core.units import parse_duration
-from agent.tools.report.chromium import find_chromium
-from alerts.config import Config
+from mrc_agent.agent.core.config import ConfigError
+from mrc_agent.agent.core.units import parse_duration
+from mrc_agent.agent.tools.report.chromium import find_chromium
+from mrc_agent.alerts.config import Config
 
 #: Prometheus refuses a range query that would return more points per series than this.
 MAX_POINTS = 11_000
@@ -34,7 +34,7 @@ class ReportOptions:
 
 def options_from_args(args: Any) -> ReportOptions:
     """Validate the CLI flags; raises :class:`ConfigError` (exit code 2) with one clear line."""
-    from alerts.build import BuildError, config_for
+    from mrc_agent.alerts.build import BuildError, config_for
 
     url = (args.prometheus or "").strip().rstrip("/")
     parsed = urllib.parse.urlsplit(url)

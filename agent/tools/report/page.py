@@ -5,12 +5,12 @@ the heatmap as one self-contained HTML document, and an estimate of its height f
 
 from __future__ import annotations
 
-from agent import __version__
-from agent.core.units import format_duration
-from agent.tools.report.charts import SOURCE_GPM, SOURCE_PROFILING
-from agent.tools.report.data import Report
-from agent.tools.report.prom import DEFAULT_SCRAPE_INTERVAL_S
-from agent.tools.report.svg import (
+from mrc_agent.agent import __version__
+from mrc_agent.agent.core.units import format_duration
+from mrc_agent.agent.tools.report.charts import SOURCE_GPM, SOURCE_PROFILING
+from mrc_agent.agent.tools.report.data import Report
+from mrc_agent.agent.tools.report.prom import DEFAULT_SCRAPE_INTERVAL_S
+from mrc_agent.agent.tools.report.svg import (
     CHART_H,
     HEAT_CELL_H,
     HEAT_TOP,
@@ -19,7 +19,7 @@ from agent.tools.report.svg import (
     render_chart_panel,
     render_heatmap_panel,
 )
-from dashboards.queries import RESOLUTION_ORDER
+from mrc_agent.dashboards.queries import RESOLUTION_ORDER
 
 _CSS = """
 *{box-sizing:border-box}

@@ -13,8 +13,8 @@ import urllib.parse
 import urllib.request
 from typing import Any, NoReturn
 
-from agent import __version__
-from agent.core.units import parse_duration
+from mrc_agent.agent import __version__
+from mrc_agent.agent.core.units import parse_duration
 
 #: Answers larger than this are refused (a selector matching a whole fleet over a long range).
 MAX_BODY_BYTES = 64 << 20

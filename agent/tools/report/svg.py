@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from agent.tools.report.charts import HEATMAP_QUANTILE, HEATMAP_TITLE
-from agent.tools.report.data import ChartData, HeatmapData
-from dashboards.queries import PROMPT_LENGTH_ORDER, RESOLUTION_ORDER
+from mrc_agent.agent.tools.report.charts import HEATMAP_QUANTILE, HEATMAP_TITLE
+from mrc_agent.agent.tools.report.data import ChartData, HeatmapData
+from mrc_agent.dashboards.queries import PROMPT_LENGTH_ORDER, RESOLUTION_ORDER
 
 _SI = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
 

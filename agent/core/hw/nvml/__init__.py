@@ -29,15 +29,15 @@ The names below are the package's API; everything else is internal to it.
 
 from __future__ import annotations
 
-from agent.core.hw.nvml.backend import NvmlBackend
-from agent.core.hw.nvml.events import MAX_EVENTS_PER_POLL
-from agent.core.hw.nvml.pcie import (
+from mrc_agent.agent.core.hw.nvml.backend import NvmlBackend
+from mrc_agent.agent.core.hw.nvml.events import MAX_EVENTS_PER_POLL
+from mrc_agent.agent.core.hw.nvml.pcie import (
     DEFAULT_PCIE_PERIOD_S,
     DEFAULT_PCIE_STALE_AFTER_S,
     PCIE_JOIN_TIMEOUT_S,
     PCIE_THREAD_NAME,
 )
-from agent.core.hw.nvml.units import (
+from mrc_agent.agent.core.hw.nvml.units import (
     GPM_MIB_PER_S_TO_BYTES_PER_S,
     HERTZ_PER_MEGAHERTZ,
     MICROSECONDS_PER_SECOND,

@@ -12,13 +12,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agent.core.hw.base import DeviceSample, GpmSample, HardwareError, SourceUnavailable
-from agent.core.hw.nvml.device import DeviceReader
-from agent.core.hw.nvml.events import XidEvents
-from agent.core.hw.nvml.gpm import GpmSampler
-from agent.core.hw.nvml.nvlink import NvlinkCounters
-from agent.core.hw.nvml.pcie import DEFAULT_PCIE_PERIOD_S, DEFAULT_PCIE_STALE_AFTER_S, PcieReader
-from agent.core.hw.nvml.session import Gpu, Memo, NvmlSession, decode_text
+from mrc_agent.agent.core.hw.base import DeviceSample, GpmSample, HardwareError, SourceUnavailable
+from mrc_agent.agent.core.hw.nvml.device import DeviceReader
+from mrc_agent.agent.core.hw.nvml.events import XidEvents
+from mrc_agent.agent.core.hw.nvml.gpm import GpmSampler
+from mrc_agent.agent.core.hw.nvml.nvlink import NvlinkCounters
+from mrc_agent.agent.core.hw.nvml.pcie import (
+    DEFAULT_PCIE_PERIOD_S,
+    DEFAULT_PCIE_STALE_AFTER_S,
+    PcieReader,
+)
+from mrc_agent.agent.core.hw.nvml.session import Gpu, Memo, NvmlSession, decode_text
 
 
 class NvmlBackend:

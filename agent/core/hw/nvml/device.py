@@ -14,12 +14,12 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from agent.core.hw.base import DeviceSample
-from agent.core.hw.nvml.events import XidEvents
-from agent.core.hw.nvml.nvlink import NvlinkCounters
-from agent.core.hw.nvml.pcie import PcieReader
-from agent.core.hw.nvml.session import Gpu, Memo, union_value
-from agent.core.hw.nvml.units import (
+from mrc_agent.agent.core.hw.base import DeviceSample
+from mrc_agent.agent.core.hw.nvml.events import XidEvents
+from mrc_agent.agent.core.hw.nvml.nvlink import NvlinkCounters
+from mrc_agent.agent.core.hw.nvml.pcie import PcieReader
+from mrc_agent.agent.core.hw.nvml.session import Gpu, Memo, union_value
+from mrc_agent.agent.core.hw.nvml.units import (
     megahertz_to_hertz,
     milliwatts_to_watts,
     nvml_timestamp_to_monotonic,

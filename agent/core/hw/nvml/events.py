@@ -11,8 +11,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from agent.core.hw.base import DeviceSample
-from agent.core.hw.nvml.session import Gpu, Memo, quietly
+from mrc_agent.agent.core.hw.base import DeviceSample
+from mrc_agent.agent.core.hw.nvml.session import Gpu, Memo, quietly
 
 #: A burst of XID events is drained up to this many per GPU per sample; the rest stay queued in
 #: NVML for the next sample, so one sample never spins on a storm.

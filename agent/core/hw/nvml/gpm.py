@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
-from agent.core.hw.base import GpmSample
-from agent.core.hw.nvml.session import Gpu, Memo, quietly, unsupported_codes
-from agent.core.hw.nvml.units import gpm_mib_per_s_to_bytes_per_s, percent_to_ratio
+from mrc_agent.agent.core.hw.base import GpmSample
+from mrc_agent.agent.core.hw.nvml.session import Gpu, Memo, quietly, unsupported_codes
+from mrc_agent.agent.core.hw.nvml.units import gpm_mib_per_s_to_bytes_per_s, percent_to_ratio
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from agent.core.hw.base import DeviceSample
-from agent.core.hw.nvml.session import Gpu, Memo, union_value, unsupported_codes
-from agent.core.hw.nvml.units import nvlink_kib_to_bytes
+from mrc_agent.agent.core.hw.base import DeviceSample
+from mrc_agent.agent.core.hw.nvml.session import Gpu, Memo, union_value, unsupported_codes
+from mrc_agent.agent.core.hw.nvml.units import nvlink_kib_to_bytes
 
 log = logging.getLogger(__name__)
 

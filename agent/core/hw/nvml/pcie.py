@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from agent.core.hw.nvml.session import Gpu, Memo, NvmlSession
-from agent.core.hw.nvml.units import pcie_kb_per_s_to_bytes_per_s
+from mrc_agent.agent.core.hw.nvml.session import Gpu, Memo, NvmlSession
+from mrc_agent.agent.core.hw.nvml.units import pcie_kb_per_s_to_bytes_per_s
 
 log = logging.getLogger(__name__)
 

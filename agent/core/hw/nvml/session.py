@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from agent.core.hw.base import GPUIdentity, HardwareError, SourceUnavailable
+from mrc_agent.agent.core.hw.base import GPUIdentity, HardwareError, SourceUnavailable
 
 log = logging.getLogger(__name__)
 
