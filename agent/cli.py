@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "alertmanager.yaml")
     ab.add_argument("--out", default="alerts/generated", metavar="DIR",
                     help="output directory (alerts/generated)")
+    ab.add_argument("--cluster-label", metavar="NAME",
+                    help="label that tells clusters apart, kept by the fleet rules and "
+                    "Alertmanager's grouping (cluster; empty: none)")
 
     dash = sub.add_parser("dashboards", help="Grafana dashboards as code")
     dash_sub = dash.add_subparsers(dest="dashboards_command", required=True, parser_class=_Parser)
@@ -194,7 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             try:
                 if args.command == "alerts":
-                    return run_build(args.out, args.selector, args.runbook_base)
+                    return run_build(args.out, args.selector, args.runbook_base,
+                                     args.cluster_label)
                 from mrc_agent.dashboards.build import run_build as build_dashboards
 
                 return build_dashboards(args.out, config_for(args.selector, args.runbook_base))

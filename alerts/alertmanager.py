@@ -22,7 +22,7 @@ TICKET_RECEIVER = "mrc-ticket"
 
 def alertmanager_config(cfg: Config) -> dict[str, Any]:
     """The configuration; webhook URLs and the page group wait come from ``cfg``."""
-    group_by = ["alertname", *cfg.pod_labels]
+    group_by = ["alertname", *cfg.pod_keys]
     return {
         "global": {"resolve_timeout": "5m"},
         "route": {
@@ -51,7 +51,7 @@ def alertmanager_config(cfg: Config) -> dict[str, Any]:
                 "target_matchers": [f'severity="{TICKET}"'],
                 # Alertmanager treats a label missing on both sides as equal: outside Kubernetes
                 # (no namespace/pod labels) a page inhibits every ticket without them.
-                "equal": list(cfg.pod_labels),
+                "equal": list(cfg.pod_keys),
             },
         ],
         "receivers": [

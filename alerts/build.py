@@ -26,6 +26,7 @@ ALERTMANAGER_FILE = "alertmanager.yaml"
 
 _MATCHER = r'\s*[A-Za-z_][A-Za-z0-9_]*\s*(=|!=|=~|!~)\s*"(?:[^"\\]|\\.)*"\s*'
 _SELECTOR = re.compile(rf"^{_MATCHER}(,{_MATCHER})*$")
+_LABEL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class BuildError(ValueError):
@@ -114,7 +115,7 @@ def build(out: Path | str = DEFAULT_OUT, cfg: Config = DEFAULT) -> list[Path]:
 
 
 def config_for(selector: str | None = None, runbook_base: str | None = None,
-               base: Config = DEFAULT) -> Config:
+               base: Config = DEFAULT, cluster_label: str | None = None) -> Config:
     """``base`` with the CLI's overrides, validated."""
     cfg = base
     if selector is not None:
@@ -127,13 +128,18 @@ def config_for(selector: str | None = None, runbook_base: str | None = None,
         if not runbook_base.strip():
             raise BuildError("--runbook-base must not be empty")
         cfg = replace(cfg, runbook_base=runbook_base.strip().rstrip("/"))
+    if cluster_label is not None:
+        cluster_label = cluster_label.strip()
+        if cluster_label and not _LABEL_NAME.fullmatch(cluster_label):
+            raise BuildError(f"--cluster-label {cluster_label!r} is not a Prometheus label name")
+        cfg = replace(cfg, cluster_label=cluster_label)
     return cfg
 
 
 def run_build(out: str | Path = DEFAULT_OUT, selector: str | None = None,
-              runbook_base: str | None = None) -> int:
+              runbook_base: str | None = None, cluster_label: str | None = None) -> int:
     """The CLI entry point: build, print what was written. Raises BuildError on bad input."""
-    cfg = config_for(selector, runbook_base)
+    cfg = config_for(selector, runbook_base, cluster_label=cluster_label)
     for path in build(out, cfg):
         print(path)
     return 0

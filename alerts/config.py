@@ -102,6 +102,12 @@ class Config:
     runbook_base: str = "docs/runbooks"
     #: Labels that identify one pod / one GPU in aggregations.
     pod_labels: tuple[str, ...] = ("namespace", "pod")
+    #: The label that tells clusters apart where several of them write into one store (the
+    #: monitoring mixins' ``clusterLabel``; set as an external label of each cluster's
+    #: Prometheus). Every per-pod and per-model aggregation, the pod join and Alertmanager's
+    #: grouping keep it, so two clusters' pods of one name stay two; on one cluster's
+    #: Prometheus, where the label is absent, ``by (cluster, …)`` changes nothing. "" drops it.
+    cluster_label: str = "cluster"
     gpu_labels: tuple[str, ...] = ("gpu", "uuid")
     #: Labels that tell replicas of one service apart. Request-side ratios and the SLO sum them
     #: away (``sum without (...)``): an SLO is the service's, not one pod's, and a P99 per
@@ -127,6 +133,12 @@ class Config:
         """A label-matcher block: ``{selector,extra}`` or ``""`` when both are empty."""
         parts = [p for p in (self.selector, extra) if p]
         return "{" + ",".join(parts) + "}" if parts else ""
+
+    @property
+    def pod_keys(self) -> tuple[str, ...]:
+        """The labels one pod is told apart by across the fleet: the cluster label, then
+        :attr:`pod_labels`."""
+        return (self.cluster_label, *self.pod_labels) if self.cluster_label else self.pod_labels
 
 
 DEFAULT = Config()

@@ -220,8 +220,12 @@ class RuleQueries:
     # per pod (``mrc_pod:``) or per model (``mrc_model:``) whatever the number of target PIDs,
     # GPUs, NVLink links, histogram buckets or replicas behind it. See docs/fleet.md.
 
+    @property
+    def _cluster(self) -> tuple[str, ...]:
+        return (self.cfg.cluster_label,) if self.cfg.cluster_label else ()
+
     def _pod_by(self) -> str:
-        return f"by ({_labels(self.cfg.pod_labels)})"
+        return f"by ({_labels(self.cfg.pod_keys)})"
 
     def _per_pod(self, op: str, metric: str) -> str:
         return f"{op} {self._pod_by()} ({self.m(metric)})"
@@ -293,25 +297,26 @@ class RuleQueries:
                 f"(rate({self.m('mrc_gpu_starved_seconds_total')}[{w}]))")
 
     def _check_model_labels(self) -> None:
-        overlap = set(self.cfg.model_labels) & set(self.cfg.pod_labels)
+        overlap = set(self.cfg.model_labels) & set(self.cfg.pod_keys)
         if not self.cfg.model_labels or overlap:
             raise ValueError(f"model_labels {self.cfg.model_labels} must be labels of "
-                             f"mrc_model_info other than the pod labels {self.cfg.pod_labels}")
+                             f"mrc_model_info other than the pod labels {self.cfg.pod_keys}")
 
     def model_join(self) -> str:
-        """``* on (namespace, pod) group_left (model_id) <the pod's live model>``: puts the
+        """``* on (cluster, namespace, pod) group_left (model_id) <the pod's model>``: puts the
         model labels of the pod's service on any series of that pod (the agent's too).
 
         ``topk by (pod) (1, …)`` keeps one live description per pod, so a pod that ever shows
         two at 1 cannot make the join many-to-many — that would fail the whole rule, for every
         model of the fleet, at every evaluation."""
         self._check_model_labels()
-        pod = _labels(self.cfg.pod_labels)
+        pod = _labels(self.cfg.pod_keys)
         return (f"* on ({pod}) group_left ({_labels(self.cfg.model_labels)})\n"
                 f"  topk by ({pod}) (1, {self.m('mrc_model_info')} == 1)")
 
     def _per_model(self, op: str, inner: str, *keep: str) -> str:
-        by = _labels((*self.cfg.model_labels, *keep))
+        # Per cluster and model: a global view sums the clusters' series (or keeps them apart).
+        by = _labels((*self._cluster, *self.cfg.model_labels, *keep))
         return f"{op} by ({by}) (\n  {inner}\n  {self.model_join()}\n)"
 
     @property
@@ -321,8 +326,8 @@ class RuleQueries:
     def model_pods_expr(self) -> str:
         """Pods serving each model."""
         self._check_model_labels()
-        pod = _labels(self.cfg.pod_labels)
-        return (f"count by ({_labels(self.cfg.model_labels)}) (\n"
+        pod = _labels(self.cfg.pod_keys)
+        return (f"count by ({_labels((*self._cluster, *self.cfg.model_labels))}) (\n"
                 f"  topk by ({pod}) (1, {self.m('mrc_model_info')} == 1)\n"
                 f")")
 

@@ -120,30 +120,38 @@ class Prometheus(_Proc):
     def __init__(self, workdir: Path, targets: dict[str, list[str]],
                  rule_files: list[Path] | None = None, alertmanager: str | None = None,
                  interval: str = "1s",
-                 labels: dict[str, dict[str, str]] | None = None) -> None:
+                 labels: dict[str, dict[str, str]] | None = None,
+                 config: dict[str, Any] | None = None, mode: str = "server") -> None:
         """``labels``: per job, target labels (what service discovery would add: pod,
-        namespace)."""
+        namespace). ``config``: a whole configuration instead (``targets`` and the rest are
+        then ignored). ``mode``: ``server``, ``agent`` (scrape and remote-write only) or
+        ``receiver`` (a server that accepts remote write)."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config: dict[str, Any] = {
-            "global": {"scrape_interval": interval, "evaluation_interval": interval},
-            "scrape_configs": [{"job_name": job, "static_configs": [
-                {"targets": addrs, **({"labels": labels[job]} if labels and job in labels
-                                      else {})}]}
-                for job, addrs in targets.items()],
-        }
-        if rule_files:
-            config["rule_files"] = [str(p) for p in rule_files]
-        if alertmanager:
-            config["alerting"] = {"alertmanagers": [{"static_configs": [
-                {"targets": [alertmanager.removeprefix("http://")]}]}]}
+        if config is None:
+            config = {
+                "global": {"scrape_interval": interval, "evaluation_interval": interval},
+                "scrape_configs": [{"job_name": job, "static_configs": [
+                    {"targets": addrs, **({"labels": labels[job]} if labels and job in labels
+                                          else {})}]}
+                    for job, addrs in targets.items()],
+            }
+            if rule_files:
+                config["rule_files"] = [str(p) for p in rule_files]
+            if alertmanager:
+                config["alerting"] = {"alertmanagers": [{"static_configs": [
+                    {"targets": [alertmanager.removeprefix("http://")]}]}]}
         cfg = workdir / "prometheus.yml"
         cfg.write_text(yaml.safe_dump(config))
-        super().__init__([require("prometheus"), f"--config.file={cfg}",
-                          f"--storage.tsdb.path={workdir / 'data'}",
-                          f"--web.listen-address=127.0.0.1:{self.port}",
-                          "--storage.tsdb.retention.time=1h"], workdir / "prometheus.log")
+        storage = [f"--storage.tsdb.path={workdir / 'data'}", "--storage.tsdb.retention.time=1h"]
+        if mode == "agent":
+            storage = ["--enable-feature=agent", f"--storage.agent.path={workdir / 'wal'}"]
+        elif mode == "receiver":
+            storage.append("--web.enable-remote-write-receiver")
+        super().__init__([require("prometheus"), f"--config.file={cfg}", *storage,
+                          f"--web.listen-address=127.0.0.1:{self.port}"],
+                         workdir / "prometheus.log")
         wait_until(self._ready, 30, 0.2, "Prometheus ready")
 
     def _ready(self) -> bool:

@@ -28,7 +28,7 @@ import yaml
 
 from mrc_agent.agent.cli import main as cli_main
 from mrc_agent.alerts import build, rules, unit_tests
-from mrc_agent.alerts.alertmanager import PAGE_RECEIVER, TICKET_RECEIVER
+from mrc_agent.alerts.alertmanager import PAGE_RECEIVER, TICKET_RECEIVER, alertmanager_config
 from mrc_agent.alerts.config import DEFAULT, Config, Thresholds
 from mrc_agent.alerts.queries import duration_seconds
 from mrc_agent.alerts.unit_tests import (
@@ -375,10 +375,39 @@ def test_alertmanager_inhibits_tickets_of_a_paged_pod(built: Path, tmp_path: Pat
 def test_alertmanager_config_shape() -> None:
     text = (GENERATED / build.ALERTMANAGER_FILE).read_text()
     am = yaml.safe_load(text)
-    assert am["route"]["group_by"] == ["alertname", "namespace", "pod"]
+    assert am["route"]["group_by"] == ["alertname", "cluster", "namespace", "pod"]
     for receiver in am["receivers"]:
         assert all(w["send_resolved"] is True for w in receiver["webhook_configs"])
     assert am["inhibit_rules"] == [{"source_matchers": ['severity="critical"'],
                                     "target_matchers": ['severity="warning"'],
-                                    "equal": ["namespace", "pod"]}]
+                                    "equal": ["cluster", "namespace", "pod"]}]
     assert "placeholder" in text
+
+
+def test_the_cluster_label_is_kept_by_every_fleet_aggregation_and_can_be_changed() -> None:
+    def fleet(cfg: Config) -> list[str]:  # the aggregations (one rule reads recorded series)
+        groups = build.rule_file(cfg)["groups"]
+        return [r["expr"] for g in groups if g["name"] == "mrc-fleet" for r in g["rules"]
+                if " by (" in r["expr"]]
+
+    shipped = fleet(DEFAULT)
+    assert len(shipped) >= 10
+    assert all("by (cluster, " in e for e in shipped), [e for e in shipped
+                                                         if "by (cluster, " not in e]
+    renamed = fleet(build.config_for(cluster_label="k8s_cluster"))
+    assert all("by (k8s_cluster, " in e and "by (cluster" not in e for e in renamed)
+    dropped = fleet(build.config_for(cluster_label=""))
+    assert not any("cluster" in e for e in dropped)
+    assert "max by (namespace, pod) (mrc_process_cpu_user_ratio)" in dropped
+    am = alertmanager_config(build.config_for(cluster_label="k8s_cluster"))
+    assert am["route"]["group_by"] == ["alertname", "k8s_cluster", "namespace", "pod"]
+
+
+def test_a_bad_cluster_label_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str],
+                                                    tmp_path: Path) -> None:
+    with pytest.raises(build.BuildError, match="not a Prometheus label name"):
+        build.config_for(cluster_label="gpu-cluster")
+    assert cli_main(["alerts", "build", "--out", str(tmp_path),
+                     "--cluster-label", "gpu-cluster"]) == 2
+    assert "not a Prometheus label name" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
