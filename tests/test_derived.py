@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from mrc_agent.agent.core.collectors.base import DerivedThresholds, SampleContext, TargetState
-from mrc_agent.agent.core.collectors.derived import DerivedCollector, IdleTracker
+from mrc_agent.agent.core.collectors.base import (
+    BuildContext,
+    DerivedThresholds,
+    SampleContext,
+    TargetState,
+)
+from mrc_agent.agent.core.collectors.derived import DEFINITION, DerivedCollector, IdleTracker
 from mrc_agent.agent.core.hw.base import GPUIdentity
 from mrc_agent.agent.core.targets import Target
 
@@ -130,3 +135,65 @@ def test_each_target_has_its_own_starved_time_from_the_measured_window() -> None
     assert out == {"5": (1.0, 2.5), "7": (1.0, 2.5)}
     out = _by_pid(c.update(_ctx2(103.0, {5: (0.95, 0.95), 7: (0.1, 0.1)}, {GPU0: 0.0})))
     assert out == {"5": (1.0, 3.0), "7": (0.0, 2.5)}
+
+
+def test_an_idle_window_spanning_passes_is_measured_once_it_ends() -> None:
+    """The collector keeps one tracker per GPU across passes: a window that starts in one pass
+    and ends in a later one is one window, and while it runs it is reported as current."""
+    c = DerivedCollector(DerivedThresholds(idle_util=0.05))
+
+    def idle(samples) -> tuple[float, int, float]:
+        d = {name: v for name, labels, v in samples if labels == GPU0.labels}
+        h = d["mrc_gpu_idle_window_seconds"]
+        return d["mrc_gpu_idle_current_seconds"], h.total, h.sum
+
+    ctx = SampleContext(now=100.0, wall=100.0, targets=[])
+    ctx.gpu_util_points = {GPU0: [(99.0, 0.9), (99.5, 0.0)]}
+    assert idle(c.update(ctx)) == (0.5, 0, 0.0)
+    ctx = SampleContext(now=101.0, wall=101.0, targets=[])
+    ctx.gpu_util_points = {GPU0: [(99.5, 0.0), (100.5, 0.01)]}  # the buffer overlaps
+    assert idle(c.update(ctx)) == (1.5, 0, 0.0)
+    ctx = SampleContext(now=102.0, wall=102.0, targets=[])
+    ctx.gpu_util_points = {GPU0: [(101.75, 0.8)]}
+    current, total, seconds = idle(c.update(ctx))
+    assert (current, total) == (0.0, 1) and abs(seconds - 2.25) < 1e-9
+
+
+def test_the_current_idle_time_is_zero_while_busy_and_exact_when_short() -> None:
+    tracker = IdleTracker(threshold=0.05)
+    assert tracker.current(10.0) == 0.0  # nothing seen yet
+    tracker.feed([(10.0, 0.9)])
+    assert tracker.current(11.0) == 0.0  # busy
+    tracker.feed([(11.0, 0.0)])
+    assert tracker.current(11.0) == 0.0  # idle since just now
+    assert abs(tracker.current(11.3) - 0.3) < 1e-9
+    assert tracker.current(10.5) == 0.0  # a clock behind the last point never reads negative
+
+
+def test_points_already_seen_are_not_counted_again() -> None:
+    """A source's buffer is read again from a little before the last pass: points at or before
+    the last one seen are skipped, even when the same instant comes back with another value."""
+    tracker = IdleTracker(threshold=0.05)
+    tracker.feed([(0.0, 0.9), (1.0, 0.0), (2.0, 0.9)])
+    tracker.feed([(1.0, 0.0), (2.0, 0.9), (3.0, 0.9)])  # one idle window, not two
+    assert tracker.histogram.total == 1 and abs(tracker.histogram.sum - 1.0) < 1e-9
+    tracker.feed([(4.0, 0.0)])
+    tracker.feed([(4.0, 0.9)])  # the same instant again: ignored, the window still runs
+    assert tracker.histogram.total == 1
+    assert abs(tracker.current(5.0) - 1.0) < 1e-9
+
+
+def test_a_held_gpu_without_a_utilisation_reading_does_not_break_the_judgement() -> None:
+    """The target holds memory on two GPUs and only one reports utilisation (a device whose
+    utilisation NVML cannot read): the one that reports, busy here, decides."""
+    c = DerivedCollector(DerivedThresholds(starved_cpu=0.9, starved_gpu=0.2))
+    held = {7: {GPU0, GPU1}}
+    assert _starved(c.update(_ctx(0.0, 1.0, 1.0, {GPU0: 0.9}, held))) == (0.0, 0.0)
+
+
+def test_the_registered_factory_passes_the_configured_thresholds_on() -> None:
+    """``--starvation-cpu-threshold`` and friends reach the collector the runner builds."""
+    thresholds = DerivedThresholds(idle_util=0.1, starved_cpu=0.5, starved_gpu=0.3)
+    c = DEFINITION.factory(BuildContext(thresholds=thresholds))
+    assert isinstance(c, DerivedCollector) and c.thresholds == thresholds
+    assert _starved(c.update(_ctx(0.0, 0.6, 0.6, {GPU0: 0.25})))[0] == 1.0  # not by the defaults

@@ -4,6 +4,7 @@ observes, the contract of names and labels, promtool on the exposition, and no t
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import subprocess
 import sys
@@ -401,10 +402,21 @@ def test_metrics_endpoint_refuses_to_serve_the_global_registry_implicitly() -> N
 
 
 def test_exporters_import_neither_torch_nor_agent() -> None:
-    code = ("import sys, exporters.instrumentation, exporters.exposition.http\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'agent'))\n"
+    code = ("import sys, mrc_agent.exporters.instrumentation, mrc_agent.exporters.exposition.http\n"
+            "assert 'mrc_agent.exporters.instrumentation.metrics' in sys.modules\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'torch'\n"
+            "             or m == 'mrc_agent.agent' or m.startswith('mrc_agent.agent.'))\n"
             "print(','.join(bad))\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=REPO, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "", f"exporters imported {res.stdout.strip()}"
+
+
+@pytest.mark.parametrize("edges, message", [
+    ((50.5, 100), "must be whole characters, got (50.5, 100)"),
+    ((0.5, 100), "must be whole characters, got (0.5, 100)"),  # was "positive, got (0, 100)"
+])
+def test_prompt_edges_are_checked_as_given(edges: tuple[float, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        MRCMetrics(CollectorRegistry(), prompt_edges=edges)  # type: ignore[arg-type]

@@ -279,7 +279,7 @@ def test_env_var_set_after_import_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize("missing", [True, False])
 def test_multiprocess_dir_must_exist(tmp_path: Path, missing: bool) -> None:
     d = tmp_path / "nope" if missing else tmp_path
-    code = ("from exporters.instrumentation import MRCMetrics\n"
+    code = ("from mrc_agent.exporters.instrumentation import MRCMetrics\n"
             "m = MRCMetrics()\nprint(m.multiprocess)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                          env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(d)}, timeout=60)

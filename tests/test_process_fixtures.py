@@ -13,7 +13,9 @@ answering its old content). Every collector test runs with kept files and with n
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,6 +137,7 @@ def test_first_pass_has_counters_and_no_ratio(agent: Agent) -> None:
     assert out[START][busy] == approx(BTIME + 123.45)  # btime + starttime / USER_HZ
     assert out[THREADS][("300", "python3")] == 5
     assert ctx.processes[100].process == "python3" and ctx.processes[100].user_ratio is None
+    assert ctx.processes[100].pid == 100 and ctx.processes[200].pid == 200
     assert ctx.processes[100].hottest_thread_user_ratio is None
 
 
@@ -347,3 +350,72 @@ def test_fixture_sums_hold() -> None:
             if pid != 600:  # threads' utime includes the guest time the process total drops
                 assert sum(threads.values()) <= st.user_ticks + 1, (moment, pid)
         assert os.path.isfile(FIXTURES / moment / "stat")
+
+
+# --- what the collector does on its own ----------------------------------------------------------
+
+
+def test_threads_are_read_by_default(tmp_path: Path) -> None:
+    root = ProcRoot(tmp_path / "proc")
+    collector = ProcessCollector(procfs=ProcFS(root=str(root.path)))
+    for moment in ("t0", "t1"):
+        root.become(moment)
+        ctx = SampleContext(now=NOW[moment], wall=BTIME + NOW[moment], targets=[Target(300, "pid")])
+        out = {(name, tuple(labels)): v for name, labels, v in collector.update(ctx)}
+    assert out[(HOTTEST, ("300", "python3"))] == approx(0.8)
+
+
+def test_start_time_is_boot_time_plus_start_ticks_even_at_the_epoch(tmp_path: Path) -> None:
+    """A boot time of 0 (a clock that started at the epoch) is a boot time, not a missing one."""
+    shutil.copytree(FIXTURES / "t0", tmp_path / "proc")
+    stat = tmp_path / "proc" / "stat"
+    stat.write_bytes(stat.read_bytes().replace(b"btime 1700000000", b"btime 0"))
+    collector = ProcessCollector(procfs=ProcFS(root=str(tmp_path / "proc"), max_open=0))
+    ctx = SampleContext(now=1000.0, wall=1000.0, targets=[Target(100, "pid")])
+    out = {(name, tuple(labels)): v for name, labels, v in collector.update(ctx)}
+    assert out[(START, ("100", "python3"))] == approx(123.45)
+
+
+def test_a_process_whose_threads_all_vanished_mid_read_has_a_cold_hottest_thread(
+        agent: Agent) -> None:
+    """Its task directory lists nothing (every thread ended between the reads): no thread
+    burnt a tick that pass, whatever the process total says."""
+    agent.sample("t0", [100])
+    agent.root.become("t1")
+    thread = agent.root.path / "100" / "task" / "100"
+    for f in thread.iterdir():
+        f.write_bytes(b"")
+        f.unlink()
+    thread.rmdir()
+    ctx = SampleContext(now=NOW["t1"], wall=BTIME + NOW["t1"], targets=[Target(100, "pid")])
+    out = {(name, tuple(labels)): v for name, labels, v in agent.collector.update(ctx)}
+    assert out[(USER, ("100", "python3"))] == approx(0.9)
+    assert out[(HOTTEST, ("100", "python3"))] == 0.0
+    assert ctx.processes[100].hottest_thread_user_ratio == 0.0
+
+
+def test_a_zombie_on_the_first_pass_keeps_no_file_open(agent: Agent) -> None:
+    ctx, out = agent.sample("t1", [700, 300])
+    assert 700 not in ctx.processes and pids(out) == {300}
+    assert agent.kept(700) == []
+
+
+def test_a_process_that_is_no_longer_a_target_releases_its_files(agent: Agent) -> None:
+    agent.sample("t0", [100, 300])
+    if agent.fs._max_open:
+        assert agent.kept(300)
+    ctx, out = agent.sample("t1", [100])  # 300 runs on, but the resolver dropped it
+    assert pids(out) == {100} and set(ctx.processes) == {100}
+    assert agent.kept(300) == []
+    if agent.fs._max_open:
+        assert agent.kept(100)
+
+
+def test_a_target_that_went_away_is_logged_with_the_reason(
+        agent: Agent, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger=process_collector.__name__)
+    agent.sample("t0", [700])
+    agent.sample("t1", [700])
+    gone = [m for m in caplog.messages if "700" in m]
+    assert len(gone) == 1 and "target 700 gone" in gone[0], caplog.messages
+    assert "700 has exited (state Z)" in gone[0]

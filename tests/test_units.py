@@ -67,3 +67,30 @@ def test_bytes(text: object, n: int) -> None:
 def test_not_bytes(text: object) -> None:
     with pytest.raises(ValueError, match="bytes"):
         parse_bytes(text)
+
+
+def test_a_bad_duration_names_every_accepted_form() -> None:
+    """The whole message a setting or flag shows, down to its last example."""
+    with pytest.raises(ValueError) as info:
+        parse_duration("soon")
+    assert str(info.value) == ("'soon' is not a duration such as 3600, 90s, 30m, 1h30m, 7d or "
+                               "500ms")
+
+
+@pytest.mark.parametrize(("number", "n"), [(0, 0), (0.0, 0), (0.5, 0), (1, 1), (1e20, 10**20)])
+def test_numbers_of_bytes_down_to_zero_are_taken_as_they_are(number: float, n: int) -> None:
+    """Zero is a size (a disabled limit), and a number is never read back as text."""
+    assert parse_bytes(number) == n
+
+
+def test_a_bool_is_not_a_number_of_bytes() -> None:
+    with pytest.raises(ValueError, match="expected bytes"):
+        parse_bytes(True)
+
+
+def test_bad_bytes_say_what_would_do() -> None:
+    with pytest.raises(ValueError) as info:
+        parse_bytes("lots")
+    assert str(info.value) == "expected bytes such as 104857600, 100Mi or 1G"
+    with pytest.raises(ValueError, match=r"^-1 is not a finite, non-negative number of bytes$"):
+        parse_bytes(-1)

@@ -81,9 +81,10 @@ class MRCMetrics:
         if self.multiprocess and not Path(os.environ[_ENV]).is_dir():
             raise ValueError(f"{_ENV}={os.environ[_ENV]!r} is not a directory")
         self.registry = registry if registry is not None else CollectorRegistry()
+        # Checked as given: int() first would turn 50.5 into 50 and 0.5 into 0 unannounced.
+        self.prompt_length_values = buckets.prompt_length_values(tuple(prompt_edges))
         self.prompt_edges = tuple(int(e) for e in prompt_edges)
         self.resolution_edges_mp = tuple(float(e) for e in resolution_edges_mp)
-        self.prompt_length_values = buckets.prompt_length_values(self.prompt_edges)
         self.resolution_values = buckets.resolution_values(self.resolution_edges_mp)
         self._pixel_edges = buckets.pixel_edges(self.resolution_edges_mp)
 
