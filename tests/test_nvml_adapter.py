@@ -15,6 +15,8 @@ import pytest
 from mrc_agent.agent.core.hw import nvml as nvml_mod
 from mrc_agent.agent.core.hw.base import HardwareError, SourceUnavailable
 from mrc_agent.agent.core.hw.nvml import NvmlBackend
+from mrc_agent.agent.core.hw.nvml import pcie as pcie_mod
+from mrc_agent.agent.core.hw.nvml.pcie import PcieReader
 from tests.fakes.fake_pynvml import FakeNvml, gpu, nvlink
 
 WALL_NOW = 1_700_000_000.0  # the fake wall clock, seconds since the epoch
@@ -643,3 +645,482 @@ def test_close_frees_everything_and_shuts_down() -> None:
     assert fake.calls["nvmlShutdown"] == 1
     assert fake.calls["nvmlGpmSampleFree"] == 2
     assert all(e.freed for e in fake.event_sets)
+
+
+# --- what each part names, logs and refuses ----------------------------------------------------
+
+NVML_LOGGER = "mrc_agent.agent.core.hw.nvml"
+UUID0, UUID1 = "GPU-00000000-fake-uuid", "GPU-00000001-fake-uuid"
+
+
+def messages(caplog: pytest.LogCaptureFixture, part: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if part in r.getMessage()]
+
+
+#: Every query the device, PCIe, NVLink and GPM parts make, by the name the memo keeps it under.
+EVERY_FEATURE = [
+    "compute_processes",
+    "ecc_errors",
+    "gpm",
+    "graphics_processes",
+    "memory_info",
+    "memory_info_v2",
+    "nvlink_link_count",
+    "nvlink_throughput",
+    "pcie_replay_counter",
+    "pcie_throughput",
+    "power_usage",
+    "sm_clock",
+    "temperature",
+    "utilization",
+    "utilization_samples",
+]
+
+
+def test_a_gpu_supporting_nothing_names_every_feature_once_and_is_not_asked_again() -> None:
+    refused = {
+        "nvmlDeviceGetUtilizationRates",
+        "nvmlDeviceGetSamples",
+        "nvmlDeviceGetMemoryInfo",  # v2 and v1 alike
+        "nvmlDeviceGetPcieThroughput",
+        "nvmlDeviceGetPcieReplayCounter",
+        "nvmlDeviceGetFieldValues",  # the link count and the link counters
+        "nvmlDeviceGetPowerUsage",
+        "nvmlDeviceGetClockInfo",
+        "nvmlDeviceGetTemperature",
+        "nvmlDeviceGetTotalEccErrors",
+        "nvmlDeviceGetComputeRunningProcesses",
+        "nvmlDeviceGetGraphicsRunningProcesses",
+        "nvmlGpmQueryDeviceSupport",
+    }
+    # One link answers its state: found by probing, then its counters are refused.
+    fake = FakeNvml([gpu(not_supported=refused, nvlink={0: nvlink(5, 6)}, gpm=gpm_values())])
+    b = backend(fake)
+    for _ in range(2):
+        [s] = b.sample_devices()
+        b._pcie.run_round()
+        with pytest.raises(SourceUnavailable):
+            b.sample_gpm()
+    assert (s.gpu_util, s.mem_util, s.mem_used_bytes, s.mem_total_bytes) == (None,) * 4
+    assert (s.pcie_tx_bytes_per_second, s.pcie_replays_total, s.nvlink_tx_bytes_total) == (
+        (None,) * 3
+    )
+    assert (s.power_watts, s.sm_clock_hertz, s.temperature_celsius) == (None,) * 3
+    assert (s.ecc_corrected_total, s.util_samples, s.process_memory_bytes) == (None, [], {})
+    [g] = b.info()["gpus"]
+    assert g["unsupported"] == EVERY_FEATURE
+    assert g["gpm_supported"] is False and g["nvlink_active_links"] == 1
+    # Each refused once: v1 and v2 memory are two queries, field values the count then links.
+    assert {name: fake.calls[name] for name in refused} == {
+        **{name: 1 for name in refused},
+        "nvmlDeviceGetMemoryInfo": 2,
+        "nvmlDeviceGetFieldValues": 2,
+    }
+
+
+def test_process_memory_skips_unavailable_entries_and_keeps_the_larger_of_two_contexts() -> None:
+    fake = FakeNvml(
+        [
+            gpu(
+                compute_processes=[(300, None), (100, 0), (200, 2 * 2**30)],
+                graphics_processes=[(200, 2**30), (400, 5)],
+            )
+        ]
+    )
+    [s] = backend(fake).sample_devices()
+    # pid 300 comes first and is unavailable: the rest of the list still counts; pid 100 holds
+    # a context but no memory yet (0, not absent); pid 200's graphics context is the smaller.
+    assert s.process_memory_bytes == {100: 0.0, 200: 2 * 2**30, 400: 5.0}
+
+
+def test_util_samples_boundary_sample_repeated_by_the_driver_is_not_read_twice() -> None:
+    us = 1_000_000
+    t1, t2, t3 = (int((WALL_NOW - age) * us) for age in (2.0, 1.0, 0.5))
+    fake = FakeNvml([gpu(util_samples=[(t1, 10), (t2, 20)], util_samples_repeat_boundary=True)])
+    b = backend(fake)
+    [s] = b.sample_devices()
+    assert [v for _, v in s.util_samples] == [pytest.approx(0.10), pytest.approx(0.20)]
+    [s] = b.sample_devices()  # the driver answers t2 again
+    assert s.util_samples == []
+    fake.gpus[0]["util_samples"].append((t3, 30))
+    [s] = b.sample_devices()  # t2 again, then t3
+    assert s.util_samples == [(pytest.approx(MONO_NOW - 0.5), pytest.approx(0.30))]
+
+
+def test_util_samples_are_tracked_per_gpu() -> None:
+    us = 1_000_000
+    recent, older = int((WALL_NOW - 0.5) * us), int((WALL_NOW - 3.0) * us)
+    fake = FakeNvml([gpu(index=0, util_samples=[(recent, 70)]), gpu(index=1, util_samples=[])])
+    b = backend(fake)
+    b.sample_devices()
+    # GPU 1's first samples are older than GPU 0's newest: still new for GPU 1.
+    fake.gpus[1]["util_samples"].append((older, 20))
+    s0, s1 = b.sample_devices()
+    assert s0.util_samples == []
+    assert s1.util_samples == [(pytest.approx(MONO_NOW - 3.0), pytest.approx(0.20))]
+
+
+# --- NVLink ---------------------------------------------------------------------------------
+
+
+def test_nvlink_without_a_link_count_probes_until_the_first_unknown_link(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake = FakeNvml(
+        [
+            gpu(
+                nvlink={0: nvlink(1, 2), 1: nvlink(3, 4)},
+                fields_not_supported={pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT},
+            )
+        ]
+    )
+    b = backend(fake)
+    with caplog.at_level(logging.INFO, logger=NVML_LOGGER):
+        [s] = b.sample_devices()
+        b.sample_devices()
+    assert s.nvlink_links == {0: (1024, 2048), 1: (3072, 4096)}
+    assert fake.calls["nvmlDeviceGetNvLinkState"] == 3  # links 0 and 1, then 2 is unknown
+    assert messages(caplog, "not supported") == [
+        f"GPU 0 ({UUID0}): field nvlink_link_count not supported; leaving it absent"
+    ]
+
+
+def test_nvlink_without_field_values_probes_up_to_the_library_maximum() -> None:
+    fake = FakeNvml([gpu(nvlink={0: nvlink(1, 2)}, not_supported={"nvmlDeviceGetFieldValues"})])
+    b = backend(fake)
+    [s] = b.sample_devices()
+    assert s.nvlink_links == {} and s.nvlink_tx_bytes_total is None
+    assert b.info()["gpus"][0]["nvlink_active_links"] == 1
+    assert fake.calls["nvmlDeviceGetNvLinkState"] == 2  # link 0, then 1 is unknown
+
+
+def test_nvlink_link_refused_within_the_count_is_skipped_not_the_end() -> None:
+    fake = FakeNvml([gpu(nvlink={0: nvlink(1, 2), 1: nvlink(3, 4)})])
+    fake.fail_next["nvmlDeviceGetNvLinkState"] = [pynvml.NVML_ERROR_NOT_SUPPORTED]  # link 0
+    [s] = backend(fake).sample_devices()
+    assert s.nvlink_links == {1: (3072, 4096)}
+    assert s.nvlink_tx_bytes_total == 3072
+
+
+def test_nvlink_counter_not_supported_on_one_link_leaves_only_complete_links(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    tx = pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
+    rx = pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX
+    fake = FakeNvml(
+        [
+            gpu(
+                nvlink={0: nvlink(1, 2), 1: nvlink(3, 4), 2: nvlink(5, 6)},
+                fields_not_supported={(tx, 0), (rx, 2)},
+            )
+        ]
+    )
+    b = backend(fake)
+    with caplog.at_level(logging.INFO, logger=NVML_LOGGER):
+        [s] = b.sample_devices()
+        b.sample_devices()
+    # Link 0 has no TX counter and link 2 no RX counter: only link 1 is reported, and summed.
+    assert s.nvlink_links == {1: (3072, 4096)}
+    assert (s.nvlink_tx_bytes_total, s.nvlink_rx_bytes_total) == (3072, 4096)
+    assert messages(caplog, "not supported") == [
+        f"GPU 0 ({UUID0}): field nvlink_field_{tx}_link_0 not supported; leaving it absent",
+        f"GPU 0 ({UUID0}): field nvlink_field_{rx}_link_2 not supported; leaving it absent",
+    ]
+
+
+def test_nvlink_field_error_other_than_not_supported_fails_the_sample() -> None:
+    lost = pynvml.NVML_ERROR_GPU_IS_LOST
+    fake = FakeNvml(
+        [
+            gpu(
+                nvlink={0: nvlink(1, 2)},
+                field_errors={pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX: lost},
+            )
+        ]
+    )
+    with pytest.raises(HardwareError) as info:
+        backend(fake).sample_devices()
+    assert not isinstance(info.value, SourceUnavailable)
+    assert f"(code {lost})" in str(info.value)
+
+
+def test_gpus_without_active_nvlink_are_each_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake = FakeNvml(
+        [
+            gpu(index=0),
+            gpu(index=1, nvlink={0: nvlink(active=False)}),
+            gpu(index=2, nvlink={0: nvlink()}),
+        ]
+    )
+    b = backend(fake)
+    with caplog.at_level(logging.INFO, logger=NVML_LOGGER):
+        b.sample_devices()
+        b.close()
+        b.sample_devices()  # a new session discovers again, but does not log again
+    assert messages(caplog, "no active NVLink") == [
+        f"GPU 0 ({UUID0}): no active NVLink; NVLink series stay absent",
+        f"GPU 1 ({UUID1}): no active NVLink; NVLink series stay absent",
+    ]
+
+
+# --- GPM ------------------------------------------------------------------------------------
+
+
+def test_gpm_metrics_are_computed_between_consecutive_samples() -> None:
+    fake = FakeNvml([gpu(gpm=gpm_values())])
+    b = backend(fake)
+    for _ in range(4):
+        b.sample_gpm()
+    # Sample n+1 is taken into the buffer that held sample n-1: each window is the last period.
+    assert fake.gpm_windows == [(1, 2), (2, 3), (3, 4)]
+
+
+def test_gpus_without_gpm_are_each_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    fake = FakeNvml(
+        [
+            gpu(index=0),
+            gpu(index=1, not_supported={"nvmlGpmQueryDeviceSupport"}),
+            gpu(index=2, gpm=gpm_values()),
+        ]
+    )
+    b = backend(fake)
+    with caplog.at_level(logging.INFO, logger=NVML_LOGGER):
+        for _ in range(3):
+            b.sample_gpm()
+    assert messages(caplog, "GPM support") == [
+        f"GPU 0 ({UUID0}): no GPM support",
+        f"GPU 1 ({UUID1}): no GPM support",
+    ]
+    g0, g1, g2 = b.info()["gpus"]
+    assert (g0["gpm_supported"], g1["gpm_supported"], g2["gpm_supported"]) == (False, False, True)
+    assert g1["unsupported"] == ["gpm"] and g0["unsupported"] == []
+
+
+def test_gpm_supported_device_that_will_not_sample_is_unsupported_at_once() -> None:
+    # E.g. MIG mode at device level: the support query says yes, sampling says NOT_SUPPORTED.
+    fake = FakeNvml([gpu(gpm=gpm_values(), not_supported={"nvmlGpmSampleGet"})])
+    b = backend(fake)
+    with pytest.raises(SourceUnavailable) as info:
+        b.sample_gpm()
+    assert info.value.reason == "gpm_unsupported"
+    with pytest.raises(SourceUnavailable):
+        b.sample_gpm()
+    assert fake.calls["nvmlGpmSampleGet"] == 1
+    [g] = b.info()["gpus"]
+    assert g["gpm_supported"] is False and g["unsupported"] == ["gpm"]
+
+
+def test_gpm_metrics_not_supported_are_each_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    values = gpm_values()
+    del values[pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC]
+    del values[pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC]
+    b = backend(FakeNvml([gpu(gpm=values)]))
+    with caplog.at_level(logging.INFO, logger=NVML_LOGGER):
+        for _ in range(3):
+            b.sample_gpm()
+    assert messages(caplog, "GPM metric") == [
+        f"GPU 0 ({UUID0}): GPM metric nvlink_tx_bytes_per_second not supported; leaving it absent",
+        f"GPU 0 ({UUID0}): GPM metric nvlink_rx_bytes_per_second not supported; leaving it absent",
+    ]
+
+
+def test_gpm_metric_error_other_than_not_supported_fails_the_sample() -> None:
+    unknown = pynvml.NVML_ERROR_UNKNOWN
+    fake = FakeNvml(
+        [gpu(gpm=gpm_values(), gpm_metric_errors={pynvml.NVML_GPM_METRIC_SM_UTIL: unknown})]
+    )
+    b = backend(fake)
+    b.sample_gpm()
+    with pytest.raises(HardwareError) as info:
+        b.sample_gpm()
+    assert not isinstance(info.value, SourceUnavailable)
+    assert f"(code {unknown})" in str(info.value)
+
+
+def test_gpm_buffer_that_cannot_be_freed_does_not_stop_teardown(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeNvml([gpu(gpm=gpm_values())])
+    b = backend(fake)
+    b.sample_devices()
+    b.sample_gpm()
+
+    def refuse(sample: Any) -> None:
+        fake.calls["nvmlGpmSampleFree"] += 1
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    monkeypatch.setattr(fake, "nvmlGpmSampleFree", refuse)
+    with caplog.at_level(logging.DEBUG, logger=NVML_LOGGER):
+        b.close()
+    assert fake.calls["nvmlGpmSampleFree"] == 2  # both buffers tried
+    assert all(e.freed for e in fake.event_sets) and not fake.initialized
+    assert messages(caplog, "freeing") == [
+        "ignored NVML error while freeing a GPM sample: Unknown Error"
+    ] * 2
+
+
+# --- PCIe reader ----------------------------------------------------------------------------
+
+
+def test_pcie_parameters_are_checked_with_their_names() -> None:
+    with pytest.raises(ValueError, match=r"^pcie_period must be >= 0, not -1.0$"):
+        NvmlBackend(lib=FakeNvml([gpu()]), pcie_period=-1.0)
+    with pytest.raises(ValueError, match=r"^pcie_stale_after must be > 0, not 0.0$"):
+        NvmlBackend(lib=FakeNvml([gpu()]), pcie_stale_after=0.0)
+    NvmlBackend(lib=FakeNvml([gpu()]), pcie_period=0.0, pcie_stale_after=0.5)  # both allowed
+
+
+def test_pcie_reader_defaults_start_a_thread_and_keep_values_five_seconds() -> None:
+    clock = FakeClock()
+    b = backend(FakeNvml([gpu()]))
+    b.sample_devices()
+    reader = PcieReader(b._session, b._memo, clock)
+    reader.run_round()
+    clock.now += 5.0
+    assert reader.latest(UUID0) is not None
+    clock.now += 0.001
+    assert reader.latest(UUID0) is None
+    reader.start()
+    thread = reader.thread
+    assert thread is not None and thread.is_alive()
+    reader.stop()
+    assert not thread.is_alive()
+
+
+def test_pcie_round_told_to_stop_reads_nothing() -> None:
+    fake = FakeNvml([gpu(index=0), gpu(index=1)])
+    b = backend(fake)
+    b.sample_devices()
+    stop = threading.Event()
+    stop.set()
+    b._pcie.run_round(stop)
+    assert fake.calls["nvmlDeviceGetPcieThroughput"] == 0
+    b._pcie.run_round(threading.Event())
+    assert fake.calls["nvmlDeviceGetPcieThroughput"] == 4
+
+
+def test_pcie_value_dropped_as_soon_as_the_gpu_stops_supporting_it() -> None:
+    fake = FakeNvml([gpu(index=0), gpu(index=1)])
+    b = backend(fake)
+    b.sample_devices()
+    b._pcie.run_round()
+    fake.gpus[0]["not_supported"].add("nvmlDeviceGetPcieThroughput")
+    b._pcie.run_round()
+    s0, s1 = b.sample_devices()
+    assert s0.pcie_tx_bytes_per_second is None  # not the last value until it goes stale
+    assert s1.pcie_tx_bytes_per_second == 1000 * 1024
+
+
+def test_failing_pcie_reads_are_logged_once_per_gpu_with_the_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake = FakeNvml([gpu(index=0), gpu(index=1)])
+    b = backend(fake)
+    b.sample_devices()
+    with caplog.at_level(logging.DEBUG, logger=NVML_LOGGER):
+        for _ in range(2):
+            fake.fail_next["nvmlDeviceGetPcieThroughput"] = [pynvml.NVML_ERROR_UNKNOWN] * 2
+            b._pcie.run_round()
+    assert messages(caplog, "reading PCIe throughput failed") == [
+        f"GPU 0 ({UUID0}): reading PCIe throughput failed (Unknown Error); skipped this round",
+        f"GPU 1 ({UUID1}): reading PCIe throughput failed (Unknown Error); skipped this round",
+    ]
+
+
+def test_pcie_thread_survives_failing_rounds_and_logs_each_kind_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake = FakeNvml([gpu()])
+    failures: list[Exception] = [RuntimeError("boom"), RuntimeError("again"), ValueError("bad")]
+    read = fake.nvmlDeviceGetPcieThroughput
+
+    def flaky(handle: Any, counter: int) -> int:
+        if failures:
+            raise failures.pop(0)  # a bug, not an NVMLError: the round fails as a whole
+        return read(handle, counter)
+
+    fake.nvmlDeviceGetPcieThroughput = flaky  # type: ignore[method-assign]
+    b = NvmlBackend(lib=fake, pcie_period=0.01)
+    with caplog.at_level(logging.WARNING, logger=NVML_LOGGER):
+        [s] = b.sample_devices()
+        deadline = time.monotonic() + 5.0
+        while s.pcie_tx_bytes_per_second is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+            [s] = b.sample_devices()
+        b.close()
+    assert s.pcie_tx_bytes_per_second == 1000 * 1024  # the fourth round, after a pause each
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, "PCIe throughput round failed: RuntimeError('boom')"),
+        (logging.WARNING, "PCIe throughput round failed: ValueError('bad')"),
+    ]
+
+
+class GatedPcieRead:
+    """Replaces the fake's PCIe read: the first call blocks until ``gate`` is set, as a 20 ms
+    NVML window (or a hung call) would, and tells the test through ``entered``."""
+
+    def __init__(self, fake: FakeNvml) -> None:
+        self._read = fake.nvmlDeviceGetPcieThroughput
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        fake.nvmlDeviceGetPcieThroughput = self  # type: ignore[method-assign]
+
+    def __call__(self, handle: Any, counter: int) -> int:
+        if not self.entered.is_set():
+            self.entered.set()
+            self.gate.wait(5.0)
+        return self._read(handle, counter)
+
+
+def test_stopping_ends_a_round_after_the_gpu_being_read() -> None:
+    fake = FakeNvml([gpu(index=0), gpu(index=1)])
+    read = GatedPcieRead(fake)
+    b = NvmlBackend(lib=fake, pcie_period=60.0)
+    b.sample_devices()
+    assert read.entered.wait(5.0)  # the thread is in GPU 0's TX read
+    opener = threading.Timer(0.01, read.gate.set)  # the read returns while close() waits
+    opener.start()
+    b.close()
+    opener.join()
+    assert fake.calls["nvmlDeviceGetPcieThroughput"] == 2  # GPU 0's TX and RX, not GPU 1
+
+
+def test_close_gives_up_on_a_hung_pcie_read_with_a_warning(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    timeout = 0.05
+    monkeypatch.setattr(pcie_mod, "PCIE_JOIN_TIMEOUT_S", timeout)
+    fake = FakeNvml([gpu()])
+    read = GatedPcieRead(fake)
+    b = NvmlBackend(lib=fake, pcie_period=60.0)
+    b.sample_devices()
+    thread = pcie_thread_of(b)
+    assert thread is not None
+    assert read.entered.wait(5.0)  # hung in an NVML call
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger=NVML_LOGGER):
+        b.close()
+    assert time.monotonic() - started < 1.0  # waited the join timeout, not for the call
+    assert thread.is_alive() and not fake.initialized  # shut down anyway
+    assert messages(caplog, "still in an NVML call") == [
+        f"PCIe throughput thread still in an NVML call after {timeout:.1f} s; "
+        "shutting NVML down anyway"
+    ]
+    read.gate.set()  # its call returns, it sees the stop and ends
+    thread.join(5.0)
+    assert not thread.is_alive()
+
+
+def test_pcie_thread_starts_again_after_close() -> None:
+    fake = FakeNvml([gpu()])
+    b = NvmlBackend(lib=fake, pcie_period=0.01)
+    b.sample_devices()
+    first = pcie_thread_of(b)
+    b.close()
+    b.sample_devices()
+    second = pcie_thread_of(b)
+    assert second is not None and second is not first and second.is_alive()
+    b.close()
+    assert first is not None and not first.is_alive() and not second.is_alive()

@@ -47,6 +47,9 @@ def gpu(**overrides: Any) -> dict[str, Any]:
         "util": {"gpu": 50, "memory": 25},
         # nvmlDeviceGetSamples(NVML_GPU_UTILIZATION_SAMPLES): (wall-clock microseconds, percent)
         "util_samples": [],
+        # True: GetSamples also answers the sample stamped exactly lastSeenTimeStamp again (the
+        # boundary sample, which a driver's buffer may repeat)
+        "util_samples_repeat_boundary": False,
         # nvmlDeviceGetMemoryInfo, bytes. v1 ``used`` includes ``reserved``; v2 does not.
         "memory": {"total": 80 * 2**30, "used": 10 * 2**30, "reserved": 512 * 2**20},
         # nvmlDeviceGetPcieThroughput (KB/s) and nvmlDeviceGetPcieReplayCounter
@@ -60,6 +63,8 @@ def gpu(**overrides: Any) -> dict[str, Any]:
         "ecc": {"corrected": 0, "uncorrected": 0},
         # NVML_GPM_METRIC_* id -> value in NVML's unit; None = GPM not supported on this GPU.
         "gpm": None,
+        # NVML_GPM_METRIC_* id -> the error code its nvmlGpmMetric_t.nvmlReturn answers instead
+        "gpm_metric_errors": {},
         # (pid, usedGpuMemory bytes or None)
         "compute_processes": [],
         "graphics_processes": [],
@@ -67,8 +72,11 @@ def gpu(**overrides: Any) -> dict[str, Any]:
         "xid_events": [],
         # function names that answer NVML_ERROR_NOT_SUPPORTED on this GPU
         "not_supported": set(),
-        # field ids whose nvmlFieldValue_t.nvmlReturn is NOT_SUPPORTED on this GPU
+        # field ids, or (field id, link) pairs, whose nvmlFieldValue_t.nvmlReturn is
+        # NOT_SUPPORTED on this GPU
         "fields_not_supported": set(),
+        # field id -> the error code its nvmlFieldValue_t.nvmlReturn answers (e.g. GPU_IS_LOST)
+        "field_errors": {},
         # True: every call with this GPU's handle answers NVML_ERROR_GPU_IS_LOST
         "lost": False,
     }
@@ -127,8 +135,13 @@ class FakeNvml:
         self.min_generation: dict[int, int] = {}
         self.event_sets: list[FakeEventSet] = []
         self.wait_timeouts: list[int] = []
-        # GPM sample buffers: address of the opaque struct -> (gpu index or None, metric values).
-        self._gpm_buffers: dict[int, tuple[int | None, dict[int, float] | None]] = {}
+        #: Per nvmlGpmMetricsGet call: the (sample1, sample2) sequence numbers it computed
+        #: between, numbered 1, 2, ... in the order nvmlGpmSampleGet took them.
+        self.gpm_windows: list[tuple[int, int]] = []
+        self._gpm_taken = 0
+        # GPM sample buffers: address of the opaque struct -> (gpu index or None, metric values,
+        # sequence number of the sample it holds, 0 while unfilled).
+        self._gpm_buffers: dict[int, tuple[int | None, dict[int, float] | None, int]] = {}
         self._gpm_structs: list[Any] = []  # keeps the structs (and so their addresses) alive
 
     # --- the real library's vocabulary ----------------------------------------------------
@@ -242,7 +255,12 @@ class FakeNvml:
         data = self._gpu("nvmlDeviceGetSamples", handle)
         if sampling_type != pynvml.NVML_GPU_UTILIZATION_SAMPLES:
             raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        newer = [(ts, v) for ts, v in data["util_samples"] if ts > timeStamp]
+        repeat = data["util_samples_repeat_boundary"]
+        newer = [
+            (ts, v)
+            for ts, v in data["util_samples"]
+            if ts > timeStamp or (repeat and ts == timeStamp)
+        ]
         if not newer:
             # What NVML answers when no sample is newer than lastSeenTimeStamp.
             raise self._error(pynvml.NVML_ERROR_NOT_FOUND)
@@ -306,7 +324,13 @@ class FakeNvml:
             out.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
             out.nvmlReturn = pynvml.NVML_SUCCESS
             links = data["nvlink"]
-            if field_id in data["fields_not_supported"] or not links:
+            if field_id in data["field_errors"]:
+                out.nvmlReturn = data["field_errors"][field_id]
+            elif (
+                field_id in data["fields_not_supported"]
+                or (field_id, scope) in data["fields_not_supported"]
+                or not links
+            ):
                 out.nvmlReturn = NOT_SUPPORTED
             elif field_id == pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT:
                 out.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
@@ -419,7 +443,7 @@ class FakeNvml:
         self._enter("nvmlGpmSampleAlloc")
         struct = pynvml.struct_c_nvmlGpmSample_t()
         self._gpm_structs.append(struct)
-        self._gpm_buffers[ctypes.addressof(struct)] = (None, None)
+        self._gpm_buffers[ctypes.addressof(struct)] = (None, None, 0)
         return pynvml.c_nvmlGpmSample_t(struct)
 
     def nvmlGpmSampleFree(self, gpmSample: Any) -> None:
@@ -433,7 +457,8 @@ class FakeNvml:
             raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if data["gpm"] is None:
             raise self._error(NOT_SUPPORTED)
-        self._gpm_buffers[address] = (device.index, dict(data["gpm"]))
+        self._gpm_taken += 1
+        self._gpm_buffers[address] = (device.index, dict(data["gpm"]), self._gpm_taken)
         return gpmSample
 
     def nvmlGpmMetricsGet(self, metricsGet: Any) -> Any:
@@ -451,10 +476,16 @@ class FakeNvml:
             raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)  # an unfilled buffer
         if address1 == address2 or first[0] != second[0]:
             raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)  # same buffer, or two GPUs
+        if first[2] > second[2]:
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)  # sample1 must be the older
+        self.gpm_windows.append((first[2], second[2]))
         values = second[1]
+        errors = self.gpus[second[0]]["gpm_metric_errors"] if second[0] is not None else {}
         for i in range(metricsGet.numMetrics):
             metric = metricsGet.metrics[i]
-            if metric.metricId in values:
+            if metric.metricId in errors:
+                metric.nvmlReturn = errors[metric.metricId]
+            elif metric.metricId in values:
                 metric.nvmlReturn = pynvml.NVML_SUCCESS
                 metric.value = values[metric.metricId]
             else:
