@@ -138,7 +138,7 @@ async def _run(state: ServiceState, req: MRCRequest, r: Any,
             state.model_pool, lambda: vlm.generate(
                 pre.pixel_values, _chain_prompt(req.prompt, ocr_text), req.max_new_tokens,
                 on_first_token=r.first_token))
-        r.tokens(result.output_tokens)
+        r.tokens(result.output_tokens, result.input_tokens)
         r.observe_stage("prefill", result.prefill_s)
         r.observe_stage("generate", result.generate_s)
         if result.peak_gpu_memory_bytes is not None:

@@ -420,3 +420,47 @@ def test_exporters_import_neither_torch_nor_agent() -> None:
 def test_prompt_edges_are_checked_as_given(edges: tuple[float, ...], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         MRCMetrics(CollectorRegistry(), prompt_edges=edges)  # type: ignore[arg-type]
+
+
+def test_queue_time_is_the_time_spent_queued_and_zero_with_a_free_slot(
+        m: MRCMetrics, monkeypatch: pytest.MonkeyPatch) -> None:
+    import mrc_agent.exporters.instrumentation.metrics as mm
+
+    # enter, queued from 1.0 to 1.75, exit; then a request whose slot was free (0 s queued)
+    clock = iter([0.0, 1.0, 1.75, 2.0, 5.0, 6.0, 6.0, 7.0, 8.0, 9.0])
+    monkeypatch.setattr(mm, "perf_counter", lambda: next(clock))
+    for _ in range(2):
+        with m.request(prompt_chars=1, width=1, height=1) as r, r.queued():
+            pass
+    with m.request(prompt_chars=1, width=1, height=1):  # never admitted: refused, cache hit
+        pass
+    assert value(m, "mrc_request_queue_time_seconds_count") == 2
+    assert value(m, "mrc_request_queue_time_seconds_sum") == pytest.approx(0.75)
+    assert value(m, "mrc_request_queue_time_seconds_bucket", le="0.001") == 1
+    assert value(m, "mrc_request_queue_time_seconds_bucket", le="0.5") == 1
+    assert value(m, "mrc_request_queue_time_seconds_bucket", le="1.0") == 2
+    assert value(m, "mrc_requests_queued") == 0
+
+
+def test_queue_time_of_a_request_cancelled_while_queued_is_observed(m: MRCMetrics) -> None:
+    with pytest.raises(TimeoutError), m.request(prompt_chars=1, width=1, height=1) as r, \
+            r.queued():
+        raise TimeoutError
+    assert value(m, "mrc_request_queue_time_seconds_count") == 1
+    assert value(m, "mrc_requests_total", outcome="timeout") == 1
+    assert value(m, "mrc_requests_queued") == 0 and value(m, "mrc_requests_in_flight") == 0
+
+
+def test_token_counters_add_what_the_model_processed_and_generated(m: MRCMetrics) -> None:
+    with m.request(prompt_chars=1, width=1, height=1) as r:
+        r.tokens(7, 600)
+    with m.request(prompt_chars=1, width=1, height=1) as r:
+        r.tokens(3)  # the prompt's tokens not given: only the generated ones count
+    with m.request(prompt_chars=1, width=1, height=1):
+        pass  # the model never ran (a cache hit)
+    assert value(m, "mrc_prompt_tokens_total") == 600
+    assert value(m, "mrc_generation_tokens_total") == 10
+    with pytest.raises(ValueError, match="prompt token count must be >= 0, got -1"), \
+            m.request() as r:
+        r.tokens(1, -1)
+    assert value(m, "mrc_generation_tokens_total") == 10

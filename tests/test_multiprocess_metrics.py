@@ -218,7 +218,7 @@ SCRIPT = textwrap.dedent("""
                         pass
                 r.set_image(w, h)
                 r.first_token()
-                r.tokens(i)
+                r.tokens(i, 2 * i + 1)
                 if i % 3 == 0:
                     r.peak_gpu_memory(i * 2**30)
                 if i % 5 == 4:

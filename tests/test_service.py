@@ -90,8 +90,16 @@ def _png_header_bomb(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
 
 
+def _totals(service: Service) -> dict[str, float]:
+    m = parse_metrics(httpx.get(service.url + "/metrics", timeout=10).text)
+    names = ("mrc_prompt_tokens_total", "mrc_generation_tokens_total",
+             "mrc_request_queue_time_seconds_count")
+    return {n: sum(v for (name, _), v in m.items() if name == n) for n in names}
+
+
 def test_answers_a_photo_question(service: Service) -> None:
     photo = _b64(_jpeg(1200, 900))
+    before = _totals(service)
     r = httpx.post(service.url + "/mrc", json={"image": photo,
                                                 "text_prompt": "Is the parcel damaged?",
                                                 "max_new_tokens": 8}, timeout=60)
@@ -101,6 +109,15 @@ def test_answers_a_photo_question(service: Service) -> None:
     assert body["cached"] is False and body["output_tokens"] >= 1
     assert 0 < body["ttft_ms"] <= body["latency_ms"]
     assert body["meaningful"] is False  # the embedded model says so
+    # The model's token counts reach the comparable counters; the request waited for a slot
+    # (0 s or more) once.
+    after = _totals(service)
+    assert after["mrc_prompt_tokens_total"] - before["mrc_prompt_tokens_total"] == \
+        body["input_tokens"] > 0
+    assert after["mrc_generation_tokens_total"] - before["mrc_generation_tokens_total"] == \
+        body["output_tokens"]
+    assert after["mrc_request_queue_time_seconds_count"] == \
+        before["mrc_request_queue_time_seconds_count"] + 1
     # The same image and question again: answered from the cache.
     again = httpx.post(service.url + "/mrc", json={"image": photo,
                                                     "text_prompt": "Is the parcel damaged?",

@@ -20,6 +20,10 @@ Histogram buckets (upper bounds, seconds or bytes; ``+Inf`` is added by promethe
 * ``STAGE_DURATION_BUCKETS`` — one histogram for every stage of the chain, so it must span a
   sub-millisecond postprocess and a multi-second fetch or OCR of a huge photo: 1-2.5-5 steps from
   1 ms to 60 s (the fetch timeout's order of magnitude).
+* ``QUEUE_TIME_BUCKETS`` — time a request the service took on waited for a processing slot:
+  0 (a free slot: the first bucket) up to the request timeout's order of magnitude; 1 ms to
+  60 s in 1-2.5-5 steps, the stage buckets' grid so queueing and a stage compare bucket by
+  bucket.
 * ``PEAK_GPU_MEMORY_BUCKETS`` — peak device memory allocated while serving one request (weights
   included, as ``torch.cuda.max_memory_allocated`` reports after a reset). Powers of two from
   64 MiB to 16 GiB (small and quantised models), then the sizes of real cards (24, 32, 40, 48, 64,
@@ -76,6 +80,8 @@ TIME_PER_OUTPUT_TOKEN_BUCKETS: tuple[float, ...] = (
 STAGE_DURATION_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )
+
+QUEUE_TIME_BUCKETS: tuple[float, ...] = STAGE_DURATION_BUCKETS
 
 _MiB = 1 << 20
 _GiB = 1 << 30

@@ -109,6 +109,17 @@ PEAK_GPU_MEMORY = Family(
     "mrc_request_peak_gpu_memory_bytes", "histogram",
     "Peak GPU memory allocated while serving one request, model weights included (CUDA only).",
     (), buckets.PEAK_GPU_MEMORY_BUCKETS)
+QUEUE_TIME = Family(
+    "mrc_request_queue_time_seconds", "histogram",
+    "Time a request waited for a processing slot before its work began (0 with a slot free), "
+    "for requests admitted to a slot.",
+    (), buckets.QUEUE_TIME_BUCKETS)
+PROMPT_TOKENS = Family(
+    "mrc_prompt_tokens_total", "counter",
+    "Prompt tokens (text and image) the model processed, for requests it ran.")
+GENERATION_TOKENS = Family(
+    "mrc_generation_tokens_total", "counter",
+    "Tokens the model generated, for requests it ran.")
 CACHE_LOOKUPS = Family("mrc_cache_lookups_total", "counter", "Lookups in the answer cache.")
 CACHE_HITS = Family("mrc_cache_hits_total", "counter",
                      "Lookups in the answer cache that found an answer.")
@@ -125,4 +136,4 @@ MODEL_INFO = Family(
 #: Every metric of the contract, in exposition order.
 FAMILIES = (REQUEST_DURATION, TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, STAGE_DURATION,
             REQUESTS_IN_FLIGHT, REQUESTS_QUEUED, REQUESTS, PEAK_GPU_MEMORY, CACHE_LOOKUPS,
-            CACHE_HITS, CHAIN_BREAKS, MODEL_INFO)
+            CACHE_HITS, CHAIN_BREAKS, MODEL_INFO, QUEUE_TIME, PROMPT_TOKENS, GENERATION_TOKENS)

@@ -44,9 +44,12 @@ from mrc_agent.exporters.instrumentation.families import (
     CACHE_LOOKUPS,
     CHAIN_BREAK_STEPS,
     CHAIN_BREAKS,
+    GENERATION_TOKENS,
     LATENCY_OUTCOMES,
     OUTCOMES,
     PEAK_GPU_MEMORY,
+    PROMPT_TOKENS,
+    QUEUE_TIME,
     REQUEST_DURATION,
     REQUESTS,
     REQUESTS_IN_FLIGHT,
@@ -105,12 +108,16 @@ class MRCMetrics:
             hist.append((STAGE_DURATION, (s,)))
         self._peak_id = len(hist)
         hist.append((PEAK_GPU_MEMORY, ()))
+        self._queue_time_id = len(hist)
+        hist.append((QUEUE_TIME, ()))
         counters: list[_Series] = [(REQUESTS, (o,)) for o in OUTCOMES]
         self._outcome_ids = {o: i for i, o in enumerate(OUTCOMES)}
         self._lookup_id, self._hit_id = len(counters), len(counters) + 1
         counters += [(CACHE_LOOKUPS, ()), (CACHE_HITS, ())]
         self._break_ids = {s: len(counters) + i for i, s in enumerate(CHAIN_BREAK_STEPS)}
         counters += [(CHAIN_BREAKS, (s,)) for s in CHAIN_BREAK_STEPS]
+        self._prompt_tokens_id, self._generation_tokens_id = len(counters), len(counters) + 1
+        counters += [(PROMPT_TOKENS, ()), (GENERATION_TOKENS, ())]
         gauges: list[_Series] = [(REQUESTS_IN_FLIGHT, ()), (REQUESTS_QUEUED, ())]
         self._in_flight_id, self._queued_id = 0, 1
 
@@ -246,19 +253,25 @@ class _StageTimer:
 
 
 class _Queued:
-    """Moves a tracked request from in flight to queued for the duration of the block."""
+    """Moves a tracked request from in flight to queued for the duration of the block, and adds
+    the time it spent there to the request's queue time."""
 
-    __slots__ = ("_m",)
+    __slots__ = ("_t", "_t0")
 
-    def __init__(self, m: MRCMetrics) -> None:
-        self._m = m
+    def __init__(self, tracker: RequestTracker) -> None:
+        self._t = tracker
+        self._t0 = 0.0
 
     def __enter__(self) -> None:
-        self._m._store.gauge_move(self._m._in_flight_id, self._m._queued_id)
+        m = self._t._m
+        m._store.gauge_move(m._in_flight_id, m._queued_id)
+        self._t0 = perf_counter()
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self._m._store.gauge_move(self._m._queued_id, self._m._in_flight_id)
+        t = self._t
+        t._queue = (t._queue or 0.0) + (perf_counter() - self._t0)
+        t._m._store.gauge_move(t._m._queued_id, t._m._in_flight_id)
 
 
 class RequestTracker:
@@ -273,8 +286,8 @@ class RequestTracker:
     (cancellation included). Stage durations are written with the request's final update.
     """
 
-    __slots__ = ("_m", "_p", "_r", "_t0", "_t_first", "_t_last", "_n_out", "_peak", "_outcome",
-                 "_entered", "_obs")
+    __slots__ = ("_m", "_p", "_r", "_t0", "_t_first", "_t_last", "_n_in", "_n_out", "_peak",
+                 "_queue", "_outcome", "_entered", "_obs")
 
     def __init__(self, m: MRCMetrics, prompt_chars: int | None, width: int | None,
                  height: int | None) -> None:
@@ -288,8 +301,11 @@ class RequestTracker:
         self._t0 = 0.0
         self._t_first: float | None = None
         self._t_last = 0.0
+        self._n_in = 0
         self._n_out = 0
         self._peak: float | None = None
+        #: Seconds waited for a slot (``queued()`` blocks), None if the request never waited.
+        self._queue: float | None = None
         self._outcome: Outcome | None = None
         self._entered = False
         #: Stage durations waiting for the request's final update; None once it is written.
@@ -323,7 +339,12 @@ class RequestTracker:
                     observations.append((tpot, (self._t_last - first) / (self._n_out - 1)))
         if self._peak is not None:
             observations.append((m._peak_id, self._peak))
-        m._store.finish(m._in_flight_id, m._outcome_ids[outcome], observations)
+        if self._queue is not None:
+            observations.append((m._queue_time_id, self._queue))
+        increments = [(cid, float(n)) for cid, n in ((m._prompt_tokens_id, self._n_in),
+                                                      (m._generation_tokens_id, self._n_out))
+                      if n]
+        m._store.finish(m._in_flight_id, m._outcome_ids[outcome], observations, increments)
 
     @property
     def outcome(self) -> Outcome | None:
@@ -361,20 +382,27 @@ class RequestTracker:
         self._m.observe_stage(stage, seconds)
 
     def queued(self) -> _Queued:
-        """Context manager: the request waits for a processing slot (queued, not in flight)."""
-        return _Queued(self._m)
+        """Context manager: the request waits for a processing slot (queued, not in flight).
+        Its time there is the request's ``mrc_request_queue_time_seconds`` (observed at exit;
+        enter it even when a slot is free, so that a wait of 0 is observed too)."""
+        return _Queued(self)
 
     def first_token(self) -> None:
         """Mark the first generated token now; later calls are ignored."""
         if self._t_first is None:
             self._t_first = perf_counter()
 
-    def tokens(self, n_output: int) -> None:
-        """Mark the end of generation now, with ``n_output`` tokens generated in all."""
+    def tokens(self, n_output: int, n_prompt: int | None = None) -> None:
+        """Mark the end of generation now, with ``n_output`` tokens generated in all and, when
+        given, ``n_prompt`` prompt tokens processed (both counted at exit)."""
         if n_output < 0:
             raise ValueError(f"token count must be >= 0, got {n_output}")
+        if n_prompt is not None and n_prompt < 0:
+            raise ValueError(f"prompt token count must be >= 0, got {n_prompt}")
         self._t_last = perf_counter()
         self._n_out = n_output
+        if n_prompt is not None:
+            self._n_in = n_prompt
 
     def peak_gpu_memory(self, nbytes: float) -> None:
         """Record the peak GPU memory of this request in bytes (CUDA only; observed at exit)."""

@@ -53,7 +53,8 @@ class _Store(Protocol):
     def count(self, *cids: int) -> None: ...
     def gauge_add(self, gid: int, delta: float) -> None: ...
     def gauge_move(self, src: int, dst: int) -> None: ...
-    def finish(self, gid: int, cid: int, observations: list[tuple[int, float]]) -> None: ...
+    def finish(self, gid: int, cid: int, observations: list[tuple[int, float]],
+               increments: list[tuple[int, float]]) -> None: ...
     def set_info(self, old: tuple[str, ...] | None, new: tuple[str, ...]) -> None: ...
 
 
@@ -96,10 +97,13 @@ class _LocalStore:
             self._g[src] -= 1.0
             self._g[dst] += 1.0
 
-    def finish(self, gid: int, cid: int, observations: list[tuple[int, float]]) -> None:
+    def finish(self, gid: int, cid: int, observations: list[tuple[int, float]],
+               increments: list[tuple[int, float]]) -> None:
         with self._lock:
             self._g[gid] -= 1.0
             self._c[cid] += 1.0
+            for other, amount in increments:
+                self._c[other] += amount
             for hid, value in observations:
                 self._hcounts[hid][bisect_left(self._bounds[hid], value)] += 1.0
                 self._hsums[hid] += value
@@ -189,9 +193,12 @@ class _PromStore:
         self._g[src].dec()
         self._g[dst].inc()
 
-    def finish(self, gid: int, cid: int, observations: list[tuple[int, float]]) -> None:
+    def finish(self, gid: int, cid: int, observations: list[tuple[int, float]],
+               increments: list[tuple[int, float]]) -> None:
         self._g[gid].dec()
         self._c[cid].inc()
+        for other, amount in increments:
+            self._c[other].inc(amount)
         for hid, value in observations:
             self._h[hid].observe(value)
 
