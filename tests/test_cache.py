@@ -218,14 +218,14 @@ def test_ttl_and_size_boundaries() -> None:
     assert c.purge_expired() == 0
     clock.now += 0.001  # exactly ttl_s after the put
     assert c.purge_expired() == 2 and len(c) == 0
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="size_bytes"):
         c.put(key("negative"), "x", -1)
 
 
 def test_bounds_are_checked_each() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="bounds"):
         AnswerCache(-1, 100, 1.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="bounds"):
         AnswerCache(10, -1, 1.0)
     off: AnswerCache[str] = AnswerCache(10, 0, 1.0)  # zero bytes: nothing but empty payloads
     assert off.put(key(), "x", 0) and not off.put(key("b"), "x", 1)
@@ -233,6 +233,31 @@ def test_bounds_are_checked_each() -> None:
     assert not no_lifetime.put(key(), "x", 1)  # no lifetime: never stored
     tiny: AnswerCache[str] = AnswerCache(10, 100, 0.001)
     assert tiny.put(key(), "x", 1)
+
+
+def test_counters_keep_counting_past_one() -> None:
+    clock = FakeClock()
+    c: AnswerCache[str] = AnswerCache(1, 1000, 10.0, clock=clock)
+    for name in "abc":  # one entry of room: b evicts a, c evicts b
+        c.put(key(name), name, 1)
+    assert c.stats().evictions == 2
+    big: AnswerCache[str] = AnswerCache(10, 1000, 10.0, clock=clock)
+    big.put(key("a"), "A", 1)
+    big.put(key("b"), "B", 1)
+    clock.now += 10.0
+    assert big.get(key("a")) is None and big.get(key("b")) is None  # both found expired
+    s = big.stats()
+    assert (s.expirations, s.misses, s.entries, s.bytes) == (2, 2, 0, 0)
+
+
+def test_clear_empties_the_store_and_its_byte_count() -> None:
+    c: AnswerCache[str] = AnswerCache(10, 100, 60.0)
+    c.put(key("a"), "A", 30)
+    c.put(key("b"), "B", 30)
+    c.clear()
+    assert len(c) == 0 and c.stats().bytes == 0 and c.get(key("a")) is None
+    assert c.put(key("c"), "C", 100)  # the whole budget is free again
+    assert c.stats().bytes == 100
 
 
 @pytest.mark.parametrize(("prompt", "max_bytes", "want"), [
@@ -248,6 +273,7 @@ def test_key_fields_cannot_run_into_each_other() -> None:
     assert key(model="ab", revision="c") != key(model="a", revision="bc")
     assert key(revision=None) == key(revision="")
     assert key(model="m\ud800") != key(model="m")  # lone surrogates hash, distinctly
+    assert len({key(revision="r\ud800"), key(revision="r\udc00"), key(revision="r")}) == 3
     assert key(gen={"t": "é"}) != key(gen={"t": "e"})
     with pytest.raises(ValueError):
         key(gen={"temperature": float("nan")})
@@ -260,3 +286,7 @@ def test_the_key_format_is_pinned() -> None:
     k = make_key(IMG, "What is damaged? é", "m", "r1",
                  {"max_new_tokens": 64, "do_sample": False, "stop": ["é", "x"]})
     assert k.digest == "6b560e1c916ed53f320a77ff8e525056873ebf7eaa608f1b5afe551f481be241"
+    no_revision = make_key(IMG, "What is damaged? é", "m", None,
+                           {"max_new_tokens": 64, "do_sample": False, "stop": ["é", "x"]})
+    assert no_revision.digest == (
+        "f481961541061c87a90cb16ebc7820c8fd75e5fe9c86228488ef469ce965911d")

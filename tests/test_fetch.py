@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -17,6 +18,7 @@ from urllib.parse import parse_qs, urlparse
 import httpx
 import pytest
 
+from mrc_agent.reference_service import fetch as fetch_module
 from mrc_agent.reference_service.errors import ServiceError
 from mrc_agent.reference_service.fetch import (
     address_refusal,
@@ -24,6 +26,7 @@ from mrc_agent.reference_service.fetch import (
     fetch_image,
     host_allowed,
     ip_literal,
+    system_resolver,
 )
 from mrc_agent.reference_service.settings import Settings
 
@@ -98,6 +101,23 @@ class Handler(BaseHTTPRequestHandler):
                     self.wfile.flush()
                 except OSError:
                     return
+        elif url.path == "/headers":  # the request's headers, one "name: value" a line
+            self._send(200, "".join(f"{k}: {v}\n" for k, v in self.headers.items()).encode())
+        elif url.path == "/nolocation":
+            self.send_response(302)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif url.path == "/lie":  # promises 1 GB, sends 10 bytes and hangs up
+            self.send_response(200)
+            self.send_header("Content-Length", str(10**9))
+            self.end_headers()
+            self.wfile.write(b"z" * 10)
+        elif url.path == "/empty-encoding":
+            self.send_response(200)
+            self.send_header("Content-Encoding", "")
+            self.send_header("Content-Length", str(len(BODY)))
+            self.end_headers()
+            self.wfile.write(BODY)
         elif url.path == "/gzip":
             self.send_response(200)
             self.send_header("Content-Encoding", "gzip")
@@ -153,9 +173,11 @@ class FakeResolver:
     def __init__(self, answers: dict[str, Sequence[str]]) -> None:
         self.answers = answers
         self.calls: list[str] = []
+        self.ports: list[int] = []
 
     async def __call__(self, host: str, port: int) -> Sequence[str]:
         self.calls.append(host)
+        self.ports.append(port)
         if host not in self.answers:
             raise OSError(f"[Errno -2] Name or service not known: {host}")
         return self.answers[host]
@@ -172,6 +194,8 @@ def fetch(url: str, settings: Settings, resolver: object = no_dns) -> bytes:
 def refused(url: str, settings: Settings, resolver: object = no_dns) -> ServiceError:
     with pytest.raises(ServiceError) as ei:
         fetch(url, settings, resolver)
+    # The client reads a message in the error body: never null or empty.
+    assert isinstance(ei.value.message, str) and ei.value.message
     return ei.value
 
 
@@ -208,6 +232,15 @@ def test_redirects_are_followed_and_rechecked(server: Server) -> None:
     assert r.calls == ["cdn.test"]  # the redirect target was resolved and checked
 
 
+def test_the_upstream_sees_the_services_own_request_headers(server: Server) -> None:
+    lines = fetch(server.url("/headers"), loopback_settings()).decode().splitlines()
+    got = {k.lower(): v for k, v in (line.split(": ", 1) for line in lines)}
+    assert got["accept"].lower() == "image/*"
+    assert got["accept-encoding"].lower() == "identity"  # no gzip: see the bomb note in fetch.py
+    assert got["user-agent"].startswith("mrc-reference-service/")
+    assert "httpx" not in got["user-agent"]
+
+
 def test_allowlisted_host_passes(server: Server) -> None:
     s = loopback_settings(allowed_hosts=("images.test",))
     r = FakeResolver({"images.test": ["127.0.0.1"]})
@@ -230,6 +263,7 @@ def test_allowlisted_host_passes(server: Server) -> None:
     "http:///a.png",
     "http://user:pw@example.com/a.png",
     "not a url",
+    "http://example.com:abc/",  # not a port: httpx refuses to parse it
     "http://" + "a" * 5000 + ".com/",
 ])
 def test_bad_urls_are_400(url: str) -> None:
@@ -279,6 +313,57 @@ def test_internal_addresses_are_refused_before_connecting(url: str) -> None:
     r = FakeResolver({"loopback-name.test": ["127.0.0.1"]})
     e = refused(url, Settings(), r)
     assert (e.status, e.code) == (400, "url_not_allowed")
+
+
+def test_the_url_length_limit_is_4096_characters() -> None:
+    base = "http://93.184.216.34/"
+    url = base + "a" * (4096 - len(base))
+    assert asyncio.run(check_url(url, Settings(), no_dns)).url == httpx.URL(url)
+    with pytest.raises(ServiceError) as ei:
+        asyncio.run(check_url(url + "a", Settings(), no_dns))
+    assert ei.value.code == "url_not_allowed" and "4096" in ei.value.message
+
+
+@pytest.mark.parametrize(("port", "ok"), [
+    (0, False), (1, True), (80, True), (8080, True), (65535, True), (65536, False),
+    (99999, False),
+])
+def test_ports_outside_1_to_65535_are_refused(port: int, ok: bool) -> None:
+    # httpx parses any digits as a port; the gate itself must draw the line.
+    url = f"http://93.184.216.34:{port}/a.png"
+    if ok:
+        assert asyncio.run(check_url(url, Settings(), no_dns)).url == httpx.URL(url)
+    else:
+        with pytest.raises(ServiceError) as ei:
+            asyncio.run(check_url(url, Settings(), no_dns))
+        assert ei.value.code == "url_not_allowed" and str(port) in ei.value.message
+
+
+def test_the_message_says_what_is_wrong_with_the_url() -> None:
+    assert "'ftp'" in refused("ftp://example.com/a.png", Settings()).message
+    assert "'none'" in refused("//example.com/a.png", Settings()).message
+    assert "host" in refused("http:///a.png", Settings()).message
+    assert "credentials" in refused("http://u@example.com/", Settings()).message
+    assert "port" in refused("http://example.com:abc/", Settings()).message
+
+
+@pytest.mark.parametrize(("url", "port"), [
+    ("http://images.test/a.png", 80),
+    ("https://images.test/a.png", 443),
+    ("http://images.test:8080/a.png", 8080),
+    ("https://images.test:80/a.png", 80),
+])
+def test_the_resolver_is_asked_for_the_urls_port(url: str, port: int) -> None:
+    r = FakeResolver({"images.test": ["93.184.216.34"]})
+    asyncio.run(check_url(url, Settings(), r))
+    assert (r.calls, r.ports) == (["images.test"], [port])
+
+
+def test_an_answer_that_is_no_address_is_400_and_no_answer_is_502() -> None:
+    e = refused("http://odd.test/", Settings(), FakeResolver({"odd.test": ["not-an-ip"]}))
+    assert (e.status, e.code) == (400, "url_not_allowed")
+    e = refused("http://empty.test/", Settings(), FakeResolver({"empty.test": []}))
+    assert (e.status, e.code) == (502, "fetch_failed")
 
 
 def test_test_flag_admits_127_0_0_1_only() -> None:
@@ -362,6 +447,14 @@ def test_content_length_over_limit_is_413(server: Server) -> None:
     assert fetch(server.url("/big?n=4096"), loopback_settings(max_image_bytes=4096)) == b"x" * 4096
 
 
+def test_content_length_over_limit_is_refused_before_the_body_is_read(server: Server) -> None:
+    # The upstream announces 1 GB and hangs up after 10 bytes: only the header check answers
+    # 413; reading the body first would end in a broken stream (502).
+    e = refused(server.url("/lie"), loopback_settings(max_image_bytes=4096))
+    assert (e.status, e.code) == (413, "fetch_too_large")
+    assert str(10**9) in e.message and "4096" in e.message
+
+
 def test_streamed_body_over_limit_is_413_without_reading_it_all(server: Server) -> None:
     s = loopback_settings(max_image_bytes=4096)
     e = refused(server.url("/chunked?n=10000000"), s)  # 10 MB offered, no Content-Length
@@ -386,15 +479,35 @@ def test_slow_dns_counts_against_the_time_limit() -> None:
     assert (e.status, e.code) == (504, "fetch_timeout")
 
 
-@pytest.mark.parametrize("path", ["/404", "/500", "/403"])
+@pytest.mark.parametrize("path", ["/404", "/500", "/403", "/300"])
 def test_non_2xx_is_502(server: Server, path: str) -> None:
     e = refused(server.url(path), loopback_settings())
     assert (e.status, e.code) == (502, "fetch_failed")
+    assert path.strip("/") in e.message  # the message says what the upstream answered
 
 
 def test_compressed_response_is_refused(server: Server) -> None:
     e = refused(server.url("/gzip"), loopback_settings())
     assert (e.status, e.code) == (502, "fetch_failed")
+
+
+def test_an_empty_content_encoding_means_identity(server: Server) -> None:
+    assert fetch(server.url("/empty-encoding"), loopback_settings()) == BODY
+
+
+def test_redirect_without_location_is_502(server: Server) -> None:
+    e = refused(server.url("/nolocation"), loopback_settings())
+    assert (e.status, e.code) == (502, "fetch_failed")
+    assert "302" in e.message
+
+
+def test_each_redirect_hop_is_logged_with_its_status_and_target(
+        server: Server, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger=fetch_module.log.name)
+    assert fetch(server.url("/redirect?code=307&to=/img"), loopback_settings()) == BODY
+    hops = [r.getMessage() for r in caplog.records if r.name == fetch_module.log.name]
+    assert len(hops) == 1
+    assert "307" in hops[0] and hops[0].endswith(server.url("/img"))
 
 
 def test_connection_refused_is_502() -> None:
@@ -418,6 +531,25 @@ def test_ip_literal_reads_legacy_forms() -> None:
     assert ip_literal("1.2.3.4.5") is None
 
 
+@pytest.mark.parametrize(("addr", "why"), [
+    ("0.0.0.0", "0.0.0.0 is unspecified"),
+    ("::1", "::1 is loopback"),
+    ("fe80::1", "fe80::1 is link-local"),
+    ("ff02::1", "ff02::1 is multicast"),
+    ("10.0.0.1", "10.0.0.1 is private"),
+    ("5f00::1", "5f00::1 is reserved"),
+    ("fec0::1", "fec0::1 is site-local"),
+    ("100.64.0.1", "100.64.0.1 is shared (CGNAT)"),
+    ("64:ff9b::a9fe:a9fe", "169.254.169.254 is link-local (embedded in 64:ff9b::a9fe:a9fe)"),
+    ("64:ff9b::5db8:d822", "64:ff9b::5db8:d822 is reserved"),  # NAT64 around a public one
+    ("::ffff:10.0.0.1", "10.0.0.1 is private (embedded in ::ffff:a00:1)"),
+])
+def test_the_refusal_names_the_first_kind_that_applies(addr: str, why: str) -> None:
+    # The reason reaches the client's message and the log: it must name the right kind
+    # (loopback before private, the embedded IPv4 address before the wrapper's own range).
+    assert address_refusal(ipaddress.ip_address(addr)) == why
+
+
 def test_address_refusal() -> None:
     assert address_refusal(ipaddress.ip_address("93.184.216.34")) is None
     assert address_refusal(ipaddress.ip_address("2606:4700:4700::1111")) is None
@@ -432,6 +564,14 @@ def test_host_allowed() -> None:
     assert host_allowed("sub.images.test", [".images.test"])
     assert host_allowed("images.test", [".images.test"])
     assert not host_allowed("evilimages.test", [".images.test"])
+    assert host_allowed("xray.test", ["XRAY.Test"])  # entries compare case-insensitively too
+    assert host_allowed("a.xray.test", [".XRAY.test"])
+    assert not host_allowed("ı.test", ["i.test"])  # dotless i is another name (xn--cfa)
+
+
+def test_the_system_resolver_answers_unique_address_strings() -> None:
+    assert asyncio.run(system_resolver("127.0.0.2", 80)) == ["127.0.0.2"]
+    assert asyncio.run(system_resolver("2130706433", 443)) == ["127.0.0.1"]
 
 
 def test_https_target_is_pinned_with_host_header_and_sni() -> None:
@@ -441,6 +581,9 @@ def test_https_target_is_pinned_with_host_header_and_sni() -> None:
     assert (t.host_header, t.sni) == ("images.test:8443", "images.test")
     t = asyncio.run(check_url("http://93.184.216.34/a.png", Settings(), no_dns))
     assert t.sni is None and t.connect_url == httpx.URL("http://93.184.216.34/a.png")
+    r = FakeResolver({"images.test": ["93.184.216.34"]})
+    t = asyncio.run(check_url("http://images.test/a.png", Settings(), r))
+    assert t.sni is None and t.host_header == "images.test"  # plain http: no TLS, no SNI
     r = FakeResolver({"xn--fiqs8s.test": ["93.184.216.34"]})
     t = asyncio.run(check_url("https://中国.test/a.png", Settings(), r))
     assert t.sni == "xn--fiqs8s.test" and r.calls == ["xn--fiqs8s.test"]
@@ -503,6 +646,105 @@ def test_an_upstream_whose_certificate_does_not_verify_is_refused(tmp_path: Path
         e = refused(f"https://127.0.0.1:{httpd.server_address[1]}/img", loopback_settings())
         assert (e.status, e.code) == (502, "fetch_failed")
         assert seen.requests == []  # no request went over the unverified connection
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_each_hop_opens_its_own_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No keep-alive: a pooled connection is matched by address alone, so a TLS session
+    verified for one name would otherwise carry the next hop's request for another name on
+    the same IP. Against an HTTP/1.1 server that keeps connections open, every hop must come
+    from a fresh client port."""
+    ports: list[int] = []
+
+    class KeepAlive(Handler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            ports.append(self.client_address[1])
+            super().do_GET()
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), type("K", (KeepAlive,), {"seen": Seen()}))
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/chain?n=2"
+        assert fetch(url, loopback_settings()) == BODY
+        assert len(ports) == 3 and len(set(ports)) == 3
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _ca_and_leaf(tmp_path: Path, dns_name: str) -> tuple[bytes, Path, Path]:
+    """A throwaway CA (its PEM) and a leaf certificate for ``dns_name`` signed by it (files)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, leaf_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(
+        ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "mrc test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+          .public_key(ca_key.public_key()).serial_number(1)
+          .not_valid_before(now - datetime.timedelta(days=1))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False,
+                                       False), critical=True)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()),
+                         critical=False)
+          .sign(ca_key, hashes.SHA256()))
+    leaf = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, dns_name)]))
+            .issuer_name(ca_name).public_key(leaf_key.public_key()).serial_number(2)
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(dns_name)]),
+                           critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+                ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    (tmp_path / "leaf.pem").write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "leaf.key").write_bytes(leaf_key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    return ca.public_bytes(serialization.Encoding.PEM), tmp_path / "leaf.pem", tmp_path / "leaf.key"
+
+
+def test_https_by_name_sends_sni_and_verifies_the_name_on_the_pinned_ip(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connection goes to the checked IP, yet the certificate must be verified for the
+    name in the URL: the name travels as SNI, and the shared context does the verifying."""
+    import ssl
+
+    ca_pem, cert, key = _ca_and_leaf(tmp_path, "images.test")
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(cert, key)
+    sni_seen: list[str | None] = []
+
+    def note_sni(sock: ssl.SSLObject, name: str | None, ctx: ssl.SSLContext) -> None:
+        sni_seen.append(name)
+
+    server_ctx.sni_callback = note_sni
+    seen = Seen()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), type("T", (Handler,), {"seen": seen}))
+    httpd.socket = server_ctx.wrap_socket(httpd.socket, server_side=True)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    client_ctx = ssl.create_default_context(cadata=ca_pem.decode())
+    monkeypatch.setattr(fetch_module, "_ssl_context", lambda: client_ctx)
+    try:
+        port = httpd.server_address[1]
+        r = FakeResolver({"images.test": ["127.0.0.1"]})
+        assert fetch(f"https://images.test:{port}/img", loopback_settings(), r) == BODY
+        assert sni_seen == ["images.test"]
+        assert seen.requests == [("/img", f"images.test:{port}")]
     finally:
         httpd.shutdown()
         httpd.server_close()
