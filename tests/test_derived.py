@@ -191,6 +191,20 @@ def test_a_held_gpu_without_a_utilisation_reading_does_not_break_the_judgement()
     assert _starved(c.update(_ctx(0.0, 1.0, 1.0, {GPU0: 0.9}, held))) == (0.0, 0.0)
 
 
+def test_a_held_gpu_without_a_reading_is_not_taken_for_idle() -> None:
+    """The target holds only GPU1, which gives no utilisation reading, while GPU0 (not the
+    target's) is idle: no verdict (the gauge is absent) instead of "starved", and the counter
+    keeps its total; once GPU1 reads idle, the target is starved."""
+    c = DerivedCollector(DerivedThresholds(starved_cpu=0.9, starved_gpu=0.2))
+    held = {7: {GPU1}}
+    assert _starved(c.update(_ctx(0.0, 1.0, 1.0, {GPU1: 0.0}, held))) == (1.0, 0.0)
+    assert _starved(c.update(_ctx(1.0, 1.0, 1.0, {GPU1: 0.0}, held))) == (1.0, 1.0)
+    samples = c.update(_ctx(2.0, 1.0, 1.0, {GPU0: 0.0}, held))
+    d = {name: v for name, labels, v in samples if labels == ("7", "python")}
+    assert d == {"mrc_gpu_starved_seconds_total": 1.0}
+    assert _starved(c.update(_ctx(3.0, 1.0, 1.0, {GPU1: 0.0}, held))) == (1.0, 2.0)
+
+
 def test_the_registered_factory_passes_the_configured_thresholds_on() -> None:
     """``--starvation-cpu-threshold`` and friends reach the collector the runner builds."""
     thresholds = DerivedThresholds(idle_util=0.1, starved_cpu=0.5, starved_gpu=0.3)

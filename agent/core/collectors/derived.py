@@ -39,7 +39,8 @@ IDLE_CURRENT = gauge(NAME, "mrc_gpu_idle_current_seconds", GPU,
 STARVED = gauge(
     NAME, "mrc_gpu_starved", PROC,
     "1 while the target's user CPU (process or hottest thread) is at or above the CPU "
-    "threshold and the GPUs it uses are at or below the GPU threshold, else 0.")
+    "threshold and the GPUs it uses are at or below the GPU threshold, else 0; absent while "
+    "none of those GPUs gives a utilisation reading.")
 STARVED_SECONDS = counter(NAME, "mrc_gpu_starved_seconds_total", PROC,
                           "Seconds the target spent in the starved state.")
 METRICS = (IDLE_WINDOW, IDLE_CURRENT, STARVED, STARVED_SECONDS)
@@ -97,15 +98,21 @@ class DerivedCollector:
                 if st.user_ratio is None:
                     continue  # no CPU window yet
                 gpus = ctx.gpus_of_pid.get(pid) or set(ctx.gpu_util)
-                gpu_busy = max(ctx.gpu_util.get(g, 0.0) for g in gpus)
-                starved = cpu >= self.thresholds.starved_cpu and (
-                    gpu_busy <= self.thresholds.starved_gpu)
                 key = (pid, st.process)
                 live.add(key)
-                total = self._starved_seconds.get(key, 0.0) + (dt if starved else 0.0)
-                self._starved_seconds[key] = total
                 labels = (str(pid), st.process)
-                out.append((STARVED.name, labels, 1.0 if starved else 0.0))
+                # Judged on the target's GPUs that gave a reading this pass: one that gave none
+                # (NVML cannot read it, e.g. a MIG parent) is not taken for idle. With no
+                # reading at all there is no verdict: the gauge is absent this pass and the
+                # counter keeps its total.
+                readings = [ctx.gpu_util[g] for g in gpus if g in ctx.gpu_util]
+                total = self._starved_seconds.get(key, 0.0)
+                if readings:
+                    starved = cpu >= self.thresholds.starved_cpu and (
+                        max(readings) <= self.thresholds.starved_gpu)
+                    total += dt if starved else 0.0
+                    out.append((STARVED.name, labels, 1.0 if starved else 0.0))
+                self._starved_seconds[key] = total
                 out.append((STARVED_SECONDS.name, labels, total))
         for key in [k for k in self._starved_seconds if k not in live]:
             del self._starved_seconds[key]
