@@ -180,5 +180,33 @@ class Prometheus(_Proc):
         return alerts
 
 
+def serve_exposition(render: Callable[[str], bytes | None]) -> ThreadingHTTPServer:
+    """A loopback HTTP server (serving on a daemon thread) that answers ``GET path`` with
+    ``render(path)`` as a Prometheus text exposition, or 404 when it returns None; the owner
+    calls ``shutdown()``."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:  # noqa: N802
+            body = render(self.path)
+            if body is None:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 def _raise(log: str) -> bool:
     raise AssertionError("process exited:\n" + log[-3000:])

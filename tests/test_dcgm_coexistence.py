@@ -10,16 +10,14 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 
 from tests.conftest import REPO, AgentProcess
-from tests.e2e_harness import Prometheus, wait_until
+from tests.e2e_harness import Prometheus, serve_exposition, wait_until
 
 DOC = REPO / "docs" / "dcgm-exporter.md"
 FIXTURE = REPO / "tests" / "data" / "dcgm_exporter_synthetic.prom"
@@ -31,20 +29,6 @@ def _blocks(lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", DOC.read_text(), re.S)
 
 
-class _Exposition(BaseHTTPRequestHandler):
-    body = FIXTURE.read_bytes()
-
-    def do_GET(self) -> None:  # noqa: N802
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(self.body)))
-        self.end_headers()
-        self.wfile.write(self.body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def prom(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
     tmp = tmp_path_factory.mktemp("dcgm")
@@ -52,8 +36,8 @@ def prom(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
     trace.write_text(subprocess.run(
         [sys.executable, "-m", "mrc_agent.agent.tools.tracegen", "busy", "1", "20"], cwd=REPO,
         capture_output=True, text=True, check=True).stdout)
-    dcgm = ThreadingHTTPServer(("127.0.0.1", 0), _Exposition)
-    threading.Thread(target=dcgm.serve_forever, daemon=True).start()
+    body = FIXTURE.read_bytes()
+    dcgm = serve_exposition(lambda path: body)
     agent = AgentProcess("--pid", str(os.getpid()), "--interval", "0.5",
                          "--gpu-backend", f"replay:{trace}")
     p = None

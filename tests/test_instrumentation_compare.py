@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import math
 import re
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
@@ -21,7 +18,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from mrc_agent.exporters.instrumentation import FAMILIES, MRCMetrics
 from tests.conftest import REPO
-from tests.e2e_harness import Prometheus, wait_until
+from tests.e2e_harness import Prometheus, serve_exposition, wait_until
 
 pytestmark = pytest.mark.prometheus
 
@@ -86,27 +83,11 @@ class _Service:
         return generate_latest(self.registry)
 
 
-def _serve(source: Any) -> ThreadingHTTPServer:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
-            body = source.render()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
 @pytest.fixture(scope="module")
 def prom(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus, float]]:
-    servers = [_serve(_Service()), _serve(_Engine())]
+    service, engine = _Service(), _Engine()
+    servers = [serve_exposition(lambda path: service.render()),
+               serve_exposition(lambda path: engine.render())]
     p = None
     try:
         p = Prometheus(tmp_path_factory.mktemp("compare"),
