@@ -59,7 +59,10 @@ class Query:
 
 def _promql_regex_literal(value: str) -> str:
     """An RE2 pattern matching exactly ``value``, escaped for a double-quoted PromQL string."""
-    return "".join("\\\\" + c if c in r".+*?()|[]{}^$\\" else c for c in value)
+    pattern = "".join("\\" + c if c in r".+*?()|[]{}^$\\" else c for c in value)
+    # Then the string literal's own escapes: every backslash (the pattern's and a literal one)
+    # doubled, and a double quote escaped so it cannot end the string.
+    return pattern.replace("\\", "\\\\").replace('"', '\\"')
 
 
 class PanelQueries:

@@ -39,6 +39,7 @@ from mrc_agent.dashboards.queries import (
     RESOLUTION_ORDER,
     RESOLUTION_RANK_LABEL,
     PanelQueries,
+    _promql_regex_literal,
     substitute_macros,
 )
 from mrc_agent.dashboards.validate import SCHEMA_DIR, validate
@@ -474,6 +475,22 @@ def test_resolution_rank_labels_in_a_real_prometheus(prometheus: Prometheus) -> 
     ranks = {s["metric"]["resolution"]: s["metric"][RESOLUTION_RANK_LABEL]
              for s in body["data"]["result"]}
     assert ranks == {r: str(i) for i, r in enumerate(RESOLUTION_ORDER, start=1)}
+
+
+@pytest.mark.prometheus
+def test_regex_literals_match_exactly_in_a_real_prometheus(prometheus: Prometheus) -> None:
+    """A bucket value with regex metacharacters, a backslash or a quote still matches itself
+    (and only itself) once escaped into a PromQL string."""
+    values = ["1.5+MP", "a|b", "(x)*?[y]{2}^$", "back\\slash", 'quo"te']
+    for value in values:
+        literal = _promql_regex_literal(value)
+        for candidate, hit in ((value, True), (value + "x", False), ("a", False)):
+            expr = (f'label_replace(label_replace(vector(1), "v", {json.dumps(candidate)}, "", ""),'
+                    f' "hit", "yes", "v", "{literal}")')
+            body = prometheus.query(expr)
+            assert body["status"] == "success", (value, body)
+            (series,) = body["data"]["result"]
+            assert (series["metric"].get("hit") == "yes") is hit, (value, candidate)
 
 
 def test_substitute_macros() -> None:

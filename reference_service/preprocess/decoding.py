@@ -16,7 +16,6 @@ decoder and both resize paths share.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,7 +77,7 @@ def _ocr_size(full: tuple[int, int], ocr_max_side: int) -> tuple[int, int]:
 def _to_rgb(img: Image.Image) -> Image.Image:
     """Any decoded mode to 8-bit RGB; transparency is composited on white (what a viewer shows)."""
     mode = img.mode
-    if mode == "RGB":
+    if mode == "RGB" and "transparency" not in img.info:  # an RGB PNG may carry a colour key
         return img
     if mode.startswith("I") or mode == "F":
         # 16-/32-bit greyscale: Pillow's convert() would clip at 255, not rescale.
@@ -87,7 +86,14 @@ def _to_rgb(img: Image.Image) -> Image.Image:
             arr *= 255.0 / 65535.0
         grey = Image.fromarray(np.clip(arr + 0.5, 0, 255).astype(np.uint8), "L")
         return grey.convert("RGB")
-    if mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info:
+    if mode == "La":
+        # Premultiplied grey and alpha (a TIFF with associated alpha), which Pillow converts to
+        # nothing else: on white, a premultiplied grey v with alpha a shows as v + 255 - a.
+        la = np.asarray(img).astype(np.int16)
+        grey = Image.fromarray(np.clip(la[..., 0] + 255 - la[..., 1], 0, 255).astype(np.uint8),
+                               "L")
+        return grey.convert("RGB")
+    if mode in ("RGBA", "LA", "PA", "RGBa") or "transparency" in img.info:
         # Pasted on white through its own alpha: the same pixels as alpha_composite on a white
         # RGBA canvas, with one RGB copy instead of three RGBA ones (a 7000x7000 RGBA PNG
         # held 0.9 GB at once that way).
@@ -103,10 +109,32 @@ def _to_rgb(img: Image.Image) -> Image.Image:
 
 #: Start-of-frame markers of arithmetic-coded JPEG (SOF9-11, SOF13-15), which the size bound of
 #: :func:`_check_jpeg_size` does not cover.
-_ARITHMETIC_SOF = re.compile(rb"\xff[\xc9\xca\xcb\xcd\xce\xcf]")
+_ARITHMETIC_SOF = frozenset({0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
 
 
-def _check_jpeg_size(data: bytes, size: tuple[int, int], scan_start: int) -> None:
+def _arithmetic_frame(data: bytes) -> bool:
+    """Whether the JPEG's frame header, before its first scan, is arithmetic-coded.
+
+    Walks the marker segments from SOI by their lengths, so the markers of a thumbnail inside an
+    APP segment are skipped with it. (Pillow's tile offset cannot say where the scan starts: it
+    is 0 for a JPEG, libjpeg reading from the start.)"""
+    i = 2
+    while i + 4 <= len(data) and data[i] == 0xFF:
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte before a marker
+            i += 1
+        elif marker in (0xDA, 0xD9):  # start of scan or end of image: no arithmetic frame
+            return False
+        elif marker in _ARITHMETIC_SOF:
+            return True
+        elif 0xD0 <= marker <= 0xD8 or marker == 0x01:  # markers without a length
+            i += 2
+        else:
+            i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
+    return False
+
+
+def _check_jpeg_size(data: bytes, size: tuple[int, int]) -> None:
     """libjpeg does not fail on a stream that ends early: it warns, and fills the rest of the
     picture with grey. So a 631-byte JPEG whose header says 6000x6000 would decode "fine" and
     be counted as a 36 MP image. Huffman coding spends at least one bit per 8x8 block on each
@@ -115,7 +143,7 @@ def _check_jpeg_size(data: bytes, size: tuple[int, int], scan_start: int) -> Non
     claims."""
     w, h = size
     need = -(-w // 8) * -(-h // 8) // 8
-    if len(data) < need and not _ARITHMETIC_SOF.search(data, 0, scan_start):
+    if len(data) < need and not _arithmetic_frame(data):
         raise ServiceError.of("image_truncated", f"JPEG data ({len(data)} bytes) is too short "
                               f"for the {w}x{h} its header claims (a complete one needs at least "
                               f"{need} bytes)")
@@ -133,8 +161,6 @@ def _decode(data: bytes, settings: Settings, target_hw: tuple[int, int] | None,
     img = _open(data, settings)
     fmt = str(img.format)
     full = img.size
-    tile = getattr(img, "tile", None)  # an ImageFile: where its decoder starts reading
-    scan_start = tile[0][2] if tile else 0
     orientation = _orientation(img) if fmt in ("JPEG", "MPO") else 1
     if target_hw is not None and fmt in ("JPEG", "MPO"):
         need_w, need_h = _stored(target_hw, orientation)
@@ -157,7 +183,7 @@ def _decode(data: bytes, settings: Settings, target_hw: tuple[int, int] | None,
         log.debug("image decode failed", exc_info=True)
         raise ServiceError.of("image_corrupt", f"image data cannot be decoded: {e}") from e
     if fmt in ("JPEG", "MPO"):
-        _check_jpeg_size(data, full, scan_start)
+        _check_jpeg_size(data, full)
     else:
         orientation = _orientation(img)  # PNG/WebP/TIFF may carry EXIF after the header
     return _Decoded(_to_rgb(img), fmt, full, orientation)
