@@ -27,6 +27,7 @@ About 12 minutes at the default sizes on the project's 2-core machine; needs ~6 
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
 import os
 import shutil
@@ -48,6 +49,7 @@ import yaml  # noqa: E402
 from bench_connections import _rss_mb  # noqa: E402 - this directory, the script's own
 
 SCRAPE = 15  # seconds, the PodMonitor's interval
+QUERY_TIMEOUT = 60.0  # seconds a dashboard query may take before it counts as timed out
 RULES = REPO / "alerts" / "generated" / "mrc-rules.yaml"
 NVLINK_LINK = "mrc_gpu_nvlink_link_(tx|rx)_bytes_total"
 
@@ -98,17 +100,23 @@ class Result:
     query_total_ms: float = 0.0
     query_max_ms: float = 0.0
     query_max_panel: str = ""
+    query_timeouts: int = 0
     pod_records: float = 0.0
 
 
 def _q(url: str, expr: str) -> float:
-    body = httpx.get(url + "/api/v1/query", params={"query": expr}, timeout=120).json()
+    """The query's first value; NaN when the store does not answer within 120 s (at 1000
+    pods of 8 GPUs a 2-core machine may not)."""
+    try:
+        body = httpx.get(url + "/api/v1/query", params={"query": expr}, timeout=120).json()
+    except httpx.TimeoutException:
+        return math.nan
     result = body["data"]["result"]
     return float(result[0]["value"][1]) if result else 0.0
 
 
 def measure(label: str, pods: int, gpus: int, port: int, work: Path,
-            drop_links: bool = False, cycles: int = 3) -> Result:
+            drop_links: bool = False, cycles: int = 2) -> Result:
     from mrc_agent.dashboards.build import all_queries
     from mrc_agent.dashboards.queries import substitute_macros
 
@@ -151,7 +159,7 @@ def measure(label: str, pods: int, gpus: int, port: int, work: Path,
             except httpx.HTTPError:
                 time.sleep(0.5)
         # Wait for every target's first scrape, then `cycles` more intervals.
-        while _q(url, 'count(up{job="mrc"} == 1)') < 2 * pods:
+        while not _q(url, 'count(up{job="mrc"} == 1)') >= 2 * pods:  # NaN: not yet
             time.sleep(1)
         appended0 = _q(url, "prometheus_tsdb_head_samples_appended_total")
         t0 = time.monotonic()
@@ -166,7 +174,10 @@ def measure(label: str, pods: int, gpus: int, port: int, work: Path,
         for dashboard, panel, expr in all_queries():
             q = substitute_macros(expr, range_s=3600, rate_interval_s=60, interval_s=15)
             t = time.perf_counter()
-            httpx.get(url + "/api/v1/query", params={"query": q}, timeout=120)
+            try:
+                httpx.get(url + "/api/v1/query", params={"query": q}, timeout=QUERY_TIMEOUT)
+            except httpx.TimeoutException:
+                res.query_timeouts += 1
             ms = (time.perf_counter() - t) * 1000
             res.query_total_ms += ms
             if ms > res.query_max_ms:
@@ -216,7 +227,9 @@ def table(results: list[Result], per_pod: dict[str, int]) -> str:
             f"| {r.label} | {r.pods} | {r.gpus} | {r.series:,.0f} | {r.series / r.pods:,.0f} | "
             f"{r.samples_per_s:,.0f} | {r.rss_mb:,.0f} | {r.rss_mb * 1024 / r.series:.2f} | "
             f"{r.rules_ms.get('mrc-fleet', 0):.1f} / {rules_all:.1f} | "
-            f"{r.query_total_ms:,.0f} / {r.query_max_ms:,.0f} | {r.pod_records:,.0f} |")
+            f"{r.query_total_ms:,.0f} / {r.query_max_ms:,.0f}"
+            f"{f' ({r.query_timeouts} over {QUERY_TIMEOUT:.0f} s)' if r.query_timeouts else ''} | "
+            f"{r.pod_records:,.0f} |")
     slowest = max(results, key=lambda r: r.query_max_ms)
     lines += ["", f"Slowest dashboard query: {slowest.query_max_panel} "
               f"({slowest.query_max_ms:,.0f} ms at {slowest.pods} pods x {slowest.gpus} GPUs)."]
@@ -257,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         for gpus in (int(g) for g in args.gpus.split(",")):
             for pods in (int(p) for p in args.sizes.split(",")):
                 results.append(measure(f"{pods}x{gpus}", pods, gpus, port, work))
-                print(f"  {results[-1].label}: {results[-1].series:,.0f} series", flush=True)
+                print(table(results[-1:], per_pod).splitlines()[-3], flush=True)
         k = args.knob_pods
         results.append(measure(f"{k}x1 links dropped", k, 1, port, work, drop_links=True))
         server.terminate()
