@@ -10,6 +10,7 @@ import json
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +20,16 @@ from typing import Any
 
 import httpx
 import yaml
+
+
+def replay_trace(tmp: Path, pattern: str, gpus: int = 1, duration: float = 20) -> Path:
+    """``tmp/<pattern>.jsonl``: a synthetic replay trace from ``agent.tools.tracegen``."""
+    path = tmp / f"{pattern}.jsonl"
+    out = subprocess.run([sys.executable, "-m", "mrc_agent.agent.tools.tracegen", pattern,
+                          str(gpus), str(duration)], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=60)
+    path.write_text(out.stdout)
+    return path
 
 
 def free_port() -> int:

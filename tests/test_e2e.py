@@ -15,13 +15,10 @@ unit test's job (``alerts/tests/MRCProcessCPUUserSaturated.yaml``).
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,8 +29,8 @@ from mrc_agent.alerts.build import rule_file
 from mrc_agent.alerts.config import DEFAULT, Config
 from mrc_agent.dashboards.build import all_queries, template_queries
 from mrc_agent.dashboards.queries import substitute_macros
-from tests.conftest import BUSY, REPO, AgentProcess, Procs
-from tests.e2e_harness import Alertmanager, Prometheus, Webhook, wait_until
+from tests.conftest import BUSY, AgentProcess, Procs
+from tests.e2e_harness import Alertmanager, Prometheus, Webhook, replay_trace, wait_until
 from tests.test_service import Service
 
 #: The CPU-saturation line the paging test builds its rules with: what a busy loop certainly
@@ -47,15 +44,6 @@ def _config(webhook: str) -> Config:
     thresholds = replace(DEFAULT.thresholds, rate_window="10s", cpu_user_ratio=CPU_LINE)
     return replace(DEFAULT, thresholds=thresholds, page_webhook_url=webhook,
                    ticket_webhook_url=webhook, page_group_wait="1s")
-
-
-def _trace(tmp: Path, pattern: str, gpus: int = 1, duration: float = 20) -> Path:
-    path = tmp / f"{pattern}.jsonl"
-    out = subprocess.run([sys.executable, "-m", "mrc_agent.agent.tools.tracegen", pattern,
-                          str(gpus), str(duration)], capture_output=True, text=True, check=True,
-                         cwd=REPO)
-    path.write_text(out.stdout)
-    return path
 
 
 @dataclass
@@ -82,7 +70,7 @@ def paging(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Paging]:
         stack.append(am)
         spinner = procs.spawn(BUSY, 600.0)
         agent = AgentProcess("--pid", str(spinner.pid), "--interval", "0.5", "--gpu-backend",
-                             f"replay:{_trace(tmp, 'low_nvlink')}")
+                             f"replay:{replay_trace(tmp, 'low_nvlink')}")
         stack.append(agent)
         prom = Prometheus(tmp / "prom", {"whatever-the-job-is-called":
                                          [f"127.0.0.1:{agent.port}"]}, [rules], am.url)
@@ -134,7 +122,7 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
         service = Service(tmp, "--max-queue", "64")
         stack.append(service)
         agent = AgentProcess("--pid", str(service.proc.pid), "--interval", "0.5",
-                             "--gpu-backend", f"replay:{_trace(tmp, 'busy', 2)}",
+                             "--gpu-backend", f"replay:{replay_trace(tmp, 'busy', 2)}",
                              "--collector", "profiling")
         stack.append(agent)
         prom = Prometheus(tmp / "prom", {"agent": [f"127.0.0.1:{agent.port}"],

@@ -14,12 +14,9 @@ differ only by the cluster's external label, which is exactly what must keep the
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,7 +26,7 @@ import yaml
 from mrc_agent.dashboards.build import all_queries
 from mrc_agent.dashboards.queries import substitute_macros
 from tests.conftest import REPO, AgentProcess
-from tests.e2e_harness import Prometheus, wait_until
+from tests.e2e_harness import Prometheus, replay_trace, wait_until
 from tests.test_service import Service
 
 pytestmark = pytest.mark.prometheus
@@ -68,14 +65,6 @@ def _central_config() -> dict[str, Any]:
     return config
 
 
-def _trace(tmp: Path) -> Path:
-    path = tmp / "busy.jsonl"
-    path.write_text(subprocess.run(
-        [sys.executable, "-m", "mrc_agent.agent.tools.tracegen", "busy", "2", "20"],
-        capture_output=True, text=True, check=True, cwd=REPO, timeout=60).stdout)
-    return path
-
-
 @pytest.fixture(scope="module")
 def central(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
     from mrc_agent.reference_service.loadgen import run_load
@@ -86,7 +75,8 @@ def central(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
         service = Service(tmp, "--max-queue", "64")
         stack.append(service)
         agent = AgentProcess("--pid", str(service.proc.pid), "--interval", "0.5",
-                             "--gpu-backend", f"replay:{_trace(tmp)}", "--collector", "profiling")
+                             "--gpu-backend", f"replay:{replay_trace(tmp, 'busy', 2)}",
+                             "--collector", "profiling")
         stack.append(agent)
         store = Prometheus(tmp / "central", {}, config=_central_config(), mode="receiver")
         stack.append(store)

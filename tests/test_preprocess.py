@@ -654,5 +654,6 @@ def test_a_header_probe_waiting_for_a_thread_is_503() -> None:
     try:
         err = asyncio.run(go())
         assert err.code == "decode_unavailable" and err.status == 503
+        assert err.message == "every header-parsing thread is busy; try again later"
     finally:
         pool.shutdown()

@@ -181,29 +181,6 @@ def test_async_preprocess_is_cut_at_the_settings_decode_timeout(
         pool.shutdown()
 
 
-def test_a_header_probe_with_no_free_thread_says_so() -> None:
-    settings = Settings(header_timeout_s=0.05)
-    pool = P.DecodePool(workers=1, max_stuck=4, name="test-units")
-    release = threading.Event()
-
-    async def go() -> ServiceError:
-        blocker = asyncio.ensure_future(pool.run(release.wait, 5, timeout=10))
-        await asyncio.sleep(0.02)
-        try:
-            with pytest.raises(ServiceError) as e:
-                await P.probe_async(pool, jpeg(), settings)
-        finally:
-            release.set()
-            await blocker
-        return e.value
-
-    try:
-        e = asyncio.run(go())
-        assert e.message == "every header-parsing thread is busy; try again later"
-    finally:
-        pool.shutdown()
-
-
 def test_probe_async_answers_from_the_header(pool: P.DecodePool) -> None:
     assert asyncio.run(P.probe_async(pool, jpeg(40, 30), Settings())) == ("JPEG", 40, 30)
 
