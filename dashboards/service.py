@@ -92,8 +92,11 @@ def build(cfg: Config) -> dict[str, Any]:
         timeseries(
             "Peak GPU memory per request", [q.peak_gpu_memory(x) for x in (0.5, 0.99)],
             "bytes", min_value=0, w=12,
-            description="Peak device memory while serving one request, weights included "
-                        "(torch.cuda.max_memory_allocated); empty on CPU-only services."),
+            description="Peak of the process's allocated device memory during one request's "
+                        "generation (torch.cuda.max_memory_allocated): weights included, and "
+                        "what concurrent requests held meanwhile, so not one request's share; "
+                        "its log line's gpu_peak_shared_with is 0 when the peak was its own. "
+                        "Empty on CPU-only services."),
     ])
     state = Section("Cache, chain breaks, load and model", [
         timeseries("Cache hit ratio", [q.cache_hit_ratio], "percentunit", min_value=0,

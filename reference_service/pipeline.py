@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -118,31 +119,37 @@ async def _run(state: ServiceState, req: MRCRequest, r: Any,
             return {**hit, "cached": True, "ttft_ms": 0.0, "request_id": req.request_id}
 
     async with state.admission.slot(waiting=r.queued()):
-        pre = await preprocess_async(
-            state.decode_pool, data, vlm.image_size, vlm.image_mean, vlm.image_std,
-            vlm.device, OCR_MAX_SIDE if state.ocr_on else None, settings)
-        r.observe_stage("decode", pre.decode_s)
-        r.observe_stage("preprocess", pre.preprocess_s)
-        ocr_text = ""
-        if state.ocr is not None and pre.ocr_image is not None:
-            with r.stage("ocr"):
-                try:
-                    ocr_text = await asyncio.get_running_loop().run_in_executor(
-                        state.ocr_pool, state.ocr.read, pre.ocr_image)
-                except OCRError as exc:
-                    fields["ocr_error"] = exc.reason
-            if not ocr_text:
-                metrics.chain_break("ocr")
-        loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(
-            state.model_pool, lambda: vlm.generate(
-                pre.pixel_values, _chain_prompt(req.prompt, ocr_text), req.max_new_tokens,
-                on_first_token=r.first_token))
+        # From its first kernel to its last tensor the request occupies the model's device, so
+        # a concurrent request's peak-memory reading counts it as sharing the device.
+        with vlm.device_users.occupy() as device_user:
+            pre = await preprocess_async(
+                state.decode_pool, data, vlm.image_size, vlm.image_mean, vlm.image_std,
+                vlm.device, OCR_MAX_SIDE if state.ocr_on else None, settings)
+            r.observe_stage("decode", pre.decode_s)
+            r.observe_stage("preprocess", pre.preprocess_s)
+            ocr_text = ""
+            if state.ocr is not None and pre.ocr_image is not None:
+                with r.stage("ocr"):
+                    try:
+                        ocr_text = await asyncio.get_running_loop().run_in_executor(
+                            state.ocr_pool, state.ocr.read, pre.ocr_image)
+                    except OCRError as exc:
+                        fields["ocr_error"] = exc.reason
+                if not ocr_text:
+                    metrics.chain_break("ocr")
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(state.model_pool, functools.partial(
+                vlm.generate, pre.pixel_values, _chain_prompt(req.prompt, ocr_text),
+                req.max_new_tokens, on_first_token=r.first_token, device_user=device_user))
+            del pre  # its pixel values are the request's last tensor on the device
         r.tokens(result.output_tokens, result.input_tokens)
         r.observe_stage("prefill", result.prefill_s)
         r.observe_stage("generate", result.generate_s)
         if result.peak_gpu_memory_bytes is not None:
             r.peak_gpu_memory(result.peak_gpu_memory_bytes)
+        if result.peak_gpu_memory_shared_with is not None:
+            # The histogram cannot say whether a peak was the request's own: its log line can.
+            fields["gpu_peak_shared_with"] = result.peak_gpu_memory_shared_with
 
     with r.stage("postprocess"):
         body = {

@@ -182,6 +182,7 @@ def test_generate_returns_text_token_counts_and_timings(built: Built) -> None:
     assert r.output_tokens == 16
     assert r.input_tokens == len(vlm.encode("What is damaged on this parcel?")[0])
     assert r.peak_gpu_memory_bytes is None  # CPU
+    assert r.peak_gpu_memory_shared_with is None
     assert r.truncated is False
     assert 0 < r.prefill_s <= r.ttft_s
     assert r.generate_s >= 0

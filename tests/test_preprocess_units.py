@@ -141,21 +141,28 @@ def backends(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
 def test_async_preprocess_passes_backend_device_and_ocr_through(
         pool: P.DecodePool, backends: list[tuple[str, str]]) -> None:
     data, settings = jpeg(), Settings()
+    # The device wait (a no-op on the CPU, an event sync on CUDA) is asked about every device.
+    waits: list[str] = []
 
     async def main() -> list[core.Preprocessed]:
         return [
             # "auto" on a CUDA device is the kornia path; on the CPU, Pillow.
-            await P.preprocess_async(pool, data, (8, 8), HALF, HALF, "cuda:0", None, settings),
-            await P.preprocess_async(pool, data, (8, 8), HALF, HALF, "cpu", 20, settings),
+            await P.preprocess_async(pool, data, (8, 8), HALF, HALF, "cuda:0", None, settings,
+                                     wait=waits.append),
+            await P.preprocess_async(pool, data, (8, 8), HALF, HALF, "cpu", 20, settings,
+                                     wait=waits.append),
             await P.preprocess_async(pool, data, (8, 8), HALF, HALF, "cpu", None, settings,
-                                     resize_backend="kornia"),
+                                     resize_backend="kornia", wait=waits.append),
         ]
 
     cuda, cpu, forced = asyncio.run(main())
     assert backends == [("kornia", "cuda:0"), ("pil", "cpu"), ("kornia", "cpu")]
-    P.preprocess(data, (8, 8), HALF, HALF, "cuda", None, settings)  # its own default: "auto"
-    P.preprocess(data, (8, 8), HALF, HALF, "cuda:1", None, settings, resize_backend="pil")
+    # Its own default: "auto"
+    P.preprocess(data, (8, 8), HALF, HALF, "cuda", None, settings, wait=waits.append)
+    P.preprocess(data, (8, 8), HALF, HALF, "cuda:1", None, settings, resize_backend="pil",
+                 wait=waits.append)
     assert backends[3:] == [("kornia", "cuda"), ("pil", "cuda:1")]
+    assert waits == ["cuda:0", "cpu", "cpu", "cuda", "cuda:1"]
     assert cuda.ocr_image is None and forced.ocr_image is None
     assert cpu.ocr_image is not None and cpu.ocr_image.size == (20, 15)
 

@@ -107,7 +107,9 @@ REQUESTS = Family(
     ("outcome",))
 PEAK_GPU_MEMORY = Family(
     "mrc_request_peak_gpu_memory_bytes", "histogram",
-    "Peak GPU memory allocated while serving one request, model weights included (CUDA only).",
+    "Peak of the serving process's allocated GPU memory during one request's generation: model "
+    "weights, that request's activations and KV cache, and whatever concurrent requests held on "
+    "the device meanwhile, so not that request's share alone (CUDA only).",
     (), buckets.PEAK_GPU_MEMORY_BUCKETS)
 QUEUE_TIME = Family(
     "mrc_request_queue_time_seconds", "histogram",

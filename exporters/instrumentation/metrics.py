@@ -405,7 +405,9 @@ class RequestTracker:
             self._n_in = n_prompt
 
     def peak_gpu_memory(self, nbytes: float) -> None:
-        """Record the peak GPU memory of this request in bytes (CUDA only; observed at exit)."""
+        """Record the peak GPU memory measured over this request, in bytes (CUDA only; observed
+        at exit). A process-wide reading such as ``torch.cuda.max_memory_allocated`` includes
+        what concurrent requests held: the family's help says so."""
         if nbytes < 0:
             raise ValueError(f"peak GPU memory must be >= 0, got {nbytes}")
         self._peak = float(nbytes)

@@ -3,11 +3,12 @@
 ``VLM.generate(pixel_values, prompt, max_new_tokens)`` answers "this image, this question"
 greedily and returns a :class:`GenerationResult` with the timings the service exports: time to
 first token (clocked by a streamer ``generate`` calls synchronously), prefill and decode time,
-token counts, peak GPU memory. ``pixel_values`` arrive already resized and normalised (the
-preprocessing module uses ``image_size``, ``image_mean`` and ``image_std`` from here); this
-module only moves them to the model's device and dtype. At construction the VLM reads from the
-checkpoint what it needs (image size and token, chat template, input limit); it is built by
-:func:`~reference_service.model.loading.load_vlm`.
+token counts, peak GPU memory (process-wide, with how many other requests shared the device
+meanwhile: :func:`~reference_service.device.peak_memory`). ``pixel_values`` arrive already
+resized and normalised (the preprocessing module uses ``image_size``, ``image_mean`` and
+``image_std`` from here); this module only moves them to the model's device and dtype. At
+construction the VLM reads from the checkpoint what it needs (image size and token, chat
+template, input limit); it is built by :func:`~reference_service.model.loading.load_vlm`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from mrc_agent.reference_service.device import CudaAPI, DeviceUsers, peak_memory
 from mrc_agent.reference_service.model.attention import (
     AttentionReport,
     _attn_implementation,
@@ -67,10 +69,16 @@ class GenerationResult:
     ttft_s: float
     prefill_s: float
     generate_s: float
+    #: Peak of the process's allocated GPU memory during this generation: weights, this
+    #: request's activations and KV cache, and whatever other requests held meanwhile (None
+    #: off CUDA).
     peak_gpu_memory_bytes: int | None
     truncated: bool
     #: Time spent waiting for the model lock (another request was generating).
     queue_wait_s: float = 0.0
+    #: Other requests with work or tensors on the device during that peak's window: 0 means
+    #: the peak is this request's own (None off CUDA).
+    peak_gpu_memory_shared_with: int | None = None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -123,7 +131,7 @@ class VLM:
 
     def __init__(self, *, model: Any, processor: Any, settings: Settings, device: str,
                  dtype: torch.dtype, quantization: str, model_id: str, revision: str,
-                 meaningful: bool, model_dir: Path) -> None:
+                 meaningful: bool, model_dir: Path, cuda: CudaAPI = torch.cuda) -> None:
         self.model = model
         self.processor = processor
         self.tokenizer = processor.tokenizer
@@ -136,6 +144,10 @@ class VLM:
         self.model_dir = model_dir
         self.warmed = False
         self._lock = threading.Lock()
+        #: Requests holding work or tensors on ``device``: the pipeline occupies it around
+        #: preprocessing and generation, so a peak-memory reading knows who shared it.
+        self.device_users = DeviceUsers()
+        self._cuda = cuda
         config = model.config
         self.image_size: tuple[int, int] = self._find_image_size(config, processor)
         ip = processor.image_processor
@@ -320,10 +332,13 @@ class VLM:
     # ----- generation -----
 
     def generate(self, pixel_values: torch.Tensor, prompt: str, max_new_tokens: int,
-                 on_first_token: Callable[[], None] | None = None) -> GenerationResult:
+                 on_first_token: Callable[[], None] | None = None,
+                 device_user: int | None = None) -> GenerationResult:
         """Greedy answer to ``prompt`` about the image in ``pixel_values`` ([1, 3, H, W]).
 
         ``on_first_token`` is called (on this thread) when the first new token exists.
+        ``device_user`` is the caller's token from ``device_users.occupy()``, so that the peak
+        memory reading does not count the request itself as another user of the device.
         """
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
@@ -335,28 +350,26 @@ class VLM:
         with self._lock:
             locked = time.perf_counter()
             ids, truncated = self.encode(prompt)
-            cuda = self.device.startswith("cuda")
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(self.device)
-            input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-            # Blocking copy: a non-blocking GPU-to-CPU copy could be read before it lands.
-            pixels = pixel_values.to(device=self.device, dtype=self.dtype)
-            clock = _streamer_class()(on_first_token)
-            started = time.perf_counter()
-            with torch.inference_mode():
-                out = self.model.generate(
-                    input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                    pixel_values=pixels, max_new_tokens=max_new_tokens, do_sample=False,
-                    num_beams=1, streamer=clock, pad_token_id=self.pad_token_id)
-            new = out[0, input_ids.shape[1]:].tolist()
-            finished = time.perf_counter()
-            peak = int(torch.cuda.max_memory_allocated(self.device)) if cuda else None
+            with peak_memory(self.device, self.device_users, device_user, self._cuda) as peak:
+                input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+                # Blocking copy: a non-blocking GPU-to-CPU copy could be read before it lands.
+                pixels = pixel_values.to(device=self.device, dtype=self.dtype)
+                clock = _streamer_class()(on_first_token)
+                started = time.perf_counter()
+                with torch.inference_mode():
+                    out = self.model.generate(
+                        input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                        pixel_values=pixels, max_new_tokens=max_new_tokens, do_sample=False,
+                        num_beams=1, streamer=clock, pad_token_id=self.pad_token_id)
+                new = out[0, input_ids.shape[1]:].tolist()
+                finished = time.perf_counter()
         text = self.tokenizer.decode(new, skip_special_tokens=True).strip()
         first = clock.first_token_at or finished
         return GenerationResult(
             text=text, input_tokens=len(ids), output_tokens=len(new),
             ttft_s=first - entered, prefill_s=first - started, generate_s=finished - first,
-            peak_gpu_memory_bytes=peak, truncated=truncated, queue_wait_s=locked - entered)
+            peak_gpu_memory_bytes=peak.nbytes, truncated=truncated, queue_wait_s=locked - entered,
+            peak_gpu_memory_shared_with=peak.shared_with)
 
     def blank_pixels(self) -> torch.Tensor:
         """A mid-grey image, normalised: what warmup and detection feed the model."""

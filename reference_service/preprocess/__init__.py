@@ -26,7 +26,8 @@ The rooms, one concern each (an arrow means "imports"):
 * :mod:`~reference_service.preprocess.pool`: :class:`DecodePool`, daemon threads, the timeout and
   the stuck-thread cap; it knows nothing of images.
 * :mod:`~reference_service.preprocess.core`: :func:`preprocess`, :func:`preprocess_async` and
-  their result, ``Preprocessed``. core → decoding, cpu, gpu, pool.
+  their result, ``Preprocessed``. core → decoding, cpu, gpu, pool, and
+  :mod:`~reference_service.device` (waiting for the device before the stage ends).
 
 Everything used outside the package is re-exported here: import from
 ``reference_service.preprocess``.

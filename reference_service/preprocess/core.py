@@ -3,6 +3,9 @@
 :func:`preprocess` runs the decoder of :mod:`~reference_service.preprocess.decoding` (header
 checks first) and then one resize path: :mod:`~reference_service.preprocess.cpu` ("pil") or
 :mod:`~reference_service.preprocess.gpu` ("kornia", the default on CUDA), timing the two stages.
+On a CUDA device the end of the preprocess stage is stamped only once the work queued on the
+device has run (:func:`~reference_service.device.wait_for_queued_work`), so the resize is
+charged to preprocessing and not to the prefill that would otherwise wait for it.
 :func:`preprocess_async` runs it on a :class:`~reference_service.preprocess.pool.DecodePool`
 under the decode timeout, so the event loop never blocks; :func:`probe_async` does the same for
 the header checks. :class:`Preprocessed` is the result.
@@ -11,13 +14,14 @@ the header checks. :class:`Preprocessed` is the result.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from PIL import Image
 
+from mrc_agent.reference_service.device import wait_for_queued_work
 from mrc_agent.reference_service.errors import ServiceError
 from mrc_agent.reference_service.preprocess.cpu import _resize_pil
 from mrc_agent.reference_service.preprocess.decoding import _SWAPS_AXES, _decode
@@ -27,6 +31,8 @@ from mrc_agent.reference_service.preprocess.pool import DecodePool
 from mrc_agent.reference_service.settings import Settings
 
 ResizeBackend = Literal["auto", "pil", "kornia"]
+#: Blocks until the work queued on a device (the argument) has run; does nothing for a CPU.
+DeviceWait = Callable[[str], None]
 
 
 @dataclass
@@ -60,14 +66,17 @@ def preprocess(
     settings: Settings,
     *,
     resize_backend: ResizeBackend = "auto",
+    wait: DeviceWait = wait_for_queued_work,
 ) -> Preprocessed:
     """Decode ``data`` and build the model input (and the OCR image) under ``settings`` limits.
 
     ``target_hw`` is the model's (height, width); the image is resized to exactly that (the
     processor's "resize to size" convention) and normalised as ``(x/255 - mean) / std``.
     ``resize_backend``: "auto" is kornia on CUDA devices and Pillow otherwise; "kornia" forces
-    the GPU path's code on any device (tests). Blocking and CPU-heavy: call it through
-    :func:`preprocess_async` from the event loop. Raises :class:`ServiceError` for bad images.
+    the GPU path's code on any device (tests). ``wait`` is called with ``device`` before the
+    preprocess stage's end is stamped (a test passes a fake device's). Blocking and CPU-heavy:
+    call it through :func:`preprocess_async` from the event loop. Raises :class:`ServiceError`
+    for bad images.
     """
     if len(mean) != 3 or len(std) != 3:
         raise ValueError("mean and std need 3 values (RGB)")
@@ -81,6 +90,9 @@ def preprocess(
         pixel_values, ocr_img = _resize_kornia(dec, target_hw, mean, std, device, ocr_max_side)
     else:
         pixel_values, ocr_img = _resize_pil(dec, target_hw, mean, std, device, ocr_max_side)
+    # Either path may leave kernels or a copy queued on a CUDA device (with OCR off nothing
+    # reads back to the CPU); without this wait their time would land in the prefill stage.
+    wait(device)
     t2 = time.perf_counter()
     w, h = dec.full_size
     if dec.orientation in _SWAPS_AXES:
@@ -102,6 +114,7 @@ async def preprocess_async(
     *,
     resize_backend: ResizeBackend = "auto",
     timeout: float | None = None,
+    wait: DeviceWait = wait_for_queued_work,
 ) -> Preprocessed:
     """:func:`preprocess` on ``pool``, cut after ``timeout`` (default
     ``settings.decode_timeout_s``) with 504 ``decode_timeout``. The event loop never blocks."""
@@ -109,7 +122,7 @@ async def preprocess_async(
 
     def job() -> Preprocessed:
         return preprocess(data, target_hw, mean, std, device, ocr_max_side, settings,
-                          resize_backend=resize_backend)
+                          resize_backend=resize_backend, wait=wait)
 
     return await pool.run(job, timeout=limit)
 
