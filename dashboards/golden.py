@@ -69,10 +69,13 @@ def build(cfg: Config) -> dict[str, Any]:
             "SM instructions per DRAM byte (profiling counters)",
             [q.instructions_per_dram_byte], "short", min_value=0, w=10,
             description=(
-                "rate(sm__inst_executed) / rate(dram__bytes_read), from CUPTI PM sampling (the "
-                "opt-in profiling collector). Below the dashed line at "
+                "rate(SM instructions executed) / rate(DRAM bytes read), from CUPTI PM sampling "
+                "(the opt-in profiling collector; mrc_gpu_profiling_metrics_info names the "
+                "metrics). Below the dashed line at "
                 f"{t.instructions_per_dram_byte:g} the kernels are memory-bound. Empty when the "
-                "profiling counters are not the live source (see the source stat)."),
+                "profiling counters are not the live source (see the source stat), and where "
+                "the chip's PM-sampling set has no DRAM byte counter, only a throughput "
+                "percentage (mrc_gpu_dram_read_throughput_ratio, not bytes)."),
             thresholds=below(t.instructions_per_dram_byte),
             links=runbook(cfg, Alerts.MEMORY_BOUND)),
         timeseries(

@@ -1,7 +1,8 @@
-"""Tests for the CUPTI PM sampling source against the hand-written fake library."""
+"""Tests for the CUPTI PM sampling source against the hand-written fake library and driver."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import subprocess
@@ -11,18 +12,31 @@ import pytest
 
 from mrc_agent.agent.core.hw import cupti_pm
 from mrc_agent.agent.core.hw.base import GPUIdentity, HardwareError, SourceUnavailable
+from mrc_agent.agent.core.hw.cuda_driver import CudaDriver
 from mrc_agent.agent.core.hw.cupti_pm import (
+    BACKOFF_MAX_S,
+    BUSY_RETRY_S,
     DRAM_READ_METRICS,
     HARDWARE_BUFFER_BYTES,
     PROFILING_METRICS,
     SM_INSTRUCTION_METRICS,
     CuptiPmSampler,
 )
-from tests.fakes.fake_cupti import FakeCupti, FakeDevice, NotSupportedError, TriggerMode, error
+from tests.fakes.fake_cupti import (
+    CUresult,
+    FakeCupti,
+    FakeDevice,
+    NotSupportedError,
+    TriggerMode,
+    cuptiError,
+    error,
+)
 
 SM, DRAM = PROFILING_METRICS
+PCT = "dramc__read_throughput.avg.pct_of_peak_sustained_elapsed"
 GPU0 = GPUIdentity(0, "GPU-00000000-0000-0000-0000-000000000000", "NVIDIA H200")
 GPU1 = GPUIdentity(1, "GPU-11111111-1111-1111-1111-111111111111", "NVIDIA H200")
+LOGGER = "mrc_agent.agent.core.hw.cupti_pm"
 
 
 def rec(sm: float, dram: float) -> dict[str, float]:
@@ -39,11 +53,13 @@ class Clock:
 
 
 def sampler_for(
-    *devices: FakeDevice, interval_s: float = 0.1, clock: Clock | None = None
+    *devices: FakeDevice, interval_s: float = 0.1, clock: Clock | None = None,
+    lib: FakeCupti | None = None,
 ) -> tuple[CuptiPmSampler, FakeCupti]:
-    lib = FakeCupti({i: d for i, d in enumerate(devices)})
+    lib = lib or FakeCupti({i: d for i, d in enumerate(devices)})
     gpus = [GPUIdentity(i, f"GPU-{i}", "NVIDIA H200") for i in range(len(devices))]
-    sampler = CuptiPmSampler(gpus, lib=lib, interval_s=interval_s, clock=clock or Clock())
+    sampler = CuptiPmSampler(gpus, lib=lib, interval_s=interval_s, clock=clock or Clock(),
+                             cuda=CudaDriver(lib.driver))
     return sampler, lib
 
 
@@ -52,6 +68,12 @@ def totals(sampler: CuptiPmSampler) -> list[tuple[float | None, float | None]]:
         (s.sm_instructions_executed_total, s.dram_read_bytes_total)
         for s in sampler.sample_profiling()
     ]
+
+
+def unavailable(sampler: CuptiPmSampler) -> SourceUnavailable:
+    with pytest.raises(SourceUnavailable) as caught:
+        sampler.sample_profiling()
+    return caught.value
 
 
 # -- counting ---------------------------------------------------------------------------------
@@ -76,9 +98,6 @@ def test_counters_accumulate_monotonically_over_decoded_records() -> None:
         (400.0, 12288.0),
         (400.0 + 1e12 + 10, 12288.0 + 2.5e9 + 192),
     ]
-    for earlier, later in zip(seen, seen[1:], strict=False):
-        for a, b in zip(earlier, later, strict=True):
-            assert a is not None and b is not None and b >= a
     collector = lib.collectors[0]
     assert collector.metrics == list(PROFILING_METRICS)
     assert collector.config == {
@@ -87,11 +106,12 @@ def test_counters_accumulate_monotonically_over_decoded_records() -> None:
         "trigger_mode": TriggerMode.GPU_TIME_INTERVAL,
     }
     assert sampler.status() == ("ok", "")
-    # Enabled and started once, not per sample.
+    # cuInit once, enabled and started once, not per sample; no primary context needed.
+    assert lib.driver.calls == ["cuInit"]
     assert lib.count(0, "enable") == 1 and lib.count(0, "start") == 1
 
 
-def test_negative_or_nan_interval_values_never_lower_the_totals() -> None:
+def test_negative_or_non_finite_interval_values_never_lower_the_totals() -> None:
     device = FakeDevice(decodes=[[rec(10, 10)], [rec(-5, math.nan), rec(math.inf, 1)]])
     sampler, _ = sampler_for(device)
 
@@ -108,7 +128,7 @@ def test_a_full_decode_is_followed_by_another_so_the_buffer_empties() -> None:
     assert lib.count(0, "decode") == 3
 
 
-def test_falls_back_to_the_names_the_chip_accepts_and_leaves_the_rest_absent() -> None:
+def test_without_sets_falls_back_to_the_names_the_chip_accepts() -> None:
     device = FakeDevice(
         supported_metrics=frozenset({"sm__inst_executed.sum"}),
         decodes=[[{"sm__inst_executed.sum": 42.0}]],
@@ -120,9 +140,11 @@ def test_falls_back_to_the_names_the_chip_accepts_and_leaves_the_rest_absent() -
     assert lib.collectors[0].metrics == ["sm__inst_executed.sum"]
     assert sample.sm_instructions_executed_total == 42.0
     assert sample.dram_read_bytes_total is None  # absent series, never a zero
+    assert (sample.sm_metric, sample.dram_metric, sample.metric_set) == (
+        "sm__inst_executed.sum", None, None)
 
 
-def test_second_dram_name_is_used_when_the_first_is_not_offered() -> None:
+def test_a_later_dram_name_is_used_when_the_first_is_not_offered() -> None:
     device = FakeDevice(
         supported_metrics=frozenset({SM_INSTRUCTION_METRICS[0], DRAM_READ_METRICS[1]}),
         decodes=[[{SM_INSTRUCTION_METRICS[0]: 5.0, DRAM_READ_METRICS[1]: 640.0}]],
@@ -142,6 +164,197 @@ def test_gpus_without_time_interval_trigger_use_sysclk_interval() -> None:
     assert lib.collectors[0].config["trigger_mode"] == TriggerMode.GPU_SYSCLK_INTERVAL
 
 
+# -- single-pass metric sets ------------------------------------------------------------------
+
+
+def test_sm_and_dram_metrics_come_from_one_single_pass_set(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    device = FakeDevice(
+        supported_metrics=frozenset(),  # nothing is accepted without naming the set
+        single_pass_sets={
+            "Set0": ["sm__inst_executed_realtime", "gr__cycles_elapsed"],  # base names
+            "Set1": ["sm__inst_executed.sum", "dram__bytes_read.sum.per_second"],
+        },
+        decodes=[[{"sm__inst_executed.sum": 7.0, "dram__bytes_read.sum": 70.0}]],
+    )
+    sampler, lib = sampler_for(device)
+
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        [sample] = sampler.sample_profiling()
+
+    collector = lib.collectors[0]
+    # The pair in one set beats the more preferred SM name alone in another.
+    assert collector.config["single_pass_metric_set_name"] == "Set1"
+    assert collector.metrics == ["sm__inst_executed.sum", "dram__bytes_read.sum"]
+    assert (sample.sm_instructions_executed_total, sample.dram_read_bytes_total) == (7.0, 70.0)
+    assert sample.metric_set == "Set1"
+    configured = [r.getMessage() for r in caplog.records if "configured" in r.getMessage()]
+    assert len(configured) == 1 and "Set1" in configured[0] and "dram__bytes_read.sum" in (
+        configured[0])
+
+
+def test_a_throughput_only_set_yields_a_ratio_and_no_byte_counter() -> None:
+    device = FakeDevice(
+        supported_metrics=frozenset(),
+        single_pass_sets={"PmSampling": ["sm__inst_executed_realtime.sum", PCT]},
+        decodes=[
+            [{SM: 10.0, PCT: 50.0}, {SM: 5.0, PCT: 70.0}],
+            [{SM: 1.0, PCT: 250.0}, {SM: 1.0, PCT: math.nan}, {SM: 1.0, PCT: -3.0}],
+            [],
+        ],
+    )
+    sampler, lib = sampler_for(device)
+
+    first, second, third = (sampler.sample_profiling()[0] for _ in range(3))
+
+    assert lib.collectors[0].metrics == [SM, PCT]
+    assert first.dram_read_throughput_ratio == pytest.approx(0.6)  # mean of 50 % and 70 %
+    # Clamped to 0-1 where it enters; the NaN interval is dropped, not averaged in.
+    assert second.dram_read_throughput_ratio == pytest.approx(0.5)
+    assert third.dram_read_throughput_ratio is None  # no interval decoded by that call
+    for sample in (first, second, third):
+        assert sample.dram_read_bytes_total is None  # a percentage is never a byte count
+        assert sample.dram_metric == PCT
+    assert third.sm_instructions_executed_total == 18.0
+
+
+def test_without_the_set_api_names_are_tried_in_order() -> None:
+    lib = FakeCupti({0: FakeDevice(decodes=[[rec(1, 2)]])}, set_api=False)
+    sampler, _ = sampler_for(FakeDevice(), lib=lib)
+
+    assert totals(sampler) == [(1.0, 2.0)]
+    assert "single_pass_metric_set_name" not in lib.collectors[0].config
+
+
+def test_a_failing_set_api_falls_back_to_names_in_order() -> None:
+    device = FakeDevice(single_pass_sets={"Set0": [SM, DRAM]}, decodes=[[rec(3, 4)]])
+    sampler, lib = sampler_for(device)
+
+    def broken(chip_name: str) -> list[str]:
+        raise error("ERROR_UNKNOWN")
+
+    lib.profiler_host.get_single_pass_sets = broken
+
+    assert totals(sampler) == [(3.0, 4.0)]
+    assert "single_pass_metric_set_name" not in lib.collectors[0].config
+
+
+def test_a_set_choice_configure_refuses_falls_back_to_names_in_order() -> None:
+    refused = ValueError("Requested PM sampling configuration is not supported.")
+    device = FakeDevice(
+        single_pass_sets={"Set0": [SM, DRAM]},
+        errors={"configure": [refused, refused]},  # the set choice, in both trigger modes
+        decodes=[[rec(1, 1)]],
+    )
+    sampler, lib = sampler_for(device)
+
+    assert totals(sampler) == [(1.0, 1.0)]
+    assert lib.count(0, "configure") == 3
+    assert "single_pass_metric_set_name" not in lib.collectors[0].config
+
+
+# -- CUDA driver initialisation ----------------------------------------------------------------
+
+
+def test_the_fake_refuses_enable_before_cuinit_as_cupti_does() -> None:
+    lib = FakeCupti({0: FakeDevice()})
+    collector = lib.pm_sampling.Collector(device_index=0)
+
+    with pytest.raises(cuptiError) as caught:
+        collector.enable()
+
+    assert caught.value.status == error("ERROR_NOT_INITIALIZED").status
+    # enable()'s rollback ran: profiler_initialize undone by profiler_deinitialize.
+    assert lib.total("profiler_initialize") == lib.total("profiler_deinitialize") == 1
+    assert lib.profiler_refs == 0 and not collector.enabled
+
+
+def test_a_stand_in_library_without_a_driver_gets_no_cuinit_and_is_refused() -> None:
+    lib = FakeCupti({0: FakeDevice()})
+    sampler = CuptiPmSampler([GPU0], lib=lib)  # what the agent did before cuInit was added
+
+    assert unavailable(sampler).reason == "no_gpu"
+    assert lib.driver.calls == []
+
+
+def test_cuinit_runs_before_the_first_enable() -> None:
+    sampler, lib = sampler_for(FakeDevice(decodes=[[rec(1, 1)]]), FakeDevice())
+
+    sampler.sample_profiling()
+
+    assert lib.driver.calls == ["cuInit"]  # once per process, not per GPU
+    assert sampler.status() == ("ok", "")
+
+
+def test_primary_context_is_taken_only_where_enable_refuses_without_it() -> None:
+    needs = FakeDevice(needs_primary_context=True, decodes=[[rec(2, 4)]])
+    sampler, lib = sampler_for(FakeDevice(decodes=[[rec(1, 1)]]), needs)
+
+    assert totals(sampler) == [(1.0, 1.0), (2.0, 4.0)]
+    assert lib.driver.retained == {1: 1}  # GPU 0 did not need one
+    assert [lib.count(i, "enable") for i in (0, 1)] == [1, 2]  # one retry, not more
+
+    sampler.close()
+    assert lib.driver.retained == {}
+
+
+def test_primary_context_is_released_when_the_retry_does_not_help() -> None:
+    still = error("ERROR_NOT_INITIALIZED")
+    device = FakeDevice(errors={"enable": [still, still]})
+    sampler, lib = sampler_for(device)
+
+    exc = unavailable(sampler)
+
+    assert exc.reason == "no_gpu" and "NOT_INITIALIZED" in exc.detail
+    assert lib.count(0, "enable") == 2
+    assert "cuDevicePrimaryCtxRelease" in lib.driver.calls and lib.driver.retained == {}
+
+
+def test_missing_libcuda_is_cuda_missing_and_names_the_container_setting() -> None:
+    sampler, lib = sampler_for(FakeDevice())
+    lib.driver.library_missing = True
+
+    exc = unavailable(sampler)
+
+    assert exc.reason == "cuda_missing" and "cuda_missing" in cupti_pm._REASON_CODES
+    assert "libcuda.so.1 not found" in exc.detail
+    assert "NVIDIA_DRIVER_CAPABILITIES to include compute" in exc.detail
+    assert lib.total("enable") == 0
+    assert unavailable(sampler).reason == "cuda_missing"
+    assert lib.driver.calls == ["cuInit"]  # for good: not asked again
+
+
+def test_cupti_finding_no_cuda_driver_is_cuda_missing() -> None:
+    exc = NotSupportedError("CUDA driver is not found (libcuda.so.1: cannot open shared object)")
+    sampler, _ = sampler_for(FakeDevice(errors={"enable": [exc]}))
+
+    caught = unavailable(sampler)
+    assert caught.reason == "cuda_missing"
+    assert "NVIDIA_DRIVER_CAPABILITIES" in caught.detail
+
+
+def test_cuinit_with_no_visible_device_is_no_gpu() -> None:
+    sampler, lib = sampler_for(FakeDevice())
+    lib.driver.init_results = [CUresult.CUDA_ERROR_NO_DEVICE]
+
+    exc = unavailable(sampler)
+    assert exc.reason == "no_gpu" and "CUDA_ERROR_NO_DEVICE" in exc.detail
+
+
+def test_a_transient_cuinit_failure_is_retried_after_the_backoff() -> None:
+    clock = Clock()
+    sampler, lib = sampler_for(FakeDevice(decodes=[[rec(5, 5)]]), clock=clock)
+    lib.driver.init_results = [CUresult.CUDA_ERROR_SYSTEM_NOT_READY]  # fabric manager starting
+
+    with pytest.raises(HardwareError) as caught:
+        sampler.sample_profiling()
+    assert not isinstance(caught.value, SourceUnavailable)
+    clock.now += cupti_pm.BACKOFF_INITIAL_S
+    assert totals(sampler) == [(5.0, 5.0)]
+    assert lib.driver.calls == ["cuInit", "cuInit"]
+
+
 # -- reasons ----------------------------------------------------------------------------------
 
 
@@ -149,11 +362,10 @@ def test_missing_cupti_module_is_cupti_missing(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "cupti", None)  # makes `import cupti` fail
     sampler = CuptiPmSampler([GPU0])
 
-    with pytest.raises(SourceUnavailable) as caught:
-        sampler.sample_profiling()
+    exc = unavailable(sampler)
 
-    assert caught.value.reason == "cupti_missing"
-    assert "cupti-python" in caught.value.detail
+    assert exc.reason == "cupti_missing"
+    assert "cupti-python" in exc.detail
     assert sampler.status()[0] == "cupti_missing"
 
 
@@ -161,12 +373,9 @@ def test_cupti_without_pm_sampling_is_cupti_missing() -> None:
     class OldCupti:  # cupti-python < 13.3 has only the bindings
         cupti = FakeCupti().cupti
 
-    sampler = CuptiPmSampler([GPU0], lib=OldCupti())
-
-    with pytest.raises(SourceUnavailable) as caught:
-        sampler.sample_profiling()
-    assert caught.value.reason == "cupti_missing"
-    assert "13.3" in caught.value.detail
+    exc = unavailable(CuptiPmSampler([GPU0], lib=OldCupti()))
+    assert exc.reason == "cupti_missing"
+    assert "13.3" in exc.detail
 
 
 @pytest.mark.parametrize(
@@ -179,18 +388,16 @@ def test_cupti_without_pm_sampling_is_cupti_missing() -> None:
     ],
 )
 def test_insufficient_privileges_is_no_permission(method: str, exc: BaseException) -> None:
-    device = FakeDevice(errors={method: [exc]})
-    sampler, lib = sampler_for(device)
+    clock = Clock()
+    sampler, lib = sampler_for(FakeDevice(errors={method: [exc]}), clock=clock)
 
-    with pytest.raises(SourceUnavailable) as caught:
-        sampler.sample_profiling()
-
-    assert caught.value.reason == "no_permission"
+    assert unavailable(sampler).reason == "no_permission"
     assert sampler.status()[0] == "no_permission"
     # Permission does not change while the agent runs: no second attempt, same answer.
+    clock.now += BACKOFF_MAX_S * 10
     with pytest.raises(SourceUnavailable, match="no_permission"):
         sampler.sample_profiling()
-    assert lib.count(0, "enable") == 1
+    assert lib.count(0, "enable") == 1 and lib.count(0, "start") <= 1
 
 
 @pytest.mark.parametrize(
@@ -207,23 +414,24 @@ def test_counters_held_by_another_profiler_is_profiler_busy(
     method: str, exc: BaseException
 ) -> None:
     clock = Clock()
-    device = FakeDevice(errors={method: [exc]}, decodes=[[rec(1, 1)]])
-    sampler, lib = sampler_for(device, clock=clock)
+    sampler, lib = sampler_for(FakeDevice(errors={method: [exc]}, decodes=[[rec(1, 1)]]),
+                               clock=clock)
 
-    with pytest.raises(SourceUnavailable) as caught:
-        sampler.sample_profiling()
-    assert caught.value.reason == "profiler_busy"
-    assert lib.collectors[0].enabled is False  # a half-started collector is released
+    assert unavailable(sampler).reason == "profiler_busy"
+    # A busy start keeps its enabled collector (no disable: it would deinitialise the profiler).
+    assert lib.collectors[0].enabled is (method == "start")
+    assert lib.total("disable") == 0
 
     # Not retried straight away...
-    clock.now += cupti_pm.BUSY_RETRY_S / 2
+    clock.now += BUSY_RETRY_S / 2
     with pytest.raises(SourceUnavailable, match="profiler_busy"):
         sampler.sample_profiling()
-    assert lib.count(0, "enable") == 1
+    assert lib.total("enable") == 1 and lib.total("start") == int(method == "start")
     # ...but once the other profiler had time to finish, sampling starts.
-    clock.now += cupti_pm.BUSY_RETRY_S
+    clock.now += BUSY_RETRY_S
     assert totals(sampler) == [(1.0, 1.0)]
     assert sampler.status() == ("ok", "")
+    assert lib.total("enable") == (1 if method == "start" else 2)
 
 
 @pytest.mark.parametrize(
@@ -238,45 +446,35 @@ def test_counters_held_by_another_profiler_is_profiler_busy(
 def test_pm_sampling_not_supported_is_unsupported_device(device: FakeDevice) -> None:
     sampler, lib = sampler_for(device)
 
-    with pytest.raises(SourceUnavailable) as caught:
-        sampler.sample_profiling()
-
-    assert caught.value.reason == "unsupported_device"
-    assert all(not c.enabled for c in lib.collectors)
+    assert unavailable(sampler).reason == "unsupported_device"
     assert lib.count(0, "start") == 0
+    sampler.close()
+    assert all(not c.enabled for c in lib.collectors)
 
 
-@pytest.mark.parametrize(
-    "exc",
-    [
-        NotSupportedError("CUDA driver is not found (libcuda.so.1: cannot open shared object)"),
-        error("ERROR_INVALID_DEVICE"),
-        None,  # the fake knows no device 0: enable() raises ValueError("Invalid device_index")
-    ],
-)
-def test_no_driver_or_no_such_device_is_no_gpu(exc: BaseException | None) -> None:
-    devices = {0: FakeDevice(errors={"enable": [exc]})} if exc is not None else {}
-    sampler = CuptiPmSampler([GPU0], lib=FakeCupti(devices))
+@pytest.mark.parametrize("exc", [error("ERROR_INVALID_DEVICE"), None])
+def test_no_such_device_is_no_gpu(exc: BaseException | None) -> None:
+    # None: the fake knows no device 0, so enable() raises ValueError("Invalid device_index").
+    lib = FakeCupti({0: FakeDevice(errors={"enable": [exc]})} if exc is not None else {})
+    sampler = CuptiPmSampler([GPU0], lib=lib, cuda=CudaDriver(lib.driver))
 
-    with pytest.raises(SourceUnavailable) as caught:
-        sampler.sample_profiling()
-    assert caught.value.reason == "no_gpu"
+    assert unavailable(sampler).reason == "no_gpu"
 
 
 def test_nvperf_libraries_missing_is_cupti_missing() -> None:
     exc = RuntimeError("CUPTI could not load the nvperf* libraries required for profiling.")
-    sampler, _ = sampler_for(FakeDevice(errors={"enable": [exc]}))
+    sampler, lib = sampler_for(FakeDevice(errors={"enable": [exc, exc]}))
 
-    with pytest.raises(SourceUnavailable) as caught:
-        sampler.sample_profiling()
-    assert caught.value.reason == "cupti_missing"
+    assert unavailable(sampler).reason == "cupti_missing"
+    # cupti-python turns ERROR_NOT_INITIALIZED into this text, so one retry with the primary
+    # context was made, and the context given back when it did not help.
+    assert lib.count(0, "enable") == 2 and lib.driver.retained == {}
 
 
 def test_reason_is_logged_once_not_per_sample(caplog: pytest.LogCaptureFixture) -> None:
-    device = FakeDevice(errors={"enable": [PermissionError("ERR_NVGPUCTRPERM")]})
-    sampler, _ = sampler_for(device)
+    sampler, _ = sampler_for(FakeDevice(errors={"enable": [PermissionError("ERR_NVGPUCTRPERM")]}))
 
-    with caplog.at_level(logging.INFO, logger="mrc_agent.agent.core.hw.cupti_pm"):
+    with caplog.at_level(logging.INFO, logger=LOGGER):
         for _ in range(5):
             with pytest.raises(SourceUnavailable):
                 sampler.sample_profiling()
@@ -285,47 +483,199 @@ def test_reason_is_logged_once_not_per_sample(caplog: pytest.LogCaptureFixture) 
     assert len(messages) == 1
 
 
-# -- run time ---------------------------------------------------------------------------------
+# -- backoff ----------------------------------------------------------------------------------
 
 
-def test_failure_after_start_is_hardware_error_and_recovers_keeping_totals(
+def _attempt_times(sampler: CuptiPmSampler, lib: FakeCupti, clock: Clock, method: str,
+                   until: float, step: float = 0.5) -> list[float]:
+    """Seconds (from the start) at which ``method`` ran on GPU 0, calling every ``step``."""
+    start, times = clock.now, []
+    while clock.now - start <= until:
+        before = lib.count(0, method)
+        with contextlib.suppress(HardwareError):  # failing starts are what is being timed
+            sampler.sample_profiling()
+        if lib.count(0, method) > before:
+            times.append(clock.now - start)
+        clock.now += step
+    return times
+
+
+def test_transient_start_failures_back_off_exponentially_then_recover() -> None:
+    clock = Clock()
+    device = FakeDevice(errors={"start": [error("ERROR_UNKNOWN")] * 5}, decodes=[[rec(1, 1)]])
+    sampler, lib = sampler_for(device, clock=clock)
+
+    times = _attempt_times(sampler, lib, clock, "start", until=60.0)
+
+    assert times == [0.0, 1.0, 3.0, 7.0, 15.0, 31.0]  # 1 s doubling; the sixth one works
+    assert lib.count(0, "enable") == 1  # the enabled collector is reused for every retry
+    assert sampler.status() == ("ok", "")
+
+
+def test_backoff_is_capped_at_five_minutes() -> None:
+    clock = Clock()
+    device = FakeDevice(errors={"configure": [error("ERROR_UNKNOWN")] * 1000})
+    sampler, lib = sampler_for(device, clock=clock)
+
+    times = _attempt_times(sampler, lib, clock, "configure", until=2000.0, step=1.0)
+
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert gaps[:9] == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0]
+    assert gaps[9:] and set(gaps[9:]) == {BACKOFF_MAX_S}
+    assert sampler.status()[0] == "hardware_error"
+
+
+def test_failing_enables_back_off_too() -> None:
+    clock = Clock()
+    sampler, lib = sampler_for(FakeDevice(errors={"enable": [error("ERROR_UNKNOWN")] * 3}),
+                               clock=clock)
+
+    times = _attempt_times(sampler, lib, clock, "enable", until=20.0)
+
+    assert times == [0.0, 1.0, 3.0, 7.0]
+
+
+def test_a_good_decode_resets_the_backoff() -> None:
+    clock = Clock()
+    device = FakeDevice(
+        errors={"start": [error("ERROR_UNKNOWN")] * 3, "decode": [None, error("ERROR_UNKNOWN")]},
+        decodes=[[rec(1, 1)], [rec(1, 1)], [rec(1, 1)]],
+    )
+    sampler, lib = sampler_for(device, clock=clock)
+    _attempt_times(sampler, lib, clock, "start", until=7.0)  # fails at 0, 1, 3; works at 7
+    assert sampler.status() == ("ok", "")
+
+    clock.now += 0.5
+    with pytest.raises(HardwareError, match="decode failed"):
+        sampler.sample_profiling()
+    clock.now += cupti_pm.BACKOFF_INITIAL_S  # 1 s again, not the 8 s the start had reached
+    assert totals(sampler) == [(2.0, 2.0)]
+
+
+def test_while_every_gpu_waits_for_its_retry_the_call_is_a_hardware_error() -> None:
+    clock = Clock()
+    sampler, lib = sampler_for(FakeDevice(errors={"start": [error("ERROR_UNKNOWN")]}),
+                               clock=clock)
+    with pytest.raises(HardwareError):
+        sampler.sample_profiling()
+
+    with pytest.raises(HardwareError, match="waits to retry") as caught:
+        sampler.sample_profiling()  # within the backoff: nothing is tried
+    assert not isinstance(caught.value, SourceUnavailable)
+    assert lib.count(0, "start") == 1
+
+
+# -- profiler lifetime: per process, not per collector ------------------------------------------
+
+
+def test_a_run_time_failure_of_one_gpu_leaves_the_other_sampling_and_never_deinitialises(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    device = FakeDevice(
-        decodes=[[rec(10, 100)], [rec(1, 1)], [rec(5, 50)]],
-        errors={"decode": [None, error("ERROR_UNKNOWN"), MemoryError("Record overflow")]},
+    clock = Clock()
+    gpu0 = FakeDevice(decodes=[[rec(1, 10)], [rec(2, 20)], [rec(3, 30)]])
+    gpu1 = FakeDevice(
+        decodes=[[rec(100, 1000)], [rec(5, 50)]],  # the failed decode consumes nothing
+        errors={"decode": [None, MemoryError("Record overflow in the hardware buffer.")]},
     )
-    sampler, lib = sampler_for(device)
+    sampler, lib = sampler_for(gpu0, gpu1, clock=clock)
+    assert totals(sampler) == [(1.0, 10.0), (100.0, 1000.0)]
 
-    assert totals(sampler) == [(10.0, 100.0)]
-    with caplog.at_level(logging.WARNING, logger="mrc_agent.agent.core.hw.cupti_pm"):
-        with pytest.raises(HardwareError) as first:
-            sampler.sample_profiling()
-        assert not isinstance(first.value, SourceUnavailable)
-        assert "ERROR_UNKNOWN" in str(first.value)
-        assert sampler.status()[0] == "hardware_error"
-        # The broken collector was released; the next call starts a new one, which fails too.
-        with pytest.raises(HardwareError, match="Record overflow"):
-            sampler.sample_profiling()
-    assert len(lib.collectors) == 2
-    assert not lib.collectors[0].enabled
+    with caplog.at_level(logging.WARNING, logger=LOGGER), pytest.raises(
+        HardwareError, match="GPU 1: decode failed.*Record overflow"
+    ):
+        sampler.sample_profiling()
+    assert sampler.status()[0] == "hardware_error"
 
-    # Third collector works; the totals carry on from before the failures.
-    assert totals(sampler) == [(11.0, 101.0)]
+    clock.now += cupti_pm.BACKOFF_INITIAL_S
+    # GPU 0 decoded through GPU 1's failure; GPU 1 carries on from its totals.
+    assert totals(sampler) == [(6.0, 60.0), (105.0, 1050.0)]
     assert sampler.status() == ("ok", "")
-    assert len(lib.collectors) == 3
+    # GPU 1 was stopped and restarted on its enabled collector: no disable, no new enable,
+    # and nothing deinitialised the process-wide profiler under GPU 0.
+    assert len(lib.collectors) == 2
+    assert [lib.count(1, m) for m in ("enable", "stop", "configure", "start")] == [1, 1, 2, 2]
+    assert lib.total("disable") == 0 and lib.total("profiler_deinitialize") == 0
+    assert lib.count(0, "stop") == 0 and lib.collectors[0].started
     assert sum("hardware_error" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_unknown_error_while_starting_is_hardware_error_and_retried() -> None:
-    device = FakeDevice(errors={"start": [error("ERROR_UNKNOWN")]}, decodes=[[rec(2, 3)]])
-    sampler, lib = sampler_for(device)
+def test_a_failed_enable_on_one_gpu_does_not_disturb_the_one_already_sampling() -> None:
+    clock = Clock()
+    gpu0 = FakeDevice(decodes=[[rec(1, 1)], [rec(1, 1)], [rec(1, 1)]])
+    gpu1 = FakeDevice(errors={"enable": [error("ERROR_HARDWARE_BUSY")] * 2},
+                      decodes=[[rec(9, 9)]])
+    sampler, lib = sampler_for(gpu0, gpu1, clock=clock)
 
-    with pytest.raises(HardwareError) as caught:
+    assert totals(sampler) == [(1.0, 1.0), (None, None)]
+    clock.now += BUSY_RETRY_S  # GPU 1's enable is retried beside GPU 0 sampling, and fails
+    assert totals(sampler) == [(2.0, 2.0), (None, None)]
+    clock.now += BUSY_RETRY_S
+    assert totals(sampler) == [(3.0, 3.0), (9.0, 9.0)]
+
+    # Each failed enable rolled itself back (as the real one does); GPU 0's own profiler
+    # reference held throughout, and GPU 0 was never stopped.
+    assert lib.total("profiler_deinitialize") == 2
+    assert lib.profiler_refs == 2
+    assert lib.count(0, "stop") == 0 and lib.count(0, "enable") == 1
+
+
+def test_a_restart_reuses_the_working_configuration_and_logs_the_choice_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    device = FakeDevice(
+        supported_metrics=frozenset(),
+        single_pass_sets={"Set0": [SM, DRAM]},
+        errors={"decode": [None, error("ERROR_UNKNOWN")]},
+        decodes=[[rec(1, 1)], [rec(2, 2)]],
+    )
+    sampler, lib = sampler_for(device, clock=clock)
+    asked: list[str] = []
+    real_sets = lib.profiler_host.get_single_pass_sets
+
+    def counted(chip_name: str) -> list[str]:
+        asked.append(chip_name)
+        return real_sets(chip_name)
+
+    lib.profiler_host.get_single_pass_sets = counted
+
+    with caplog.at_level(logging.INFO, logger=LOGGER):
         sampler.sample_profiling()
-    assert not isinstance(caught.value, SourceUnavailable)
-    assert totals(sampler) == [(2.0, 3.0)]
-    assert lib.count(0, "enable") == 2
+        with pytest.raises(HardwareError):
+            sampler.sample_profiling()
+        clock.now += cupti_pm.BACKOFF_INITIAL_S
+        assert totals(sampler) == [(3.0, 3.0)]
+
+    assert asked == ["GH100"]  # the sets were read for the first configure only
+    assert lib.count(0, "configure") == 2
+    assert lib.collectors[0].config["single_pass_metric_set_name"] == "Set0"
+    assert sum("configured" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_every_enable_of_a_pass_comes_before_any_start() -> None:
+    sampler, lib = sampler_for(FakeDevice(), FakeDevice(), FakeDevice())
+
+    sampler.sample_profiling()
+
+    methods = [m for _, m in lib.calls if m in ("enable", "start")]
+    assert methods == ["enable"] * 3 + ["start"] * 3
+
+
+def test_close_stops_every_gpu_before_disabling_any_then_releases_contexts() -> None:
+    needs = FakeDevice(needs_primary_context=True)
+    sampler, lib = sampler_for(FakeDevice(decodes=[[rec(1, 1)]]), needs)
+    sampler.sample_profiling()
+    assert all(c.started for c in lib.collectors if c.enabled)
+
+    sampler.close()
+    sampler.close()  # idempotent
+
+    methods = [m for _, m in lib.calls if m in ("stop", "disable")]
+    assert methods == ["stop", "stop", "disable", "disable"]
+    assert all(not c.started and not c.enabled for c in lib.collectors)
+    assert lib.profiler_refs == 0 and lib.driver.retained == {}
+    with pytest.raises(HardwareError, match="closed"):
+        sampler.sample_profiling()
 
 
 def test_one_unsupported_gpu_leaves_the_other_sampling() -> None:
@@ -337,35 +687,33 @@ def test_one_unsupported_gpu_leaves_the_other_sampling() -> None:
     assert sampler.status()[0] == "unsupported_device"
 
 
-def test_close_stops_and_disables_sampling() -> None:
-    sampler, lib = sampler_for(FakeDevice(decodes=[[rec(1, 1)]]), FakeDevice())
-    sampler.sample_profiling()
-    assert all(c.started for c in lib.collectors)
-
-    sampler.close()
-    sampler.close()  # idempotent
-
-    assert all(not c.started and not c.enabled for c in lib.collectors)
-    assert [lib.count(i, "stop") for i in (0, 1)] == [1, 1]
-    assert [lib.count(i, "disable") for i in (0, 1)] == [1, 1]
-    with pytest.raises(HardwareError, match="closed"):
-        sampler.sample_profiling()
+# -- boundaries --------------------------------------------------------------------------------
 
 
-def test_nothing_touches_cupti_before_the_first_sample() -> None:
+def test_nothing_touches_cuda_or_cupti_before_the_first_sample() -> None:
     lib = FakeCupti({0: FakeDevice()})
-    sampler = CuptiPmSampler([GPU0, GPU1], lib=lib)
+    sampler = CuptiPmSampler([GPU0, GPU1], lib=lib, cuda=CudaDriver(lib.driver))
 
-    assert lib.calls == []
+    assert lib.calls == [] and lib.driver.calls == []
     assert sampler.status()[0] == "not_started"
 
 
-def test_module_import_does_not_import_cupti() -> None:
-    code = "import sys, agent.core.hw.cupti_pm; print('cupti' in sys.modules)"
+def test_importing_and_building_the_source_loads_neither_cupti_nor_cuda() -> None:
+    code = (
+        "import sys\n"
+        "from mrc_agent.agent.core.hw import cupti_pm, cuda_driver\n"
+        "from mrc_agent.agent.core.hw.profiling import LazyProfiling\n"
+        "class Devices:\n"
+        "    def sample_devices(self):\n"
+        "        raise AssertionError('asked for devices before the first sample')\n"
+        "LazyProfiling(Devices())\n"
+        "cupti_pm.CuptiPmSampler([])\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cupti', 'cuda')))\n"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
-    assert out.strip() == "False"
+    assert out.strip() == "[]"
 
 
 def test_interval_must_be_positive() -> None:
@@ -373,23 +721,39 @@ def test_interval_must_be_positive() -> None:
         CuptiPmSampler([GPU0], lib=FakeCupti(), interval_s=0)
 
 
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(50.0, 0.5), (0.0, 0.0), (100.0, 1.0), (130.0, 1.0), (-2.0, 0.0), (math.nan, None),
+     (math.inf, None), (-math.inf, None), (None, None)],
+)
+def test_percentages_become_clamped_ratios_and_non_numbers_are_dropped(
+    value: float | None, expected: float | None
+) -> None:
+    assert cupti_pm._ratio_of_percent(value) == expected
+
+
 def test_fake_matches_the_real_library_where_installed() -> None:
-    """Guards the fake against drift on hosts that have cupti-python (skipped elsewhere)."""
+    """Guards the fakes against drift on hosts that have cupti-python (skipped elsewhere)."""
     cupti = pytest.importorskip("cupti")
+    driver = pytest.importorskip("cuda.bindings.driver")
     import inspect
 
     from tests.fakes import fake_cupti
 
     real = cupti.cupti.Result
     assert {m.name: m.value for m in fake_cupti.Result} == {
-        m.name: real[m.name].value for m in fake_cupti.Result
+        m.name: getattr(real, m.name).value for m in fake_cupti.Result
     }
     assert set(cupti_pm._REASON_BY_RESULT) <= set(real.__members__)
     for mode in fake_cupti.TriggerMode:
-        assert cupti.pm_sampling.TriggerMode[mode.name].value == mode.value
+        assert getattr(cupti.pm_sampling.TriggerMode, mode.name).value == mode.value
     configure = inspect.signature(cupti.pm_sampling.Collector.configure).parameters
-    assert {"metrics", "hardware_buffer_size", "sampling_interval", "trigger_mode"} <= set(
-        configure
-    )
+    assert {"metrics", "hardware_buffer_size", "sampling_interval", "trigger_mode",
+            "single_pass_metric_set_name"} <= set(configure)
     assert "max_samples" in inspect.signature(cupti.pm_sampling.Collector.decode).parameters
     assert str(cupti.cupti.cuptiError(26)) == str(fake_cupti.error("ERROR_HARDWARE_BUSY"))
+    for name in ("get_single_pass_sets", "get_metrics_in_single_pass_set"):
+        assert list(inspect.signature(getattr(cupti.profiler_host, name)).parameters) == list(
+            inspect.signature(getattr(FakeCupti().profiler_host, name)).parameters)
+    for m in fake_cupti.CUresult:
+        assert int(getattr(driver.CUresult, m.name)) == m.value

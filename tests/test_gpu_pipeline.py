@@ -110,7 +110,7 @@ def test_doctor_without_nvml_fails_only_when_nvml_was_asked_for() -> None:
 
 
 REASONS = {"nvml_missing", "driver_not_loaded", "no_gpu", "no_permission", "cupti_missing",
-           "profiler_busy", "unsupported_device", "gpm_unsupported"}
+           "cuda_missing", "profiler_busy", "unsupported_device", "gpm_unsupported"}
 
 
 def test_real_libraries_on_this_host_answer_or_say_why() -> None:

@@ -23,10 +23,25 @@ WALL_NOW = 1_700_000_000.0  # the fake wall clock, seconds since the epoch
 MONO_NOW = 5_000.0  # the fake monotonic clock
 
 
+class Ticker:
+    """A clock that moves ``step`` seconds on every reading (one GPM window per call)."""
+
+    def __init__(self, step: float = 1.0, now: float = MONO_NOW) -> None:
+        self.step, self.now = step, now
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
 def backend(fake: FakeNvml, **kwargs: Any) -> NvmlBackend:
-    """A backend on fixed clocks and without the PCIe thread: tests call ``_pcie.run_round()``."""
+    """A backend on fixed clocks and without the PCIe thread: tests call ``_pcie.run_round()``.
+
+    Its GPM clock moves one window per call, so every ``sample_gpm`` takes a new sample.
+    """
     kwargs.setdefault("clock", lambda: MONO_NOW)
     kwargs.setdefault("pcie_thread", False)
+    kwargs.setdefault("gpm_clock", Ticker())
     return NvmlBackend(lib=fake, wall_clock=lambda: WALL_NOW, **kwargs)
 
 
@@ -667,11 +682,13 @@ EVERY_FEATURE = [
     "memory_info_v2",
     "nvlink_link_count",
     "nvlink_throughput",
+    "pcie_byte_counters",
     "pcie_replay_counter",
     "pcie_throughput",
     "power_usage",
     "sm_clock",
     "temperature",
+    "temperature_v",
     "utilization",
     "utilization_samples",
 ]
@@ -688,6 +705,7 @@ def test_a_gpu_supporting_nothing_names_every_feature_once_and_is_not_asked_agai
         "nvmlDeviceGetPowerUsage",
         "nvmlDeviceGetClockInfo",
         "nvmlDeviceGetTemperature",
+        "nvmlDeviceGetTemperatureV",
         "nvmlDeviceGetTotalEccErrors",
         "nvmlDeviceGetComputeRunningProcesses",
         "nvmlDeviceGetGraphicsRunningProcesses",
@@ -710,11 +728,12 @@ def test_a_gpu_supporting_nothing_names_every_feature_once_and_is_not_asked_agai
     [g] = b.info()["gpus"]
     assert g["unsupported"] == EVERY_FEATURE
     assert g["gpm_supported"] is False and g["nvlink_active_links"] == 1
-    # Each refused once: v1 and v2 memory are two queries, field values the count then links.
+    # Each refused once: v1 and v2 memory are two queries, field values the PCIe byte
+    # counters, the link count, then the links.
     assert {name: fake.calls[name] for name in refused} == {
         **{name: 1 for name in refused},
         "nvmlDeviceGetMemoryInfo": 2,
-        "nvmlDeviceGetFieldValues": 2,
+        "nvmlDeviceGetFieldValues": 3,  # the PCIe byte counters too
     }
 
 
@@ -795,7 +814,7 @@ def test_nvlink_without_field_values_probes_up_to_the_library_maximum() -> None:
 
 
 def test_nvlink_link_refused_within_the_count_is_skipped_not_the_end() -> None:
-    fake = FakeNvml([gpu(nvlink={0: nvlink(1, 2), 1: nvlink(3, 4)})])
+    fake = FakeNvml([gpu(nvlink={0: nvlink(1, 2), 1: nvlink(3, 4)}, nvlink_aggregate_scope=False)])
     fake.fail_next["nvmlDeviceGetNvLinkState"] = [pynvml.NVML_ERROR_NOT_SUPPORTED]  # link 0
     [s] = backend(fake).sample_devices()
     assert s.nvlink_links == {1: (3072, 4096)}
@@ -812,6 +831,7 @@ def test_nvlink_counter_not_supported_on_one_link_leaves_only_complete_links(
             gpu(
                 nvlink={0: nvlink(1, 2), 1: nvlink(3, 4), 2: nvlink(5, 6)},
                 fields_not_supported={(tx, 0), (rx, 2)},
+                nvlink_aggregate_scope=False,  # the per-link sum is all there is
             )
         ]
     )
@@ -926,17 +946,68 @@ def test_gpm_metrics_not_supported_are_each_logged_once(caplog: pytest.LogCaptur
     ]
 
 
-def test_gpm_metric_error_other_than_not_supported_fails_the_sample() -> None:
+def test_gpm_metric_error_is_absent_for_that_window_not_a_session_reset(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     unknown = pynvml.NVML_ERROR_UNKNOWN
     fake = FakeNvml(
         [gpu(gpm=gpm_values(), gpm_metric_errors={pynvml.NVML_GPM_METRIC_SM_UTIL: unknown})]
     )
     b = backend(fake)
     b.sample_gpm()
-    with pytest.raises(HardwareError) as info:
-        b.sample_gpm()
-    assert not isinstance(info.value, SourceUnavailable)
-    assert f"(code {unknown})" in str(info.value)
+    with caplog.at_level(logging.WARNING, logger=NVML_LOGGER):
+        [g] = b.sample_gpm()
+        [g] = b.sample_gpm()
+    assert g.sm_util is None  # the failing metric is absent...
+    assert g.dram_bw_util == pytest.approx(0.50)  # ...the others are there
+    assert fake.calls["nvmlInit"] == 1 and fake.calls["nvmlShutdown"] == 0  # no re-init
+    assert len(messages(caplog, "absent for that window")) == 1  # logged once, not per window
+    fake.gpus[0]["gpm_metric_errors"] = {}
+    [g] = b.sample_gpm()
+    assert g.sm_util == pytest.approx(0.80)  # back in the next window
+
+
+def test_gpm_nan_and_infinite_values_are_dropped_and_ratios_clamped() -> None:
+    fake = FakeNvml([gpu(gpm=gpm_values(SM_UTIL=float("nan"), SM_OCCUPANCY=100.4,
+                                        ANY_TENSOR_UTIL=-0.2, PCIE_TX_PER_SEC=float("inf"),
+                                        PCIE_RX_PER_SEC=-1.0))])
+    b = backend(fake)
+    b.sample_gpm()
+    [g] = b.sample_gpm()
+    assert g.sm_util is None  # NaN with SUCCESS: absent, never exported
+    assert g.sm_occupancy == 1.0 and g.tensor_util == 0.0  # clamped to 0-1
+    assert g.pcie_tx_bytes_per_second is None  # infinite: absent
+    assert g.pcie_rx_bytes_per_second == 0.0  # a rate is never negative
+    assert g.dram_bw_util == pytest.approx(0.50)
+
+
+def test_gpm_samples_once_per_window_and_repeats_the_last_window_between() -> None:
+    clock = FakeClock()
+    fake = FakeNvml([gpu(gpm=gpm_values())])
+    b = backend(fake, gpm_clock=clock, gpm_interval=1.0)
+    assert b.sample_gpm() == []  # primes at t=0
+    clock.now += 0.5
+    assert b.sample_gpm() == []  # inside the first window: nothing yet, no new sample
+    assert fake.calls["nvmlGpmSampleGet"] == 1
+    clock.now += 0.5
+    [g] = b.sample_gpm()  # the window closed at t=1.0
+    assert g.sm_util == pytest.approx(0.80)
+    fake.gpus[0]["gpm"] = gpm_values(SM_UTIL=10.0)
+    for _ in range(5):  # a 10 Hz sampler inside the second window
+        clock.now += 0.1
+        [g] = b.sample_gpm()
+        assert g.sm_util == pytest.approx(0.80)  # the last window's value, again
+    assert fake.calls["nvmlGpmSampleGet"] == 2 and fake.calls["nvmlGpmMetricsGet"] == 1
+    clock.now += 0.5
+    [g] = b.sample_gpm()
+    assert g.sm_util == pytest.approx(0.10)
+    assert fake.gpm_windows == [(1, 2), (2, 3)]
+
+
+@pytest.mark.parametrize("seconds", [0.0, 0.1, 0.19, float("nan"), float("inf") * -1])
+def test_gpm_interval_under_the_floor_is_refused(seconds: float) -> None:
+    with pytest.raises(ValueError, match="at least 0.2 s"):
+        backend(FakeNvml([gpu()]), gpm_interval=seconds)
 
 
 def test_gpm_buffer_that_cannot_be_freed_does_not_stop_teardown(

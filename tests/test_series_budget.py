@@ -131,10 +131,13 @@ def test_budget_table_is_complete_and_ordered() -> None:
 
 @pytest.fixture(scope="module")
 def target() -> Iterator[subprocess.Popen[bytes]]:
-    """The watched process: a Python process spinning a little (so CPU ratios exist)."""
+    """The watched process: a Python process spinning a little (so CPU ratios exist), in a pod
+    given every GPU of the node (``NVIDIA_VISIBLE_DEVICES=all`` in its environment, as the
+    device plugin sets it), so the agent attributes it every GPU and the counts are per GPU."""
     code = ("import time\nend = time.time() + 300\nwhile time.time() < end:\n"
             "    t = time.time() + 0.01\n    while time.time() < t: pass\n    time.sleep(0.04)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code])
+    proc = subprocess.Popen([sys.executable, "-c", code],
+                            env={**os.environ, "NVIDIA_VISIBLE_DEVICES": "all"})
     yield proc
     proc.kill()
     proc.wait()
@@ -193,6 +196,9 @@ def _nvml_exposition(gpus: int, pid: int) -> str:
                                                              "reserved": 2**29},
                          nvlink={link: nvlink(1024 * link, 2048) for link in range(H200_LINKS)},
                          gpm=dict(gpm),
+                         # the PCIe byte counters: totals, and the rate gauges from them
+                         pcie_count={"tx_bytes": 10**9, "rx_bytes": 2 * 10**9,
+                                     "value_type": "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG"},
                          compute_processes=[(pid, 50 * 2**30)] if i == 0 else [],
                          xid_events=[79])  # so that mrc_gpu_last_xid exists too
                      for i in range(gpus)])
@@ -229,7 +235,8 @@ def test_agent_nvml_series_per_gpu_count(gpus: int, target: subprocess.Popen[byt
                 "mrc_gpu_last_xid"):
         assert fams[fam] == gpus, fam
     assert not [f for f, n in fams.items() if n == 0 and not f.startswith(
-        ("mrc_gpu_sm_instructions", "mrc_gpu_dram_read"))], "a family without series"
+        ("mrc_gpu_sm_instructions", "mrc_gpu_dram_read", "mrc_gpu_profiling"))], \
+        "a family without series"
     record(f"agent-nvml-{gpus}gpu", sum(fams.values()))
 
 

@@ -9,12 +9,13 @@ names the dashboards and alert rules use are a contract and must not change.
 
 from __future__ import annotations
 
-from mrc_agent.agent.core import runner
+from mrc_agent.agent.core import attribution, runner
 from mrc_agent.agent.core.collectors import COLLECTORS, profiling
 from mrc_agent.exporters.exposition.snapshot import MetricSpec
 
 CATALOG: list[MetricSpec] = [
     *runner.METRICS,
     profiling.COMPUTE_MEMORY_SOURCE,
+    *attribution.METRICS,
     *(spec for c in COLLECTORS for spec in c.metrics),
 ]

@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from mrc_agent.agent.core.attribution import GPU_MODES, MODE_TARGETS
 from mrc_agent.agent.core.collectors import COLLECTOR_NAMES, DEFAULT_ON
 from mrc_agent.agent.core.collectors.base import DerivedThresholds
 from mrc_agent.agent.core.files import describe, read_bounded
@@ -234,6 +235,11 @@ def _check_backend(value: str, _name: str) -> None:
         raise ConfigError(f"gpu-backend {value!r} is not one of {GPU_BACKENDS}")
 
 
+def _check_gpus(value: str, _name: str) -> None:
+    if value not in GPU_MODES:
+        raise ConfigError(f"gpus {value!r} is not {' or '.join(GPU_MODES)}")
+
+
 def _check_log_level(value: str, _name: str) -> None:
     if value.lower() not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log-level {value!r} is not debug, info, warning or error")
@@ -275,6 +281,19 @@ class AgentConfig:
     gpu_backend: str = setting(
         "auto", parse=_text, check=_check_backend, commands=(RUN, DOCTOR, DIAGNOSE),
         metavar="auto|nvml|replay:PATH|none", help="where GPU samples come from")
+    #: Which GPUs' series to export (docs/attribution.md): the targets' (by their environment
+    #: and NVML's process lists; every GPU while no target says) or every GPU the agent sees.
+    gpus: str = setting(
+        MODE_TARGETS, parse=_text, check=_check_gpus, commands=(RUN, DOCTOR),
+        metavar="|".join(GPU_MODES),
+        help="GPUs to report: targets (those the target processes can use; every GPU while "
+             "none says which) or all")
+    #: GPM's own window: NVML wants more than 100 ms between two GPM samples, and a second
+    #: averages out a decode loop's bursts; the sampler reuses the last window in between.
+    gpm_interval: float = setting(
+        1.0, parse=_float, check=_between(0.2, 60.0, "seconds"), commands=(RUN,),
+        metavar="SECONDS", help="GPM sampling window (0.2-60 s); shorter sampling intervals "
+                                "reuse the last window's values")
     collectors: dict[str, bool] = setting(
         default_factory=lambda: dict(DEFAULT_ON), parse=_collectors, commands=_AGENT,
         metavar="NAME",

@@ -31,11 +31,12 @@ PROFILING_INTERVAL_S = 0.1
 
 
 def open_gpu_backend(backend: str, nvml_lib: Any | None = None, *,
-                     pcie_thread: bool = True) -> ReplayBackend | NvmlBackend | None:
+                     pcie_thread: bool = True,
+                     gpm_interval: float = 1.0) -> ReplayBackend | NvmlBackend | None:
     """The GPU backend ``--gpu-backend`` names: ``replay:PATH`` (the trace is parsed here, so
     a malformed one stops the caller before it starts: ReplayFormatError), ``none`` (None), or
     NVML for ``auto`` and ``nvml`` (which reports "unavailable" per call when there is no
-    GPU)."""
+    GPU). ``gpm_interval`` is NVML GPM's window in seconds."""
     if backend.startswith("replay:"):
         from mrc_agent.agent.core.hw.replay import ReplayBackend
 
@@ -44,7 +45,7 @@ def open_gpu_backend(backend: str, nvml_lib: Any | None = None, *,
         return None
     from mrc_agent.agent.core.hw.nvml import NvmlBackend
 
-    return NvmlBackend(lib=nvml_lib, pcie_thread=pcie_thread)
+    return NvmlBackend(lib=nvml_lib, pcie_thread=pcie_thread, gpm_interval=gpm_interval)
 
 
 def make_sources(cfg: AgentConfig, nvml_lib: Any | None = None, *, profiling: bool = True,
@@ -53,7 +54,7 @@ def make_sources(cfg: AgentConfig, nvml_lib: Any | None = None, *, profiling: bo
     sampling built on first use (``profiling=False`` leaves it out)."""
     from mrc_agent.agent.core.hw.replay import ReplayBackend
 
-    backend = open_gpu_backend(cfg.gpu_backend, nvml_lib)
+    backend = open_gpu_backend(cfg.gpu_backend, nvml_lib, gpm_interval=cfg.gpm_interval)
     if backend is None:
         return Sources()
     if isinstance(backend, ReplayBackend):
@@ -67,7 +68,7 @@ def build_collectors(cfg: AgentConfig, sources: Sources,
                      names: Iterable[str] | None = None) -> list[Collector]:
     """The collectors ``names`` (default: the enabled ones), in sampling order."""
     wanted = set(cfg.enabled if names is None else names)
-    ctx = BuildContext(sources, cfg.thresholds)
+    ctx = BuildContext(sources, cfg.thresholds, gpus=cfg.gpus)
     return [d.factory(ctx) for name, d in BY_NAME.items() if name in wanted]
 
 

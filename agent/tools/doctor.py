@@ -4,6 +4,9 @@ collector that was asked for cannot run.
 "Asked for" means named with ``--collector``, or a GPU collector under an explicit
 ``--gpu-backend nvml``/``replay:…``, or the process collector when targets are configured. The
 defaults under ``--gpu-backend auto`` are best-effort and never fail the doctor.
+
+For each target it also says which GPUs it is attributed and from which source, and which GPUs
+the agent would report (agent.core.attribution, docs/attribution.md).
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from mrc_agent.agent.core.attribution import decide, explain, read_view
 from mrc_agent.agent.core.config import AgentConfig, ConfigError
-from mrc_agent.agent.core.hw.base import HardwareError, SourceUnavailable
+from mrc_agent.agent.core.hw.base import DeviceSample, HardwareError, SourceUnavailable
 from mrc_agent.agent.core.hw.procfs import ProcessGone, ProcFS
 from mrc_agent.agent.core.targets import TargetResolver
 
@@ -68,7 +72,9 @@ def gather(cfg: AgentConfig, nvml_lib: Any | None = None, cupti_lib: Any | None 
         backend = open_gpu_backend(cfg.gpu_backend, nvml_lib)
     except ReplayFormatError as exc:
         raise ConfigError(str(exc)) from exc
+    devices: list[DeviceSample] | None = None  # for the targets' GPU attribution
     if isinstance(backend, ReplayBackend):
+        devices = _devices(backend)
         ids = backend.identities
         checks.append(Check("replay trace", True, f"{cfg.replay_path}: {len(ids)} GPU(s), "
                             f"period {backend.period:.1f} s", "gpu"))
@@ -98,23 +104,65 @@ def gather(cfg: AgentConfig, nvml_lib: Any | None = None, cupti_lib: Any | None 
             gpm = [g["index"] for g in gpus if g.get("gpm_supported")]
             checks.append(Check("GPM", bool(gpm), f"supported on GPU(s) {gpm}" if gpm else
                                 "not supported (Hopper or newer needed)", "gpm"))
+            for g in gpus:
+                if g.get("mig_devices"):
+                    checks.append(Check(f"GPU {g['index']} MIG", None, _mig_detail(g)))
             links = {g["index"]: g.get("nvlink_active_links", 0) for g in gpus}
             checks.append(Check("NVLink", None, ", ".join(
                 f"GPU {i}: {n} active link(s)" for i, n in links.items())))
             checks.append(_profiling_check(nvml, cupti_lib))
+            devices = _devices(nvml)
+            checks.extend(_reading_checks(nvml, devices, cfg.gpm_interval))
         nvml.close()
-    checks.extend(_target_checks(cfg, procfs))
+    checks.extend(_target_checks(cfg, procfs, devices))
     for tool in ("py-spy", "pidstat"):
         path = shutil.which(tool)
         checks.append(Check(tool, None, path or "not installed"))
     return checks
 
 
+def _mig_detail(g: dict[str, Any]) -> str:
+    devices = g["mig_devices"]
+    gpm = "GPM per GPU instance" if g.get("gpm_supported") else "no GPM"
+    return (f"on, {len(devices)} MIG device(s) ({', '.join(devices)}): memory, processes and "
+            f"{gpm} per MIG device (labelled by its MIG UUID); not available in MIG mode: GPU "
+            "and memory utilisation, utilisation samples (so no idle windows or starvation), "
+            "CUPTI profiling counters")
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value / 1e6:.1f} MB/s"
+
+
+def _reading_checks(nvml: Any, devices: list[DeviceSample] | None,
+                    gpm_interval: float) -> list[Check]:
+    """Which reading is live per GPU where NVML leaves a choice, with both PCIe readings
+    side by side over one second so the throughput call's unit can be judged on the node."""
+    out = [Check("GPM window", None, f"{gpm_interval:g} s (--gpm-interval); faster sampling "
+                 "repeats the last window's values")]
+    try:
+        pcie = nvml.compare_pcie()
+    except HardwareError as exc:
+        pcie = {}
+        out.append(Check("PCIe readings", None, f"not compared: {exc}"))
+    for s in devices or []:
+        src = s.sources
+        row = pcie.get(s.gpu.uuid, {})
+        out.append(Check(
+            f"GPU {s.gpu.index} readings", None,
+            f"PCIe from {src.get('pcie', '-')} (counters TX {_rate(row.get('counter_tx'))} "
+            f"RX {_rate(row.get('counter_rx'))} | throughput call TX "
+            f"{_rate(row.get('call_tx'))} RX {_rate(row.get('call_rx'))}); NVLink "
+            f"{src.get('nvlink', 'none')}; utilisation-sample clock "
+            f"{src.get('util_clock', 'no samples yet')}"))
+    return out
+
+
 def _profiling_check(nvml: Any, cupti_lib: Any | None) -> Check:
     from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
 
     try:
-        devices = [s.gpu for s in nvml.sample_devices()]
+        devices = [s.gpu for s in nvml.sample_devices() if not s.gpu.uuid.startswith("MIG-")]
         sampler = CuptiPmSampler(devices, lib=cupti_lib)
         try:
             sampler.sample_profiling()
@@ -127,7 +175,16 @@ def _profiling_check(nvml: Any, cupti_lib: Any | None) -> Check:
         return Check("profiling counters", False, str(exc), "profiling")
 
 
-def _target_checks(cfg: AgentConfig, procfs: ProcFS) -> list[Check]:
+def _devices(backend: Any) -> list[DeviceSample] | None:
+    try:
+        samples: list[DeviceSample] = backend.sample_devices()
+        return samples
+    except HardwareError:  # SourceUnavailable too: the GPU checks above say why
+        return None
+
+
+def _target_checks(cfg: AgentConfig, procfs: ProcFS,
+                   devices: list[DeviceSample] | None = None) -> list[Check]:
     resolver = TargetResolver(cfg.pids, cfg.pidfile, cfg.process_name, procfs=procfs)
     if not resolver.configured:
         return [Check("targets", None, "none configured (--pid, --pidfile, --process-name)")]
@@ -135,6 +192,7 @@ def _target_checks(cfg: AgentConfig, procfs: ProcFS) -> list[Check]:
     if not targets:
         return [Check("targets", False, "no process matches", "process")]
     out = []
+    views = []
     for t in targets:
         try:
             st = procfs.stat(t.pid)
@@ -145,6 +203,10 @@ def _target_checks(cfg: AgentConfig, procfs: ProcFS) -> list[Check]:
             continue
         ok, why = ptrace_ok(t.pid, procfs)
         out.append(Check(f"ptrace {t.pid} (py-spy)", ok, why))
+        views.append(read_view(procfs, t.pid))
+    if devices is not None:  # which GPUs each target is attributed, and from which source
+        att = decide(cfg.gpus, views, devices)
+        out.extend(Check(what, None, detail) for what, detail in explain(att))
     return out
 
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from mrc_agent.agent.core.hw.base import HardwareError, SourceUnavailable
+from mrc_agent.agent.core.hw.base import HardwareError, SourceUnavailable, finite, ratio
 from mrc_agent.agent.core.hw.replay import TRACE_FIELDS
 from mrc_agent.agent.core.hw.sources import Sources
 
@@ -30,8 +30,11 @@ def _merge(rows: dict[int, dict[str, Any]], kind: str, samples: list[Any]) -> No
                                              "name": s.gpu.name})
         for (k, attr), key in _FIELD_OF.items():
             if k == kind:
-                value = getattr(s, attr, None)
-                if value is not None:
+                # The replay validator refuses NaN, infinities and ratios over 1, so a trace
+                # holds none: what the adapters let through is cleaned here once more.
+                clean = ratio if TRACE_FIELDS[key][2] == "ratio" else finite
+                value = clean(getattr(s, attr, None))
+                if value is not None and value >= 0:
                     row[key] = value
 
 

@@ -1,19 +1,37 @@
 """Hand-written fake of the slice of ``cupti-python`` (>= 13.3) that
-``agent.core.hw.cupti_pm`` uses.
+``agent.core.hw.cupti_pm`` uses, and of the ``cuda.bindings.driver`` calls it makes first.
 
-It mirrors the real library's shape and the behaviour its docstrings promise:
+It mirrors the real libraries' shape and the behaviour their sources show (cupti-python 13.4
+``pm_sampling.py`` / ``profiler_host.py``, cuda-bindings 13.x):
 
 - ``lib.pm_sampling.Collector(device_index)`` with ``enable / configure / start / decode / stop /
-  disable``; ``configure`` raises ValueError for a metric the chip's PM sampling does not offer
-  or an unsupported trigger mode, ``start`` / ``stop`` raise RuntimeError out of order, and
-  ``decode(max_samples)`` hands back at most ``max_samples`` completed samples, leaving the rest
-  in the "hardware buffer" for the next decode.
-- ``lib.pm_sampling.TriggerMode`` with the values of ``CUpti_PmSampling_TriggerMode``.
-- ``lib.cupti.cuptiError`` (carries ``.status``) and ``lib.cupti.Result`` with the values of
-  ``cupti_result.h``.
+  disable``. ``enable()`` first calls ``profiler_initialize`` (process-wide, counted here in
+  ``lib.profiler_refs``), then resolves the chip name, which answers ``ERROR_NOT_INITIALIZED``
+  until the process called ``cuInit``, then enables PM sampling, which on a device built with
+  ``needs_primary_context`` answers ``ERROR_NOT_INITIALIZED`` until its primary context is
+  retained. On any failure except RuntimeError it rolls back with ``profiler_deinitialize``,
+  exactly as the real ``enable()`` does; ``disable()`` of an enabled collector also calls
+  ``profiler_deinitialize``. Whether real CUPTI counts these calls is unknown; the fake counts
+  them and, once the count is back to zero, every still-enabled collector answers
+  ``ERROR_NOT_INITIALIZED`` (the profiler was torn down under it).
+- ``configure`` raises ValueError for a metric the chip's PM sampling does not offer, for
+  metrics outside the named single-pass set, for an unknown set name and for an unsupported
+  trigger mode; ``start`` / ``stop`` raise RuntimeError out of order, and
+  ``decode(max_samples)`` hands back at most ``max_samples`` completed samples, leaving the
+  rest in the "hardware buffer" for the next decode.
+- ``lib.profiler_host.get_single_pass_sets(chip)`` / ``get_metrics_in_single_pass_set(chip,
+  set)`` with the real ValueErrors for an unsupported chip or set (absent with
+  ``set_api=False``, as in cupti-python before 13.4).
+- ``lib.pm_sampling.TriggerMode``, ``lib.cupti.cuptiError`` (carries ``.status``) and
+  ``lib.cupti.Result`` with the values of ``CUpti_PmSampling_TriggerMode`` / ``cupti_result.h``.
+- ``lib.driver``: ``cuInit / cuDeviceGet / cuDevicePrimaryCtxRetain / cuDevicePrimaryCtxRelease
+  / cuCtxSetCurrent`` returning ``(CUresult, value...)`` tuples, raising cuda-pathfinder's
+  ``DynamicLibNotFoundError`` when ``library_missing`` (no libcuda.so.1).
 
-A device is described by data: which metrics and trigger modes it accepts, the samples its
-hardware produces (one list per decode call) and the errors to raise per call.
+A device is described by data: which metrics, sets and trigger modes it accepts, the samples
+its hardware produces (one list per decode call) and the errors to raise per call. An injected
+error is what the call answers before anything else the fake models (for ``enable`` right
+after ``profiler_initialize``, so the real rollback follows it).
 """
 
 from __future__ import annotations
@@ -45,6 +63,7 @@ class Result(enum.IntEnum):
     ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED = 39
     ERROR_VIRTUALIZED_DEVICE_INSUFFICIENT_PRIVILEGES = 40
     ERROR_MIG_DEVICE_NOT_SUPPORTED = 43
+    ERROR_INVALID_CHIP_NAME = 46
     ERROR_UNKNOWN = 999
 
 
@@ -60,9 +79,26 @@ class NotSupportedError(RuntimeError):
     """Like ``cupti._internal.utils.NotSupportedError`` (no CUDA driver on the host)."""
 
 
+class DynamicLibNotFoundError(RuntimeError):
+    """Like ``cuda.pathfinder``'s error when a cuda-bindings call finds no libcuda.so.1."""
+
+
 class TriggerMode(enum.IntEnum):
     GPU_SYSCLK_INTERVAL = 0
     GPU_TIME_INTERVAL = 1
+
+
+class CUresult(enum.IntEnum):
+    """The CUresult codes the fake driver answers (values from cuda.h)."""
+
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_NOT_INITIALIZED = 3
+    CUDA_ERROR_STUB_LIBRARY = 34
+    CUDA_ERROR_NO_DEVICE = 100
+    CUDA_ERROR_INVALID_DEVICE = 101
+    CUDA_ERROR_INVALID_CONTEXT = 201
+    CUDA_ERROR_SYSTEM_NOT_READY = 802
+    CUDA_ERROR_UNKNOWN = 999
 
 
 def error(name: str) -> cuptiError:
@@ -70,20 +106,30 @@ def error(name: str) -> cuptiError:
     return cuptiError(Result[name])
 
 
+def base_name(metric: str) -> str:
+    return metric.split(".", 1)[0]
+
+
 @dataclass
 class FakeDevice:
     """One GPU as the fake library sees it.
 
-    ``decodes`` holds, per decode call while sampling runs, the samples the hardware completed
-    since the previous one (consumed as they are decoded); each sample maps a metric name to
-    that interval's value. ``errors`` maps a Collector method name to outcomes consumed one
-    per call (an exception to raise, or ``None`` to go ahead); when a method's list runs out
-    it succeeds.
+    ``supported_metrics`` is what ``configure`` accepts without a set name;
+    ``single_pass_sets`` maps each single-pass set to the metric names CUPTI lists for it
+    (full or base names), which ``configure(single_pass_metric_set_name=...)`` accepts by base
+    name. ``decodes`` holds, per decode call while sampling runs, the samples the hardware
+    completed since the previous one (consumed as they are decoded); each sample maps a metric
+    name to that interval's value. ``errors`` maps a Collector method name to outcomes consumed
+    one per call (an exception to raise, or ``None`` to go ahead); when a method's list runs
+    out it succeeds.
     """
 
     supported_metrics: frozenset[str] = frozenset(
         {"sm__inst_executed_realtime.sum", "sm__inst_executed.sum", "dram__bytes_read.sum"}
     )
+    chip_name: str = "GH100"
+    single_pass_sets: dict[str, list[str]] = field(default_factory=dict)
+    needs_primary_context: bool = False
     supports_time_interval: bool = True
     decodes: list[list[dict[str, float]]] = field(default_factory=list)
     errors: dict[str, list[BaseException | None]] = field(default_factory=dict)
@@ -111,13 +157,84 @@ class CounterData:
         return iter(self._samples)
 
 
-class FakeCupti:
-    """Stands in for the ``cupti`` package: ``.pm_sampling`` and ``.cupti`` namespaces."""
+#: The enum under a name the fake driver's annotations can use beside its ``CUresult`` attribute.
+_Result = CUresult
 
-    def __init__(self, devices: dict[int, FakeDevice] | None = None) -> None:
+
+class FakeCudaDriver:
+    """Stands in for ``cuda.bindings.driver``: answers ``(CUresult, value...)`` tuples."""
+
+    CUresult = _Result
+
+    def __init__(self, lib: FakeCupti) -> None:
+        self._lib = lib
+        self.library_missing = False
+        #: Results cuInit answers, consumed one per call; CUDA_SUCCESS once it runs out.
+        self.init_results: list[_Result] = []
+        self.initialised = False
+        #: Device index -> primary-context references held.
+        self.retained: dict[int, int] = {}
+        self.current: int | None = None
+        self.calls: list[str] = []
+
+    def _enter(self, name: str) -> None:
+        self.calls.append(name)
+        if self.library_missing:
+            raise DynamicLibNotFoundError(
+                '"cuda" is an NVIDIA driver library and can only be found via system search. '
+                "Ensure the NVIDIA display driver is installed."
+            )
+
+    def cuInit(self, flags: int) -> tuple[_Result]:
+        self._enter("cuInit")
+        if flags != 0:
+            return (_Result.CUDA_ERROR_INVALID_CONTEXT,)
+        result = self.init_results.pop(0) if self.init_results else _Result.CUDA_SUCCESS
+        if result == _Result.CUDA_SUCCESS:
+            self.initialised = True
+        return (result,)
+
+    def cuDeviceGet(self, ordinal: int) -> tuple[_Result, int | None]:
+        self._enter("cuDeviceGet")
+        if not self.initialised:
+            return (_Result.CUDA_ERROR_NOT_INITIALIZED, None)
+        if ordinal not in self._lib.devices:
+            return (_Result.CUDA_ERROR_INVALID_DEVICE, None)
+        return (_Result.CUDA_SUCCESS, ordinal)
+
+    def cuDevicePrimaryCtxRetain(self, dev: int) -> tuple[_Result, str | None]:
+        self._enter("cuDevicePrimaryCtxRetain")
+        if not self.initialised:
+            return (_Result.CUDA_ERROR_NOT_INITIALIZED, None)
+        self.retained[dev] = self.retained.get(dev, 0) + 1
+        return (_Result.CUDA_SUCCESS, f"ctx{dev}")
+
+    def cuDevicePrimaryCtxRelease(self, dev: int) -> tuple[_Result]:
+        self._enter("cuDevicePrimaryCtxRelease")
+        if not self.retained.get(dev):
+            return (_Result.CUDA_ERROR_INVALID_CONTEXT,)
+        self.retained[dev] -= 1
+        if not self.retained[dev]:
+            del self.retained[dev]
+        return (_Result.CUDA_SUCCESS,)
+
+    def cuCtxSetCurrent(self, ctx: str | None) -> tuple[_Result]:
+        self._enter("cuCtxSetCurrent")
+        self.current = int(ctx[3:]) if ctx else None
+        return (_Result.CUDA_SUCCESS,)
+
+
+class FakeCupti:
+    """Stands in for the ``cupti`` package: ``.pm_sampling``, ``.profiler_host``, ``.cupti``,
+    plus ``.driver`` for the CUDA driver that cupti-python's cuda-bindings reach."""
+
+    def __init__(self, devices: dict[int, FakeDevice] | None = None, *,
+                 set_api: bool = True) -> None:
         self.devices: dict[int, FakeDevice] = devices if devices is not None else {}
         self.collectors: list[Collector] = []
         self.calls: list[tuple[int, str]] = []
+        self.profiler_refs = 0
+        self.driver = FakeCudaDriver(self)
         fake = self
 
         class BoundCollector(Collector):
@@ -127,11 +244,60 @@ class FakeCupti:
         self.pm_sampling = SimpleNamespace(
             Collector=BoundCollector, TriggerMode=TriggerMode, CounterData=CounterData
         )
+        host: dict[str, Any] = {"get_supported_chips": self.get_supported_chips}
+        if set_api:
+            host["get_single_pass_sets"] = self.get_single_pass_sets
+            host["get_metrics_in_single_pass_set"] = self.get_metrics_in_single_pass_set
+        self.profiler_host = SimpleNamespace(**host)
         self.cupti = SimpleNamespace(cuptiError=cuptiError, Result=Result)
 
     def count(self, index: int, method: str) -> int:
         """How often ``method`` was called on device ``index``'s collectors."""
         return sum(1 for i, m in self.calls if (i, m) == (index, method))
+
+    def total(self, method: str) -> int:
+        """How often ``method`` was called, all devices together."""
+        return sum(1 for _, m in self.calls if m == method)
+
+    # -- process-wide profiler state, as Collector.enable()/disable() reach it ------------------
+
+    def profiler_initialize(self, index: int) -> None:
+        self.calls.append((index, "profiler_initialize"))
+        self.profiler_refs += 1
+
+    def profiler_deinitialize(self, index: int) -> None:
+        self.calls.append((index, "profiler_deinitialize"))
+        self.profiler_refs = max(0, self.profiler_refs - 1)
+
+    # -- cupti.profiler_host --------------------------------------------------------------------
+
+    def get_supported_chips(self) -> list[str]:
+        return sorted({d.chip_name for d in self.devices.values()})
+
+    def _device_of_chip(self, chip_name: str) -> FakeDevice:
+        if not chip_name:
+            raise ValueError("chip_name must be a non-empty string")
+        for device in self.devices.values():
+            if device.chip_name == chip_name:
+                return device
+        raise ValueError(
+            f'Unsupported chip_name "{chip_name}". Use get_supported_chips() to query '
+            "supported chips"
+        )
+
+    def get_single_pass_sets(self, chip_name: str) -> list[str]:
+        return list(self._device_of_chip(chip_name).single_pass_sets)
+
+    def get_metrics_in_single_pass_set(self, chip_name: str, set_name: str) -> list[str]:
+        sets = self._device_of_chip(chip_name).single_pass_sets
+        if not set_name:
+            raise ValueError("set_name must be a non-empty string")
+        if set_name not in sets:
+            raise ValueError(
+                f'Invalid set name "{set_name}". Use get_single_pass_sets(chip_name) to check '
+                "single pass sets for a chip"
+            )
+        return list(sets[set_name])
 
 
 class Collector:
@@ -144,28 +310,55 @@ class Collector:
         self.started = False
         self.metrics: list[str] | None = None
         self.config: dict[str, Any] = {}
+        self._chip_name: str | None = None
         self._pending: list[dict[str, float]] = []
         self._time = 0
         lib.collectors.append(self)
 
-    def _call(self, method: str) -> FakeDevice:
-        self._lib.calls.append((self.device_index, method))
+    def _outcome(self, method: str) -> None:
         device = self._lib.devices.get(self.device_index)
         outcomes = device.errors.get(method) if device is not None else None
         if outcomes:
             outcome = outcomes.pop(0)
             if outcome is not None:
                 raise outcome
+
+    def _call(self, method: str) -> FakeDevice:
+        self._lib.calls.append((self.device_index, method))
+        self._outcome(method)
+        device = self._lib.devices.get(self.device_index)
         if device is None:
-            # What Collector.enable() raises when cuptiDeviceGetChipName rejects the index.
             raise ValueError(f"Invalid device_index: {self.device_index}")
+        if self.enabled and self._lib.profiler_refs <= 0:
+            # Someone deinitialised the profiler while this collector was enabled.
+            raise error("ERROR_NOT_INITIALIZED")
         return device
 
     def enable(self) -> None:
-        self._call("enable")
-        if self.enabled:
-            raise RuntimeError("PM sampling is already enabled on this device.")
-        self.enabled = True
+        lib = self._lib
+        lib.calls.append((self.device_index, "enable"))
+        lib.profiler_initialize(self.device_index)
+        try:
+            self._outcome("enable")
+            if not lib.driver.initialised:  # cuptiDeviceGetChipName before cuInit
+                raise error("ERROR_NOT_INITIALIZED")
+            device = lib.devices.get(self.device_index)
+            if device is None:
+                raise ValueError(f"Invalid device_index: {self.device_index}")
+            if device.needs_primary_context and self.device_index not in lib.driver.retained:
+                raise error("ERROR_NOT_INITIALIZED")
+            if self.enabled or any(
+                c.enabled and c.device_index == self.device_index for c in lib.collectors
+            ):
+                raise RuntimeError("PM sampling is already enabled on this device.")
+            self._chip_name = device.chip_name
+            self.enabled = True
+        except RuntimeError:
+            raise  # the real enable() re-raises these without rolling back
+        except Exception:
+            lib.profiler_deinitialize(self.device_index)
+            self._chip_name = None
+            raise
 
     def configure(
         self,
@@ -174,23 +367,40 @@ class Collector:
         hardware_buffer_size: int = 512 * 1024 * 1024,
         sampling_interval: int = 10000,
         trigger_mode: TriggerMode = TriggerMode.GPU_TIME_INTERVAL,
+        hw_buffer_append_mode: int = 0,
+        single_pass_metric_set_name: str | None = None,
     ) -> None:
-        device = self._call("configure")
         if not self.enabled:
+            self._lib.calls.append((self.device_index, "configure"))
             raise RuntimeError("Collector is not enabled. Call enable() first.")
+        device = self._call("configure")
         if hardware_buffer_size <= 0 or sampling_interval <= 0:
             raise ValueError("hardware_buffer_size and sampling_interval must be > 0")
-        unknown = [m for m in metrics if m not in device.supported_metrics]
-        if unknown:
-            raise ValueError(f"Invalid metrics {unknown}")
+        not_supported = ValueError("Requested PM sampling configuration is not supported.")
+        if single_pass_metric_set_name is not None:
+            offered = device.single_pass_sets.get(single_pass_metric_set_name)
+            if offered is None:
+                raise ValueError(
+                    f"Invalid single_pass_metric_set_name {single_pass_metric_set_name!r} "
+                    f"for chip {device.chip_name!r}"
+                )
+            bases = {base_name(m) for m in offered}
+            if any(base_name(m) not in bases for m in metrics):
+                raise not_supported
+        else:
+            unknown = [m for m in metrics if m not in device.supported_metrics]
+            if unknown:
+                raise ValueError(f"Invalid metrics {unknown}")
         if trigger_mode == TriggerMode.GPU_TIME_INTERVAL and not device.supports_time_interval:
-            raise ValueError("Requested PM sampling configuration is not supported.")
+            raise not_supported
         self.metrics = list(metrics)
         self.config = {
             "hardware_buffer_size": hardware_buffer_size,
             "sampling_interval": sampling_interval,
             "trigger_mode": trigger_mode,
         }
+        if single_pass_metric_set_name is not None:
+            self.config["single_pass_metric_set_name"] = single_pass_metric_set_name
 
     def start(self) -> None:
         self._call("start")
@@ -232,6 +442,9 @@ class Collector:
         return CounterData(list(self.metrics), samples)
 
     def disable(self) -> None:
-        self._call("disable")
+        self._lib.calls.append((self.device_index, "disable"))
+        if self.enabled:  # the real disable() deinitialises only when it enabled something
+            self._lib.profiler_deinitialize(self.device_index)
         self.enabled = False
         self.started = False
+        self._chip_name = None

@@ -37,6 +37,29 @@ _PASSTHROUGH_PREFIXES = ("NVML_", "NVMLError", "c_nvml", "nvmlEventType", "nvmlM
 NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
 
 
+def load_fake_for(module: Any) -> Any:
+    """This fake module loaded again with ``pynvml`` bound to ``module`` (e.g. an older
+    nvidia-ml-py): its constants, structures, error classes and set of functions are then that
+    version's. Returns the new module object (use its ``FakeNvml`` and ``gpu``)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(f"{__name__}_for_{id(module)}", __file__)
+    assert spec is not None and spec.loader is not None
+    fake = importlib.util.module_from_spec(spec)
+    if spec.name in sys.modules:
+        return sys.modules[spec.name]
+    saved = sys.modules.get("pynvml")
+    sys.modules["pynvml"] = module
+    sys.modules[spec.name] = fake  # its dataclasses look their module up while it loads
+    try:
+        spec.loader.exec_module(fake)
+    finally:
+        if saved is not None:
+            sys.modules["pynvml"] = saved
+    return fake
+
+
 def gpu(**overrides: Any) -> dict[str, Any]:
     """A GPU description with realistic defaults (an H100-like board), in NVML's own units."""
     index = overrides.pop("index", 0)
@@ -54,9 +77,18 @@ def gpu(**overrides: Any) -> dict[str, Any]:
         "memory": {"total": 80 * 2**30, "used": 10 * 2**30, "reserved": 512 * 2**20},
         # nvmlDeviceGetPcieThroughput (KB/s) and nvmlDeviceGetPcieReplayCounter
         "pcie": {"tx_kb_per_s": 1000, "rx_kb_per_s": 2000, "replays": 0},
+        # NVML_FI_DEV_PCIE_COUNT_TX_BYTES / _RX_BYTES raw values (None: a driver without them)
+        # and the NVML_VALUE_TYPE_* name they come back as (32-bit ones wrap at 2**32)
+        "pcie_count": {"tx_bytes": None, "rx_bytes": None,
+                       "value_type": "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG"},
         # link index -> state and cumulative NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX (KiB).
-        # The link count NVML reports is len(nvlink).
+        # The link count NVML reports is len(nvlink). scopeId UINT_MAX answers the sum over
+        # links, or is refused (NOT_SUPPORTED) on a driver without the aggregate scope.
         "nvlink": {},
+        "nvlink_aggregate_scope": True,
+        # True: every per-link read answers the aggregate (the per-link reads reported to
+        # return all links' total on some drivers)
+        "nvlink_per_link_is_aggregate": False,
         "power_mw": 300_000,
         "sm_clock_mhz": 1980,
         "temperature_c": 40,
@@ -79,6 +111,27 @@ def gpu(**overrides: Any) -> dict[str, Any]:
         "field_errors": {},
         # True: every call with this GPU's handle answers NVML_ERROR_GPU_IS_LOST
         "lost": False,
+        # MIG devices (see mig_device()); non-empty means MIG mode is on: the whole GPU then
+        # answers NOT_SUPPORTED for utilisation, utilisation samples and GPM samples, as NVML
+        # does, and GPM is sampled per GPU instance (nvmlGpmMigSampleGet)
+        "mig": [],
+    }
+    data.update(overrides)
+    return data
+
+
+def mig_device(gi: int, **overrides: Any) -> dict[str, Any]:
+    """One MIG device (GPU instance ``gi``) for ``gpu(mig=[...])``, in NVML's units."""
+    data: dict[str, Any] = {
+        "uuid": f"MIG-0000000{gi}-fake-mig-uuid",
+        "gpu_instance": gi,
+        "memory": {"total": 18 * 2**30, "used": 2 * 2**30, "reserved": 0},
+        "compute_processes": [],
+        "graphics_processes": [],
+        # NVML_GPM_METRIC_* id -> value: this GPU instance's GPM metrics
+        "gpm": {},
+        "not_supported": set(),
+        "lost": False,
     }
     data.update(overrides)
     return data
@@ -91,10 +144,14 @@ def nvlink(tx_kib: int = 0, rx_kib: int = 0, active: bool = True) -> dict[str, A
 
 @dataclass(frozen=True)
 class FakeHandle:
-    """An nvmlDevice_t: valid only in the NVML session (generation) that handed it out."""
+    """An nvmlDevice_t: valid only in the NVML session (generation) that handed it out.
+
+    ``mig`` is the MIG device's position on its parent GPU ``index``; None for a whole GPU.
+    """
 
     index: int
     generation: int
+    mig: int | None = None
 
 
 @dataclass
@@ -102,6 +159,17 @@ class FakeEventSet:
     gpus: list[int] = field(default_factory=list)
     event_types: int = 0
     freed: bool = False
+
+
+#: What NVML answers for a MIG device handle (the rest is device-wide: NOT_SUPPORTED).
+_MIG_HANDLE_CALLS = frozenset({
+    "nvmlDeviceGetUUID", "nvmlDeviceGetGpuInstanceId", "nvmlDeviceGetMemoryInfo",
+    "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses",
+})
+#: What the whole GPU no longer answers once MIG mode is on.
+_NOT_IN_MIG_MODE = frozenset({
+    "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetSamples", "nvmlGpmSampleGet",
+})
 
 
 class FakeNvml:
@@ -141,7 +209,7 @@ class FakeNvml:
         self._gpm_taken = 0
         # GPM sample buffers: address of the opaque struct -> (gpu index or None, metric values,
         # sequence number of the sample it holds, 0 while unfilled).
-        self._gpm_buffers: dict[int, tuple[int | None, dict[int, float] | None, int]] = {}
+        self._gpm_buffers: dict[int, tuple[Any, dict[int, float] | None, int]] = {}
         self._gpm_structs: list[Any] = []  # keeps the structs (and so their addresses) alive
 
     # --- the real library's vocabulary ----------------------------------------------------
@@ -150,6 +218,13 @@ class FakeNvml:
         if name.startswith(_PASSTHROUGH_PREFIXES):
             return getattr(pynvml, name)
         raise AttributeError(f"fake pynvml does not implement {name!r}")
+
+    def __getattribute__(self, name: str) -> Any:
+        # A function the bound pynvml module lacks is absent here too, so a fake built on an
+        # older nvidia-ml-py (load_fake_for) offers exactly that version's functions.
+        if name.startswith("nvml") and name[4:5].isupper() and not hasattr(pynvml, name):
+            raise AttributeError(f"this nvidia-ml-py has no {name!r}")
+        return object.__getattribute__(self, name)
 
     # --- test controls --------------------------------------------------------------------
 
@@ -189,6 +264,12 @@ class FakeNvml:
             raise self._error(pynvml.NVML_ERROR_GPU_IS_LOST)
         if handle.generation != self.generation:
             raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if handle.mig is not None:
+            if name not in _MIG_HANDLE_CALLS:
+                raise self._error(NOT_SUPPORTED)  # device-wide queries need the whole GPU
+            data = data["mig"][handle.mig]
+        elif data["mig"] and name in _NOT_IN_MIG_MODE:
+            raise self._error(NOT_SUPPORTED)
         if name in data["not_supported"]:
             raise self._error(NOT_SUPPORTED)
         return data
@@ -317,33 +398,57 @@ class FakeNvml:
     def nvmlDeviceGetFieldValues(self, handle: FakeHandle, fieldIds: list[Any]) -> Any:
         data = self._gpu("nvmlDeviceGetFieldValues", handle)
         values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
+        links = data["nvlink"]
+        pcie_fields = {
+            getattr(pynvml, "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", -1): "tx_bytes",
+            getattr(pynvml, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", -1): "rx_bytes",
+        }
+        nvlink_fields = (
+            pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+            pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+        )
         for i, requested in enumerate(fieldIds):
             field_id, scope = requested if isinstance(requested, tuple) else (requested, 0)
             out = values[i]
             out.fieldId, out.scopeId = field_id, scope
             out.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
             out.nvmlReturn = pynvml.NVML_SUCCESS
-            links = data["nvlink"]
             if field_id in data["field_errors"]:
                 out.nvmlReturn = data["field_errors"][field_id]
             elif (
                 field_id in data["fields_not_supported"]
                 or (field_id, scope) in data["fields_not_supported"]
-                or not links
             ):
+                out.nvmlReturn = NOT_SUPPORTED
+            elif field_id in pcie_fields:
+                raw = data["pcie_count"][pcie_fields[field_id]]
+                if raw is None:
+                    out.nvmlReturn = NOT_SUPPORTED
+                    continue
+                out.valueType = getattr(pynvml, data["pcie_count"]["value_type"])
+                if out.valueType == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
+                    out.value.uiVal = int(raw) % 2**32
+                else:
+                    out.value.ullVal = int(raw) % 2**64
+            elif not links:
                 out.nvmlReturn = NOT_SUPPORTED
             elif field_id == pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT:
                 out.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
                 out.value.uiVal = len(links)
-            elif field_id in (
-                pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
-                pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
-            ):
-                if scope not in links:
+            elif field_id in nvlink_fields:
+                key = "tx_kib" if field_id == nvlink_fields[0] else "rx_kib"
+                total = sum(link[key] for link in links.values() if link["active"])
+                if scope == 0xFFFFFFFF:
+                    if not data["nvlink_aggregate_scope"]:
+                        out.nvmlReturn = NOT_SUPPORTED
+                        continue
+                    out.value.ullVal = total
+                elif scope not in links:
                     out.nvmlReturn = pynvml.NVML_ERROR_INVALID_ARGUMENT
-                    continue
-                tx = field_id == pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
-                out.value.ullVal = links[scope]["tx_kib" if tx else "rx_kib"]
+                elif data["nvlink_per_link_is_aggregate"]:
+                    out.value.ullVal = total
+                else:
+                    out.value.ullVal = links[scope][key]
             else:
                 out.nvmlReturn = NOT_SUPPORTED
         return values
@@ -359,6 +464,16 @@ class FakeNvml:
 
     def nvmlDeviceGetTemperature(self, handle: FakeHandle, sensor: int) -> int:
         data = self._gpu("nvmlDeviceGetTemperature", handle)
+        if sensor != pynvml.NVML_TEMPERATURE_GPU:
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return int(data["temperature_c"])
+
+    def nvmlDeviceGetTemperatureV(
+        self, handle: FakeHandle, sensor: int, version: int | None = None
+    ) -> int:
+        data = self._gpu("nvmlDeviceGetTemperatureV", handle)
+        if version is not None and version != pynvml.nvmlTemperature_v1:
+            raise self._error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
         if sensor != pynvml.NVML_TEMPERATURE_GPU:
             raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return int(data["temperature_c"])
@@ -430,6 +545,45 @@ class FakeNvml:
         self._count("nvmlEventSetFree")
         eventSet.freed = True
 
+    # --- MIG ------------------------------------------------------------------------------
+
+    def nvmlDeviceGetMigMode(self, device: FakeHandle) -> list[int]:
+        data = self._gpu("nvmlDeviceGetMigMode", device)
+        mode = pynvml.NVML_DEVICE_MIG_ENABLE if data["mig"] else pynvml.NVML_DEVICE_MIG_DISABLE
+        return [mode, mode]  # current, pending
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, device: FakeHandle) -> int:
+        self._gpu("nvmlDeviceGetMaxMigDeviceCount", device)
+        return 7  # an H100/H200's most GPU instances
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, device: FakeHandle, index: int) -> FakeHandle:
+        data = self._gpu("nvmlDeviceGetMigDeviceHandleByIndex", device)
+        if not 0 <= index < 7:
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if index >= len(data["mig"]):
+            raise self._error(pynvml.NVML_ERROR_NOT_FOUND)
+        return FakeHandle(device.index, device.generation, mig=index)
+
+    def nvmlDeviceGetGpuInstanceId(self, device: FakeHandle) -> int:
+        if device.mig is None:
+            self._enter("nvmlDeviceGetGpuInstanceId")
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)  # not a MIG device
+        return int(self._gpu("nvmlDeviceGetGpuInstanceId", device)["gpu_instance"])
+
+    def nvmlGpmMigSampleGet(self, device: FakeHandle, gpuInstanceId: int, gpmSample: Any) -> Any:
+        data = self._gpu("nvmlGpmMigSampleGet", device)
+        address = ctypes.addressof(gpmSample.contents)
+        if address not in self._gpm_buffers or device.mig is not None:
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        found = [m for m in data["mig"] if m["gpu_instance"] == gpuInstanceId]
+        if not found:
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        self._gpm_taken += 1
+        # Keyed like a GPU of its own, so sample1 and sample2 must be the same instance.
+        owner = (device.index, gpuInstanceId)
+        self._gpm_buffers[address] = (owner, dict(found[0]["gpm"]), self._gpm_taken)
+        return gpmSample
+
     # --- GPM ------------------------------------------------------------------------------
 
     def nvmlGpmQueryDeviceSupport(self, device: FakeHandle) -> Any:
@@ -480,7 +634,8 @@ class FakeNvml:
             raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)  # sample1 must be the older
         self.gpm_windows.append((first[2], second[2]))
         values = second[1]
-        errors = self.gpus[second[0]]["gpm_metric_errors"] if second[0] is not None else {}
+        owner = second[0]
+        errors = self.gpus[owner]["gpm_metric_errors"] if isinstance(owner, int) else {}
         for i in range(metricsGet.numMetrics):
             metric = metricsGet.metrics[i]
             if metric.metricId in errors:

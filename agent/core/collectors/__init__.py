@@ -22,4 +22,5 @@ BY_NAME = {c.name: c for c in COLLECTORS}
 COLLECTOR_NAMES: tuple[str, ...] = tuple(BY_NAME)
 DEFAULT_ON: dict[str, bool] = {c.name: c.default_on for c in COLLECTORS}
 #: Run after every collector in each pass, in this order.
-PASS_FINISHERS: tuple[PassFinisher, ...] = (profiling.compute_memory_source,)
+PASS_FINISHERS: tuple[PassFinisher, ...] = (profiling.compute_memory_source,
+                                             gpu.attribution_samples)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
+from mrc_agent.agent.core.attribution import MODE_TARGETS, Attribution, TargetView
 from mrc_agent.agent.core.hw.base import GPUIdentity, SourceUnavailable
 from mrc_agent.agent.core.hw.sources import Sources
 from mrc_agent.agent.core.sample import Sample
@@ -37,6 +38,8 @@ class TargetState:
     process: str
     user_ratio: float | None = None
     hottest_thread_user_ratio: float | None = None
+    #: Its GPU variables and namespace PID, for GPU attribution (read once per process).
+    view: TargetView | None = None
 
 
 @dataclass
@@ -57,6 +60,13 @@ class SampleContext:
     succeeded: dict[str, bool] = field(default_factory=dict)
     #: Filled by the profiling collector: (reason, detail) of its source, "ok" when it works.
     profiling_status: tuple[str, str] = ("not_requested", "")
+    #: Filled by the gpu collector: the GPUs reported this pass (agent.core.attribution).
+    attribution: Attribution | None = None
+
+    def watches(self, gpu: GPUIdentity) -> bool:
+        """Whether ``gpu``'s series are reported this pass. Every GPU is while nothing has
+        decided (the gpu collector is off, or failed this pass)."""
+        return self.attribution is None or self.attribution.watches(gpu)
 
 
 class Collector(Protocol):
@@ -83,10 +93,12 @@ class DerivedThresholds:
 
 @dataclass(frozen=True)
 class BuildContext:
-    """What a collector factory may use: the GPU sources and the derived-signal thresholds."""
+    """What a collector factory may use: the GPU sources, the derived-signal thresholds and
+    which GPUs to report (the ``gpus`` setting)."""
 
     sources: Sources = field(default_factory=Sources)
     thresholds: DerivedThresholds = field(default_factory=DerivedThresholds)
+    gpus: str = MODE_TARGETS
 
 
 #: Runs once per pass after every collector, with the filled context; returns more samples.

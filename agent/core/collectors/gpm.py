@@ -69,6 +69,8 @@ class GpmCollector:
     def update(self, ctx: SampleContext) -> list[Sample]:
         out: list[Sample] = []
         for s in require(self._source).sample_gpm():
+            if not ctx.watches(s.gpu):
+                continue  # not a GPU of this pod's targets (agent.core.attribution)
             labels = s.gpu.labels
             out.extend(field_samples(s, _GPM_FIELDS, labels))
             if (s.sm_util is not None and s.dram_bw_util is not None

@@ -5,10 +5,16 @@ It only translates :class:`agent.core.hw.base.DeviceSample` into metric samples;
 answered (NVML or a replayed trace) is the source's business. It leaves each GPU's utilisation
 (and its fine-grained points) and the GPUs each target holds memory on in the context for the
 derived collector.
+
+It also decides which GPUs are reported this pass (:mod:`agent.core.attribution`: by default
+the GPUs the targets can use), leaves that decision in the context for the gpm and profiling
+collectors, and skips the other GPUs; :func:`attribution_samples` exports the decision.
 """
 
 from __future__ import annotations
 
+from mrc_agent.agent.core import attribution
+from mrc_agent.agent.core.attribution import MODE_TARGETS, TargetView
 from mrc_agent.agent.core.collectors.base import (
     GPU,
     PROC,
@@ -19,7 +25,7 @@ from mrc_agent.agent.core.collectors.base import (
     require,
 )
 from mrc_agent.agent.core.hw.base import DeviceSource
-from mrc_agent.agent.core.sample import Sample, counter, gauge
+from mrc_agent.agent.core.sample import Sample, counter, gauge, info
 
 NAME = "gpu"
 
@@ -34,20 +40,40 @@ MEMORY_USED = gauge(NAME, "mrc_gpu_memory_used_bytes", GPU, "Device memory in us
 MEMORY_TOTAL = gauge(NAME, "mrc_gpu_memory_total_bytes", GPU, "Device memory installed.")
 PCIE_TX = gauge(
     NAME, "mrc_gpu_pcie_tx_bytes_per_second", GPU,
-    "PCIe transmit throughput (device to host), as NVML measures it over a short window.")
+    "PCIe transmit throughput (device to host): over the last sampling interval from NVML's "
+    "PCIe byte counters where the driver has them, else NVML's 20 ms throughput reading "
+    "(mrc_gpu_source_info says which).")
 PCIE_RX = gauge(
     NAME, "mrc_gpu_pcie_rx_bytes_per_second", GPU,
-    "PCIe receive throughput (host to device), as NVML measures it over a short window.")
+    "PCIe receive throughput (host to device): over the last sampling interval from NVML's "
+    "PCIe byte counters where the driver has them, else NVML's 20 ms throughput reading "
+    "(mrc_gpu_source_info says which).")
+PCIE_TX_BYTES = counter(NAME, "mrc_gpu_pcie_tx_bytes_total", GPU,
+                        "PCIe bytes transmitted (device to host), NVML's PCIe byte counter.")
+PCIE_RX_BYTES = counter(NAME, "mrc_gpu_pcie_rx_bytes_total", GPU,
+                        "PCIe bytes received (host to device), NVML's PCIe byte counter.")
 PCIE_REPLAYS = counter(NAME, "mrc_gpu_pcie_replays_total", GPU,
                        "PCIe replay events (link errors).")
 NVLINK_TX = counter(NAME, "mrc_gpu_nvlink_tx_bytes_total", GPU,
-                    "NVLink data bytes transmitted, summed over all links.")
+                    "NVLink data bytes transmitted over all links (NVML's aggregate scope "
+                    "where the driver has it).")
 NVLINK_RX = counter(NAME, "mrc_gpu_nvlink_rx_bytes_total", GPU,
-                    "NVLink data bytes received, summed over all links.")
+                    "NVLink data bytes received over all links (NVML's aggregate scope where "
+                    "the driver has it).")
 NVLINK_LINK_TX = counter(NAME, "mrc_gpu_nvlink_link_tx_bytes_total", GPU + ("link",),
-                         "NVLink data bytes transmitted on one link.")
+                         "NVLink data bytes transmitted on one link (only while the links "
+                         "sum to the aggregate).")
 NVLINK_LINK_RX = counter(NAME, "mrc_gpu_nvlink_link_rx_bytes_total", GPU + ("link",),
-                         "NVLink data bytes received on one link.")
+                         "NVLink data bytes received on one link (only while the links sum "
+                         "to the aggregate).")
+#: Label of :data:`SOURCE_INFO` per key of ``DeviceSample.sources``.
+SOURCE_KEYS = ("pcie", "nvlink", "util_clock")
+SOURCE_INFO = info(
+    NAME, "mrc_gpu_source_info", GPU + SOURCE_KEYS,
+    "Which NVML reading is live on this GPU where there is a choice: pcie (byte_counters or "
+    "throughput_call), nvlink (aggregate, per_link_sum or per_link_repeats_aggregate) and "
+    "util_clock (the clock utilisation-sample timestamps were found on: realtime, boottime, "
+    "monotonic or unknown); empty where the GPU has none.")
 POWER = gauge(NAME, "mrc_gpu_power_watts", GPU, "Board power draw.")
 SM_CLOCK = gauge(NAME, "mrc_gpu_sm_clock_hertz", GPU, "Current SM clock.")
 TEMPERATURE = gauge(NAME, "mrc_gpu_temperature_celsius", GPU, "GPU core temperature.")
@@ -60,8 +86,9 @@ PROCESS_MEMORY_USED = gauge(NAME, "mrc_gpu_process_memory_used_bytes", GPU + PRO
                             "Device memory held by a target process on this GPU.")
 
 METRICS = (UTILIZATION, MEMORY_UTILIZATION, MEMORY_USED, MEMORY_TOTAL, PCIE_TX, PCIE_RX,
-           PCIE_REPLAYS, NVLINK_TX, NVLINK_RX, NVLINK_LINK_TX, NVLINK_LINK_RX, POWER, SM_CLOCK,
-           TEMPERATURE, ECC_ERRORS, XID_ERRORS, LAST_XID, PROCESS_MEMORY_USED)
+           PCIE_TX_BYTES, PCIE_RX_BYTES, SOURCE_INFO, PCIE_REPLAYS, NVLINK_TX, NVLINK_RX,
+           NVLINK_LINK_TX, NVLINK_LINK_RX, POWER, SM_CLOCK, TEMPERATURE, ECC_ERRORS, XID_ERRORS,
+           LAST_XID, PROCESS_MEMORY_USED)
 
 #: DeviceSample attribute -> metric, for the plain one-value-per-GPU fields.
 _DEVICE_FIELDS = {
@@ -71,6 +98,8 @@ _DEVICE_FIELDS = {
     "mem_total_bytes": MEMORY_TOTAL,
     "pcie_tx_bytes_per_second": PCIE_TX,
     "pcie_rx_bytes_per_second": PCIE_RX,
+    "pcie_tx_bytes_total": PCIE_TX_BYTES,
+    "pcie_rx_bytes_total": PCIE_RX_BYTES,
     "pcie_replays_total": PCIE_REPLAYS,
     "nvlink_tx_bytes_total": NVLINK_TX,
     "nvlink_rx_bytes_total": NVLINK_RX,
@@ -85,16 +114,23 @@ _DEVICE_FIELDS = {
 class GpuCollector:
     name = NAME
 
-    def __init__(self, source: DeviceSource | None) -> None:
+    def __init__(self, source: DeviceSource | None, gpus: str = MODE_TARGETS) -> None:
         self._source = source
+        self._gpus = gpus
 
     def update(self, ctx: SampleContext) -> list[Sample]:
         out: list[Sample] = []
         names = {pid: st.process for pid, st in ctx.processes.items()}
-        target_pids = {t.pid for t in ctx.targets}
-        for s in require(self._source).sample_devices():
+        samples = require(self._source).sample_devices()
+        att = ctx.attribution = attribution.decide(self._gpus, _views(ctx), samples)
+        for s in samples:
+            if not att.watches(s.gpu):
+                continue  # another pod's GPU
             labels = s.gpu.labels
             out.extend(field_samples(s, _DEVICE_FIELDS, labels))
+            if s.sources:
+                out.append((SOURCE_INFO.name,
+                            labels + tuple(s.sources.get(k, "") for k in SOURCE_KEYS), {}))
             for link, (tx, rx) in sorted(s.nvlink_links.items()):
                 out.append((NVLINK_LINK_TX.name, labels + (str(link),), tx))
                 out.append((NVLINK_LINK_RX.name, labels + (str(link),), rx))
@@ -103,9 +139,11 @@ class GpuCollector:
             if s.ecc_uncorrected_total is not None:
                 out.append((ECC_ERRORS.name, labels + ("uncorrected",),
                             s.ecc_uncorrected_total))
-            for pid, used in sorted(s.process_memory_bytes.items()):
-                # Only targets: other tenants' processes would be unbounded and not ours.
-                if pid in target_pids:
+            for listed, used in sorted(s.process_memory_bytes.items()):
+                # Only targets: other tenants' processes would be unbounded and not ours. NVML
+                # may list a target by its namespace PID; its series carry the agent's PID.
+                pid = att.owner(s.gpu, listed)
+                if pid is not None:
                     name = names.get(pid, "")
                     out.append((PROCESS_MEMORY_USED.name, labels + (str(pid), name), used))
                     ctx.gpus_of_pid.setdefault(pid, set()).add(s.gpu)
@@ -115,8 +153,26 @@ class GpuCollector:
         return out
 
 
+def _views(ctx: SampleContext) -> list[TargetView]:
+    """Each target's view, as the process collector read it (an empty one where it did not:
+    the collector is off, or the target went this pass)."""
+    out = []
+    for t in ctx.targets:
+        state = ctx.processes.get(t.pid)
+        view = state.view if state is not None else None
+        out.append(view or TargetView(t.pid, why="not read (process collector off or target "
+                                                 "gone)"))
+    return out
+
+
+def attribution_samples(ctx: SampleContext) -> list[Sample]:
+    """Pass finisher: which GPUs this pass reported and why (none when the gpu collector did
+    not decide: off, or failed)."""
+    return attribution.samples(ctx.attribution) if ctx.attribution is not None else []
+
+
 def _build(ctx: BuildContext) -> GpuCollector:
-    return GpuCollector(ctx.sources.device)
+    return GpuCollector(ctx.sources.device, ctx.gpus)
 
 
 DEFINITION = CollectorDef(

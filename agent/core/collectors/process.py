@@ -4,6 +4,9 @@ context switches, read from ``/proc``.
 Ratios need two readings, so a new target shows its counters at once and its ratios from the
 next pass on. A PID whose start time changes is a new process and starts afresh; a target that
 vanished, or exited and waits as a zombie, simply stops producing series.
+
+It also leaves, once per process, what GPU attribution reads (the GPU variables of the initial
+environment and the innermost-namespace PID, :mod:`agent.core.attribution`) in the context.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from mrc_agent.agent.core.attribution import TargetView, read_view
 from mrc_agent.agent.core.collectors.base import (
     PROC,
     BuildContext,
@@ -18,7 +22,7 @@ from mrc_agent.agent.core.collectors.base import (
     SampleContext,
     TargetState,
 )
-from mrc_agent.agent.core.hw.procfs import CLK_TCK, ProcessGone, ProcFS
+from mrc_agent.agent.core.hw.procfs import CLK_TCK, ProcessGone, ProcFS, ProcStat
 from mrc_agent.agent.core.sample import Sample, counter, gauge
 
 log = logging.getLogger(__name__)
@@ -75,6 +79,9 @@ class ProcessCollector:
         self._procfs = procfs or ProcFS()
         self._threads = threads
         self._prev: dict[int, _Prev] = {}
+        # What GPU attribution needs, per PID, with the (start time, command) it was read for:
+        # a process's initial environment and namespaces never change, so they are read once.
+        self._views: dict[int, tuple[tuple[int, str], TargetView]] = {}
         self._boot_time: float | None = None
 
     def update(self, ctx: SampleContext) -> list[Sample]:
@@ -92,6 +99,8 @@ class ProcessCollector:
         for pid in [p for p in self._prev if p not in seen]:
             del self._prev[pid]
             self._procfs.release(pid)
+        for pid in [p for p in self._views if p not in seen]:
+            del self._views[pid]
         return out
 
     def _one(self, ctx: SampleContext, pid: int) -> list[Sample]:
@@ -106,7 +115,7 @@ class ProcessCollector:
         prev = self._prev.get(pid)
         if prev is not None and prev.start_ticks != st.start_ticks:
             prev = None  # the PID was reused by another process
-        state = TargetState(pid=pid, process=st.comm)
+        state = TargetState(pid=pid, process=st.comm, view=self._view(pid, st))
         out: list[Sample] = [
             (CPU_SECONDS.name, labels + ("user",), st.user_ticks / CLK_TCK),
             (CPU_SECONDS.name, labels + ("system",), st.system_ticks / CLK_TCK),
@@ -137,6 +146,16 @@ class ProcessCollector:
         ctx.processes[pid] = state
         self._prev[pid] = _Prev(st.start_ticks, ctx.now, st.user_ticks, st.system_ticks, threads)
         return out
+
+
+    def _view(self, pid: int, st: ProcStat) -> TargetView:
+        # Keyed by start time (a reused PID is another process) and command (an exec, as in
+        # ``sh -c 'exec server'``, may start it afresh with another environment).
+        key = (st.start_ticks, st.comm)
+        cached = self._views.get(pid)
+        if cached is None or cached[0] != key:
+            cached = self._views[pid] = (key, read_view(self._procfs, pid))
+        return cached[1]
 
 
 def _build(_ctx: BuildContext) -> ProcessCollector:

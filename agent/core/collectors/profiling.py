@@ -16,16 +16,27 @@ from mrc_agent.agent.core.collectors.base import (
     field_samples,
     require,
 )
-from mrc_agent.agent.core.hw.base import ProfilingSource, SourceUnavailable
-from mrc_agent.agent.core.sample import Sample, counter, info
+from mrc_agent.agent.core.hw.base import ProfilingSample, ProfilingSource, SourceUnavailable
+from mrc_agent.agent.core.sample import Sample, counter, gauge, info
 
 NAME = "profiling"
 
 SM_INSTRUCTIONS = counter(NAME, "mrc_gpu_sm_instructions_executed_total", GPU,
                           "SM instructions executed (CUPTI PM sampling of sm__inst_executed).")
 DRAM_READ_BYTES = counter(NAME, "mrc_gpu_dram_read_bytes_total", GPU,
-                          "Bytes read from DRAM (CUPTI PM sampling of dram__bytes_read).")
-METRICS = (SM_INSTRUCTIONS, DRAM_READ_BYTES)
+                          "Bytes read from DRAM (CUPTI PM sampling of a DRAM read byte counter, "
+                          "named by mrc_gpu_profiling_metrics_info).")
+DRAM_READ_THROUGHPUT = gauge(
+    NAME, "mrc_gpu_dram_read_throughput_ratio", GPU,
+    "PM-sampling DRAM read throughput as a fraction of peak (0-1), the mean over the "
+    "intervals since the last pass, where the chip's single-pass set has no DRAM byte "
+    "counter. Not a byte count.")
+PROFILING_METRICS_INFO = info(
+    NAME, "mrc_gpu_profiling_metrics_info", (*GPU, "sm_metric", "dram_metric", "metric_set"),
+    "Which CUPTI PM-sampling metrics feed the profiling counters of a sampling GPU: the "
+    "SM-instruction metric, the DRAM metric and the single-pass metric set (none where "
+    "there is none).")
+METRICS = (SM_INSTRUCTIONS, DRAM_READ_BYTES, DRAM_READ_THROUGHPUT, PROFILING_METRICS_INFO)
 
 #: Source values of :data:`COMPUTE_MEMORY_SOURCE`.
 SOURCE_PROFILING, SOURCE_GPM, SOURCE_NONE = "cupti_pm_sampling", "gpm_activity_proxy", "none"
@@ -39,6 +50,7 @@ COMPUTE_MEMORY_SOURCE = info(
 _FIELDS = {
     "sm_instructions_executed_total": SM_INSTRUCTIONS,
     "dram_read_bytes_total": DRAM_READ_BYTES,
+    "dram_read_throughput_ratio": DRAM_READ_THROUGHPUT,
 }
 
 
@@ -63,8 +75,19 @@ class ProfilingCollector:
         self.status = ctx.profiling_status = ("ok", "")
         out: list[Sample] = []
         for s in samples:
-            out.extend(field_samples(s, _FIELDS, s.gpu.labels))
+            if ctx.watches(s.gpu):  # only this pod's targets' GPUs (agent.core.attribution)
+                out.extend(field_samples(s, _FIELDS, s.gpu.labels))
+                out.extend(_metrics_info(s))
         return out
+
+
+def _metrics_info(s: ProfilingSample) -> list[Sample]:
+    """The live CUPTI names of a GPU that samples; nothing for one that does not (or a replay
+    trace, which records values, not names)."""
+    if s.sm_metric is None and s.dram_metric is None:
+        return []
+    names = tuple(n or "none" for n in (s.sm_metric, s.dram_metric, s.metric_set))
+    return [(PROFILING_METRICS_INFO.name, (*s.gpu.labels, *names), {})]
 
 
 def compute_memory_source(ctx: SampleContext) -> list[Sample]:
@@ -83,4 +106,5 @@ def _build(ctx: BuildContext) -> ProfilingCollector:
 
 DEFINITION = CollectorDef(
     name=NAME, default_on=False, factory=_build, metrics=METRICS,
-    description="CUPTI PM sampling: true SM instructions and DRAM bytes read (opt-in).")
+    description="CUPTI PM sampling: true SM instructions and DRAM bytes read, or DRAM read "
+                "throughput where the chip has no byte counter (opt-in).")

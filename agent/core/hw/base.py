@@ -9,8 +9,27 @@ the collectors turn into an absent series, never into a zero.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
+
+
+def finite(value: float | None) -> float | None:
+    """``value`` as a float, or None when it is absent, NaN or infinite.
+
+    Every number a hardware library hands over passes through here or :func:`ratio`: NVML can
+    answer SUCCESS with NaN, and a NaN exported is a series no rule can reason about.
+    """
+    if value is None:
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def ratio(value: float | None) -> float | None:
+    """A finite value clamped to 0-1 (None when absent or not finite)."""
+    number = finite(value)
+    return None if number is None else min(1.0, max(0.0, number))
 
 
 class HardwareError(Exception):
@@ -56,6 +75,9 @@ class DeviceSample:
     mem_total_bytes: float | None = None
     pcie_tx_bytes_per_second: float | None = None
     pcie_rx_bytes_per_second: float | None = None
+    #: Cumulative PCIe bytes (NVML_FI_DEV_PCIE_COUNT_TX_BYTES / _RX_BYTES), wraps undone.
+    pcie_tx_bytes_total: float | None = None
+    pcie_rx_bytes_total: float | None = None
     pcie_replays_total: float | None = None
     nvlink_tx_bytes_total: float | None = None  # summed over links
     nvlink_rx_bytes_total: float | None = None
@@ -68,8 +90,11 @@ class DeviceSample:
     ecc_uncorrected_total: float | None = None
     xid_errors_total: float | None = None
     last_xid: float | None = None
-    #: GPU memory held by each process, keyed by host PID.
+    #: GPU memory held by each process, keyed by the PID NVML reports.
     process_memory_bytes: dict[int, float] = field(default_factory=dict)
+    #: Which reading is live where the source had a choice, e.g. ``{"pcie": "byte_counters",
+    #: "nvlink": "aggregate", "util_clock": "realtime"}``; bounded values (they become labels).
+    sources: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -94,6 +119,15 @@ class ProfilingSample:
     gpu: GPUIdentity
     sm_instructions_executed_total: float | None = None
     dram_read_bytes_total: float | None = None
+    #: Where the chip's PM-sampling set has no DRAM byte counter, only a read-throughput
+    #: percentage: its mean over the intervals decoded by this call, as a 0-1 ratio of peak.
+    #: Never a byte count.
+    dram_read_throughput_ratio: float | None = None
+    #: The CUPTI metric names and single-pass set configured on this GPU (``None``: not
+    #: measured, or configured without a set). Bounded: they come from CUPTI's metric tables.
+    sm_metric: str | None = None
+    dram_metric: str | None = None
+    metric_set: str | None = None
 
 
 class DeviceSource(Protocol):

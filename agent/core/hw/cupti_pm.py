@@ -5,18 +5,39 @@ PM sampling programs the GPU's performance monitors to snapshot the chosen count
 ``interval_s`` into a hardware buffer; :meth:`CuptiPmSampler.sample_profiling` decodes whatever
 intervals completed since the last call and adds them to running totals, so the collectors get
 cumulative counters and ``rate()`` does the maths. The counters are device-wide, so a sidecar
-process sees the inference service's kernels.
+process sees the inference service's kernels. Where the chip's single-pass set has no DRAM
+byte counter, only a read-throughput percentage, that becomes a 0-1 ratio of peak (the mean
+over the intervals decoded by the call), never a byte count. Which metrics: ``cupti_metrics``.
 
 The call sequence is the one ``cupti.pm_sampling.Collector`` documents and NVIDIA's sample
-``cupti-python-samples/CuptiPmSamplingVectorAddNumba.py`` uses:
+``cupti-python-samples/CuptiPmSamplingVectorAddNumba.py`` uses, after ``cuInit(0)``
+(``cuda_driver``; without it CUPTI answers ``ERROR_NOT_INITIALIZED``):
 ``Collector(device_index) -> enable() -> configure(metrics=...) -> start() -> decode()* ->
 stop() -> disable()``. Everything that touches CUPTI sits in the few ``_cupti_*`` methods so a
-hand-written fake (``tests/fakes/fake_cupti.py``) can stand in for the library.
+hand-written fake (``tests/fakes/fake_cupti.py``) can stand in for the library. If ``enable()``
+still answers "not initialised" after ``cuInit``, the device's primary context is retained and
+``enable()`` tried once more; that context costs device memory (a few hundred MiB on recent
+GPUs, to be measured on the hardware check) and is held only where it was needed.
 
-Failures before sampling runs become :class:`SourceUnavailable` with a bounded reason:
-``cupti_missing``, ``no_gpu``, ``no_permission``, ``profiler_busy``, ``unsupported_device``.
-Failures after a successful start become :class:`HardwareError`; the device is then restarted on
-the next call and its totals carry on from where they were.
+Profiler lifetime is per process, not per collector: ``Collector.disable()`` ends in
+``cuptiProfilerDeInitialize``, which is process-wide, and so does ``enable()``'s rollback when
+it fails after its own ``cuptiProfilerInitialize``. Whether CUPTI counts initialise/deinitialise
+calls is not stated in cupti-python's sources or CUPTI's API reference. If it counts, each
+enabled collector holds its own reference and nothing below drops another GPU's; if it does
+not, any deinitialise tears down every GPU. So the sampler never disables a collector before
+:meth:`close`: a GPU that fails at run time is stopped and restarted with ``configure() +
+start()`` on the same enabled collector; a GPU whose setup fails keeps its collector enabled.
+Enables run before any start in a pass, so on the first pass a failing ``enable()`` cannot
+interrupt a GPU already sampling. A later retry of a failed ``enable()`` (another profiler held
+that GPU) does run beside sampling GPUs; that it leaves them sampling is to be checked on a
+multi-GPU host. An extra process-wide ``cuptiProfilerInitialize`` would not help under either
+answer (redundant if counted, ineffective if not), so none is taken.
+
+Failures before sampling runs become :class:`SourceUnavailable` with a bounded reason
+(:data:`_REASON_CODES`). Failures after a successful start, and starts that may work later,
+become :class:`HardwareError`; the GPU is then retried with an exponential backoff
+(:data:`BACKOFF_INITIAL_S` doubling to :data:`BACKOFF_MAX_S`, reset by a good decode) and its
+totals carry on from where they were. A busy GPU is retried after :data:`BUSY_RETRY_S`.
 
 ``GPUIdentity.index`` is used as the CUDA device index CUPTI expects. CUDA numbers devices
 fastest-first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, and ``CUDA_VISIBLE_DEVICES`` renumbers
@@ -31,9 +52,8 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from itertools import product
 from typing import Any
 
 from mrc_agent.agent.core.hw.base import (
@@ -41,30 +61,34 @@ from mrc_agent.agent.core.hw.base import (
     HardwareError,
     ProfilingSample,
     SourceUnavailable,
+    finite,
+    ratio,
 )
+from mrc_agent.agent.core.hw.cuda_driver import LIBCUDA_MISSING, CudaDriver
+from mrc_agent.agent.core.hw.cupti_metrics import (
+    DRAM_READ_METRICS,
+    DRAM_THROUGHPUT_METRICS,
+    PROFILING_METRICS,
+    SM_INSTRUCTION_METRICS,
+    MetricChoice,
+    choose_from_sets,
+    fallback_choices,
+    query_sets,
+)
+
+__all__ = [
+    "BACKOFF_INITIAL_S",
+    "BACKOFF_MAX_S",
+    "BUSY_RETRY_S",
+    "DRAM_READ_METRICS",
+    "DRAM_THROUGHPUT_METRICS",
+    "HARDWARE_BUFFER_BYTES",
+    "PROFILING_METRICS",
+    "SM_INSTRUCTION_METRICS",
+    "CuptiPmSampler",
+]
 
 log = logging.getLogger(__name__)
-
-# Metric names, most preferred first. PM sampling only accepts metrics that its chip's
-# PM-sampling counter set can collect in a single pass, and that set differs per chip, so the
-# sampler tries these in order and keeps the first combination ``configure()`` accepts.
-# Where the names come from:
-# - ``sm__inst_executed_realtime``: the "realtime" SM counters are what PM-sampling users
-#   configure (derivatives of NVIDIA's C ``pm_sampling`` sample, Nsight Compute's PM-sampling
-#   section); the base name is in libnvperf_host.so 13.x's metric tables.
-# - ``sm__inst_executed``: the range-profiler name (also in those tables), a fallback for chips
-#   whose PM sampling set exposes it.
-# - ``dram__bytes_read`` / ``dram__bytes_op_read``: both base names are in those tables; which
-#   one a chip's PM sampling set accepts is only known on the chip.
-# ``.sum`` is the rollup over all unit instances, so one sample is the device-wide count
-# during that interval (instructions, or bytes).
-SM_INSTRUCTION_METRICS: tuple[str, ...] = (
-    "sm__inst_executed_realtime.sum",
-    "sm__inst_executed.sum",
-)
-DRAM_READ_METRICS: tuple[str, ...] = ("dram__bytes_read.sum", "dram__bytes_op_read.sum")
-#: The preferred pair; the names actually configured per GPU are logged when sampling starts.
-PROFILING_METRICS: tuple[str, str] = (SM_INSTRUCTION_METRICS[0], DRAM_READ_METRICS[0])
 
 #: Raw-record buffer CUPTI fills between decodes. The library default (512 MiB) is sized for
 #: microsecond intervals; the agent samples at about 10 Hz and must not take memory from the
@@ -76,6 +100,12 @@ HARDWARE_BUFFER_BYTES = 32 * 1024 * 1024
 #: busy device is tried again after this long instead of being given up for good.
 BUSY_RETRY_S = 60.0
 
+#: A start that failed in a way that may pass is retried after this long, doubling per failure
+#: up to BACKOFF_MAX_S: soon enough to catch a blip, rare enough that a GPU which keeps failing
+#: does not run enable/configure/start on every tick.
+BACKOFF_INITIAL_S = 1.0
+BACKOFF_MAX_S = 300.0
+
 #: Decoded samples reserved per decode: room for this many seconds of intervals, so one decode
 #: per scrape normally empties the hardware buffer.
 _DECODE_WINDOW_S = 30.0
@@ -85,7 +115,14 @@ _MAX_DECODE_ROUNDS = 8
 
 #: The bounded reasons a SourceUnavailable from this source carries.
 _REASON_CODES = frozenset(
-    {"cupti_missing", "no_gpu", "no_permission", "profiler_busy", "unsupported_device"}
+    {
+        "cupti_missing",
+        "cuda_missing",
+        "no_gpu",
+        "no_permission",
+        "profiler_busy",
+        "unsupported_device",
+    }
 )
 
 #: CUPTI result codes (names of ``cupti.cupti.Result``, meanings from ``cupti_result.h``) that
@@ -109,7 +146,8 @@ _REASON_BY_RESULT: dict[str, str] = {
     "ERROR_WSL_DEVICE_NOT_SUPPORTED": "unsupported_device",
     "ERROR_INVALID_CHIP_NAME": "unsupported_device",
     "ERROR_INVALID_DEVICE": "no_gpu",
-    # "unable to initialize its connection to the CUDA driver"
+    # "unable to initialize its connection to the CUDA driver": only reached after cuInit
+    # and, where that did not help, with the primary context retained
     "ERROR_NOT_INITIALIZED": "no_gpu",
 }
 
@@ -130,22 +168,30 @@ class _Device:
     """Per-GPU sampling state. Totals stay ``None`` until a metric for them is configured."""
 
     gpu: GPUIdentity
+    #: The enabled Collector, kept until close(): disabling it would deinitialise the profiler.
     collector: Any = None
-    sm_metric: str | None = None
-    dram_metric: str | None = None
+    running: bool = False
+    choice: MetricChoice | None = None
+    trigger_mode: Any = None
+    logged_choice: MetricChoice | None = None
     sm_total: float | None = None
     dram_total: float | None = None
+    dram_ratio: float | None = None
     state: str = _NOT_STARTED
     detail: str = ""
     retry_at: float | None = None
+    #: Consecutive failed starts (or runs), for the backoff; reset by a good decode.
+    failures: int = 0
 
 
 class CuptiPmSampler:
     """Cumulative SM-instruction and DRAM-read counters per GPU from CUPTI PM sampling.
 
     ``lib`` is the ``cupti`` package (imported on first use when ``None``); tests pass a fake.
-    ``interval_s`` is the hardware sampling interval. Nothing touches CUPTI until the first
-    :meth:`sample_profiling`.
+    ``cuda`` is the CUDA driver boundary (:class:`CudaDriver`); when ``None`` it is the real one
+    if ``lib`` is ``None`` too, and no driver calls at all when only a stand-in ``lib`` is
+    given. ``interval_s`` is the hardware sampling interval. Nothing touches CUDA or CUPTI until
+    the first :meth:`sample_profiling`.
     """
 
     def __init__(
@@ -155,11 +201,15 @@ class CuptiPmSampler:
         interval_s: float = 0.1,
         *,
         clock: Callable[[], float] = time.monotonic,
+        cuda: CudaDriver | None = None,
     ) -> None:
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
         self._lib = lib
         self._lib_error: SourceUnavailable | None = None
+        self._cuda = cuda if cuda is not None or lib is not None else CudaDriver()
+        self._cuda_ready = False
+        self._cuda_error: SourceUnavailable | None = None
         self._interval_s = interval_s
         self._clock = clock
         self._devices = [_Device(gpu) for gpu in devices]
@@ -173,46 +223,59 @@ class CuptiPmSampler:
     def sample_profiling(self) -> list[ProfilingSample]:
         """One sample per GPU with counters summed since the source started.
 
-        GPUs where PM sampling cannot run get a sample with ``None`` fields (absent series).
-        Raises SourceUnavailable when it runs on no GPU, HardwareError when a running GPU fails.
+        GPUs where PM sampling is not running get a sample with ``None`` fields (absent
+        series). Raises SourceUnavailable when it runs on no GPU for good, HardwareError when a
+        GPU failed this call or every GPU that could run is waiting to be retried.
         """
         with self._lock:
             if self._closed:
-                raise HardwareError("CUPTI PM sampler is closed")
+                raise HardwareError("CUPTI PM sampling is closed")
             lib = self._require_lib()
             if not self._devices:
                 raise SourceUnavailable("no_gpu", "no GPUs were given to the profiling source")
             self._warn_if_cuda_order_differs()
             errors = self._runtime_errors(lib)
+            now = self._clock()
             failures: list[str] = []
+            # Every enable first, then the starts: a failing enable() deinitialises the
+            # profiler process-wide (module docstring), so it must not come between a GPU's
+            # start and its sampling on the first pass.
             for dev in self._devices:
-                if dev.collector is None:
-                    failure = self._try_start(lib, dev, errors)
-                    if failure:
-                        failures.append(failure)
-            running = [dev for dev in self._devices if dev.collector is not None]
+                if dev.collector is None and self._due(dev, now):
+                    failures.append(self._try_enable(lib, dev, errors, now))
+            for dev in self._devices:
+                if dev.collector is not None and not dev.running and self._due(dev, now):
+                    failures.append(self._try_start(lib, dev, errors, now))
+            failures = [f for f in failures if f]
+            running = [dev for dev in self._devices if dev.running]
             if not running and not failures:
+                waiting = [dev for dev in self._devices if dev.state == _HARDWARE_ERROR]
+                if waiting:
+                    raise HardwareError(
+                        "CUPTI PM sampling waits to retry: "
+                        + "; ".join(dev.detail for dev in waiting)
+                    )
                 first = self._devices[0]
                 raise SourceUnavailable(first.state, first.detail)
             for dev in running:
                 try:
                     self._collect(dev)
                 except errors as exc:
-                    failures.append(self._fail(dev, f"decode failed: {_describe(exc)}"))
+                    failures.append(self._fail_run(dev, f"decode failed: {_describe(exc)}", now))
                 else:
                     # "ok" only once a decode worked, so a GPU that starts but cannot decode
                     # does not flap between states (and log lines) on every call.
-                    self._set_state(dev, _OK, f"metrics {dev.sm_metric}, {dev.dram_metric}")
+                    dev.failures = 0
+                    self._set_state(dev, _OK, dev.choice.describe() if dev.choice else "")
             if failures:
                 raise HardwareError("CUPTI PM sampling failed: " + "; ".join(failures))
-            # A GPU that is not sampling reports nothing rather than a stale, flat total.
             return [self._sample(dev) for dev in self._devices]
 
     def status(self) -> tuple[str, str]:
         """``("ok", "")`` when every GPU is sampling, else the first GPU's ``(reason, detail)``.
 
         Besides the SourceUnavailable reasons the state can be ``not_started`` (before the
-        first sample) or ``hardware_error`` (failed at run time, restarted on the next call).
+        first sample) or ``hardware_error`` (failed; retried after a backoff).
         """
         with self._lock:
             if self._lib_error is not None:
@@ -225,16 +288,24 @@ class CuptiPmSampler:
             return (_OK, "")
 
     def close(self) -> None:
-        """Stop sampling and release the counters on every GPU. Safe to call twice."""
+        """Stop sampling, disable every collector, release any primary context. Safe twice."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            # Stop them all before the first disable() deinitialises the profiler, so no GPU
+            # is left sampling under a torn-down profiler.
+            for dev in self._devices:
+                if dev.running:
+                    self._cupti_stop(dev.collector)
+                    dev.running = False
             for dev in self._devices:
                 if dev.collector is not None:
-                    self._cupti_shutdown(dev.collector)
+                    self._cupti_disable(dev.collector)
                     dev.collector = None
                     dev.state, dev.detail = _NOT_STARTED, "closed"
+            if self._cuda is not None:
+                self._cuda.close()
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -262,56 +333,112 @@ class CuptiPmSampler:
             raise SourceUnavailable(self._lib_error.reason, self._lib_error.detail)
         return self._lib
 
-    def _try_start(self, lib: Any, dev: _Device, errors: tuple[type[BaseException], ...]) -> str:
-        """Start sampling on one GPU. Returns a failure message for a transient error."""
-        now = self._clock()
-        if dev.state in _REASON_CODES and dev.state != "profiler_busy":
-            return ""  # does not change while the agent runs; asking again only costs time
-        if dev.retry_at is not None and now < dev.retry_at:
-            return ""
-        collector = None
+    def _require_cuda(self) -> None:
+        """``cuInit`` once per process. SourceUnavailable is for good (CUDA keeps a failed
+        initialisation's answer); HardwareError may pass and is retried with the backoff."""
+        if self._cuda is None or self._cuda_ready:
+            return
+        if self._cuda_error is not None:
+            raise SourceUnavailable(self._cuda_error.reason, self._cuda_error.detail)
         try:
-            collector = self._cupti_open(lib, dev.gpu.index)
-            dev.sm_metric, dev.dram_metric = self._cupti_configure(lib, collector)
-            self._cupti_start(collector)
+            self._cuda.init()
         except SourceUnavailable as exc:
-            self._cleanup(collector)
+            self._cuda_error = exc
+            raise SourceUnavailable(exc.reason, exc.detail) from None
+        self._cuda_ready = True
+
+    @staticmethod
+    def _due(dev: _Device, now: float) -> bool:
+        """Whether a GPU that is not sampling should be tried now."""
+        if dev.state in _REASON_CODES and dev.state != "profiler_busy":
+            return False  # does not change while the agent runs; asking again only costs time
+        return dev.retry_at is None or now >= dev.retry_at
+
+    def _try_enable(
+        self, lib: Any, dev: _Device, errors: tuple[type[BaseException], ...], now: float
+    ) -> str:
+        """Enable PM sampling on one GPU. Returns a failure message for a transient error."""
+        try:
+            self._require_cuda()
+            dev.collector = self._cupti_enable(lib, dev.gpu.index, errors)
+        except SourceUnavailable as exc:
+            self._unavailable(dev, exc.reason, exc.detail, now)
+        except HardwareError as exc:
+            return self._fail_start(dev, f"CUDA initialisation failed: {exc}", now)
+        except errors as exc:
+            reason = _classify(lib, exc)
+            if reason is None:
+                return self._fail_start(dev, f"enable failed: {_describe(exc)}", now)
+            detail = _describe(exc)
+            if reason == "cuda_missing":
+                detail = f"{LIBCUDA_MISSING} ({detail})"
+            self._unavailable(dev, reason, detail, now)
+        return ""
+
+    def _try_start(
+        self, lib: Any, dev: _Device, errors: tuple[type[BaseException], ...], now: float
+    ) -> str:
+        """Configure and start an enabled GPU (also the restart after a run-time failure)."""
+        try:
+            choice = self._cupti_configure(lib, dev, errors)
+            self._cupti_start(dev.collector)
+        except SourceUnavailable as exc:
             self._unavailable(dev, exc.reason, exc.detail, now)
             return ""
         except errors as exc:
-            self._cleanup(collector)
             reason = _classify(lib, exc)
             if reason is None:
-                return self._fail(dev, f"start failed: {_describe(exc)}")
+                return self._fail_start(dev, f"start failed: {_describe(exc)}", now)
             self._unavailable(dev, reason, _describe(exc), now)
             return ""
-        dev.collector = collector
+        dev.running = True
         dev.retry_at = None
         # Totals start at zero only for what is measured; the rest stays an absent series.
-        if dev.sm_metric is not None and dev.sm_total is None:
+        if choice.sm_metric is not None and dev.sm_total is None:
             dev.sm_total = 0.0
-        if dev.dram_metric is not None and dev.dram_total is None:
+        if choice.dram_metric is not None and not choice.dram_is_ratio and dev.dram_total is None:
             dev.dram_total = 0.0
+        if choice != dev.logged_choice:
+            dev.logged_choice = choice
+            log.info("CUPTI PM sampling on GPU %d configured: %s", dev.gpu.index, choice.describe())
         return ""
 
     def _collect(self, dev: _Device) -> None:
         """Decode completed intervals into the GPU's totals, emptying the hardware buffer."""
+        choice = dev.choice
+        dev.dram_ratio = None
+        if choice is None:
+            return
+        ratios: list[float] = []
         for _ in range(_MAX_DECODE_ROUNDS):
-            rows = self._cupti_decode(dev.collector, dev.sm_metric, dev.dram_metric)
+            rows = self._cupti_decode(dev.collector, choice.sm_metric, choice.dram_metric)
             for sm_value, dram_value in rows:
                 # Added as they come, so a decode that fails later loses nothing already read.
                 if dev.sm_total is not None:
                     dev.sm_total += _count(sm_value)
-                if dev.dram_total is not None:
+                if choice.dram_is_ratio:
+                    fraction = _ratio_of_percent(dram_value)
+                    if fraction is not None:
+                        ratios.append(fraction)
+                elif dev.dram_total is not None:
                     dev.dram_total += _count(dram_value)
             if len(rows) < self._max_samples:
-                return
+                break
+        if ratios:
+            dev.dram_ratio = sum(ratios) / len(ratios)
 
-    def _fail(self, dev: _Device, message: str) -> str:
-        """A GPU failed at run time: release it so the next call starts it afresh."""
-        self._cleanup(dev.collector)
-        dev.collector = None
-        text = f"GPU {dev.gpu.index}: {message}"
+    def _fail_run(self, dev: _Device, message: str, now: float) -> str:
+        """A GPU failed at run time: stop it (never disable, see the module docstring) and
+        restart it with configure() + start() once its backoff has passed."""
+        self._cupti_stop(dev.collector)
+        dev.running = False
+        return self._fail_start(dev, message, now)
+
+    def _fail_start(self, dev: _Device, message: str, now: float) -> str:
+        dev.failures += 1
+        delay = min(BACKOFF_MAX_S, BACKOFF_INITIAL_S * 2.0 ** min(dev.failures - 1, 30))
+        dev.retry_at = now + delay
+        text = f"GPU {dev.gpu.index}: {message} (retry in {delay:g} s)"
         self._set_state(dev, _HARDWARE_ERROR, text)
         return text
 
@@ -332,17 +459,20 @@ class CuptiPmSampler:
 
     @staticmethod
     def _sample(dev: _Device) -> ProfilingSample:
-        if dev.collector is None:
+        choice = dev.choice
+        if not dev.running or choice is None:
             return ProfilingSample(gpu=dev.gpu)
         return ProfilingSample(
             gpu=dev.gpu,
             sm_instructions_executed_total=dev.sm_total,
-            dram_read_bytes_total=dev.dram_total,
+            # A total kept from a byte counter configured before a restart is not exported
+            # once the GPU measures a throughput percentage instead.
+            dram_read_bytes_total=None if choice.dram_is_ratio else dev.dram_total,
+            dram_read_throughput_ratio=dev.dram_ratio if choice.dram_is_ratio else None,
+            sm_metric=choice.sm_metric,
+            dram_metric=choice.dram_metric,
+            metric_set=choice.metric_set,
         )
-
-    def _cleanup(self, collector: Any) -> None:
-        if collector is not None:
-            self._cupti_shutdown(collector)
 
     def _runtime_errors(self, lib: Any) -> tuple[type[BaseException], ...]:
         # What cupti.pm_sampling raises (its docstrings): cuptiError for CUPTI codes it does not
@@ -367,41 +497,85 @@ class CuptiPmSampler:
 
     # -- the CUPTI boundary: the only methods that call the library -----------------------------
 
-    def _cupti_open(self, lib: Any, index: int) -> Any:
+    def _cupti_enable(self, lib: Any, index: int, errors: tuple[type[BaseException], ...]) -> Any:
+        """An enabled Collector; retries once with the primary context where CUPTI says the
+        CUDA driver is not initialised even after cuInit."""
         collector = lib.pm_sampling.Collector(device_index=index)
-        collector.enable()
+        try:
+            collector.enable()
+        except errors as exc:
+            if self._cuda is None or not _not_initialised(lib, exc):
+                raise
+            log.info(
+                "CUPTI PM sampling on GPU %d: enable() answered %s after cuInit; retrying "
+                "with the device's primary context (it holds device memory)",
+                index, _describe(exc),
+            )
+            self._cuda.retain_primary_context(index)
+            try:
+                collector.enable()
+            except errors:
+                # It did not help: give the memory back rather than hold it for nothing.
+                self._cuda.release_primary_context(index)
+                raise
         return collector
 
-    def _cupti_configure(self, lib: Any, collector: Any) -> tuple[str | None, str | None]:
-        """Configure the most preferred metric pair this GPU accepts; returns the names used.
+    def _cupti_configure(
+        self, lib: Any, dev: _Device, errors: tuple[type[BaseException], ...]
+    ) -> MetricChoice:
+        """Configure the best metrics this GPU accepts; returns (and keeps) the choice.
 
-        ``configure()`` raises ValueError both for a metric the chip's PM sampling cannot
-        collect and for an unsupported trigger mode, so both are handled by trying the next
-        combination. GPU_TIME_INTERVAL (nanoseconds) is not supported on Turing and GA100;
-        there the interval falls back to GPU_SYSCLK_INTERVAL, counted in SYSCLK cycles, which
-        makes the interval approximate but leaves the summed counts exact.
+        A restart reuses the configuration that worked. Otherwise the pair chosen from the
+        chip's single-pass sets comes first, then every name combination in order.
+        ``configure()`` raises ValueError both for metrics it cannot collect in one pass and
+        for an unsupported trigger mode, so both are handled by trying the next combination.
+        GPU_TIME_INTERVAL (nanoseconds) is not supported on Turing and GA100; there the
+        interval falls back to GPU_SYSCLK_INTERVAL, counted in SYSCLK cycles, which makes the
+        interval approximate but leaves the summed counts exact.
         """
-        trigger = lib.pm_sampling.TriggerMode
-        interval = max(1, round(self._interval_s * 1e9))
         last_error = ""
-        for mode in (trigger.GPU_TIME_INTERVAL, trigger.GPU_SYSCLK_INTERVAL):
-            for sm_metric, dram_metric in _metric_choices():
-                metrics = [m for m in (sm_metric, dram_metric) if m is not None]
-                try:
-                    collector.configure(
-                        metrics=metrics,
-                        hardware_buffer_size=HARDWARE_BUFFER_BYTES,
-                        sampling_interval=interval,
-                        trigger_mode=mode,
-                    )
-                except ValueError as exc:
-                    last_error = str(exc)
-                    continue
-                return sm_metric, dram_metric
+        for choice, mode in self._candidates(lib, dev, errors):
+            try:
+                self._cupti_set_config(dev.collector, choice, mode)
+            except ValueError as exc:
+                last_error = str(exc)
+                continue
+            dev.choice, dev.trigger_mode = choice, mode
+            return choice
+        wanted = SM_INSTRUCTION_METRICS + DRAM_READ_METRICS + DRAM_THROUGHPUT_METRICS
         raise SourceUnavailable(
-            "unsupported_device",
-            f"PM sampling accepts none of {SM_INSTRUCTION_METRICS + DRAM_READ_METRICS}: "
-            f"{last_error}",
+            "unsupported_device", f"PM sampling accepts none of {wanted}: {last_error}"
+        )
+
+    def _candidates(
+        self, lib: Any, dev: _Device, errors: tuple[type[BaseException], ...]
+    ) -> Iterator[tuple[MetricChoice, Any]]:
+        """(choice, trigger mode) in the order to try; lazy, so a restart whose old
+        configuration still works does not query the chip's sets again."""
+        if dev.choice is not None and dev.trigger_mode is not None:
+            yield dev.choice, dev.trigger_mode
+        trigger = lib.pm_sampling.TriggerMode
+        modes = (trigger.GPU_TIME_INTERVAL, trigger.GPU_SYSCLK_INTERVAL)
+        chip = getattr(dev.collector, "_chip_name", None)  # set by Collector.enable()
+        sets = query_sets(lib, chip, errors) if isinstance(chip, str) and chip else None
+        from_sets = choose_from_sets(sets) if sets else None
+        if from_sets is not None:
+            for mode in modes:
+                yield from_sets, mode
+        for mode in modes:
+            for choice in fallback_choices():
+                yield choice, mode
+
+    def _cupti_set_config(self, collector: Any, choice: MetricChoice, mode: Any) -> None:
+        options: dict[str, Any] = {}
+        if choice.metric_set is not None:
+            options["single_pass_metric_set_name"] = choice.metric_set
+        collector.configure(
+            metrics=choice.metrics,
+            hardware_buffer_size=HARDWARE_BUFFER_BYTES,
+            sampling_interval=max(1, round(self._interval_s * 1e9)),
+            trigger_mode=mode,
+            **options,
         )
 
     def _cupti_start(self, collector: Any) -> None:
@@ -410,7 +584,7 @@ class CuptiPmSampler:
     def _cupti_decode(
         self, collector: Any, sm_metric: str | None, dram_metric: str | None
     ) -> list[tuple[float | None, float | None]]:
-        """Completed intervals since the last decode, as ``(sm, dram)`` counts per interval."""
+        """Completed intervals since the last decode, as ``(sm, dram)`` values per interval."""
         data = collector.decode(max_samples=self._max_samples)
         names = list(data.metrics)
         sm_at = names.index(sm_metric) if sm_metric is not None else None
@@ -426,23 +600,19 @@ class CuptiPmSampler:
             )
         return rows
 
-    def _cupti_shutdown(self, collector: Any) -> None:
-        """Stop and disable, each on its own: stop() raises when sampling never started."""
-        for step in ("stop", "disable"):
-            try:
-                getattr(collector, step)()
-            except Exception as exc:  # teardown must reach disable() whatever stop() raised
-                log.debug("CUPTI PM sampling %s() during teardown: %s", step, _describe(exc))
+    def _cupti_stop(self, collector: Any) -> None:
+        """Stop sampling, whatever state it is in: stop() raises when it was not running."""
+        try:
+            collector.stop()
+        except Exception as exc:  # a failing GPU's stop() may fail too; the restart decides
+            log.debug("CUPTI PM sampling stop() after a failure: %s", _describe(exc))
 
-
-def _metric_choices() -> list[tuple[str | None, str | None]]:
-    """Metric pairs in order of preference: both counters first, then either one alone."""
-    pairs: list[tuple[str | None, str | None]] = list(
-        product(SM_INSTRUCTION_METRICS, DRAM_READ_METRICS)
-    )
-    pairs += [(sm, None) for sm in SM_INSTRUCTION_METRICS]
-    pairs += [(None, dram) for dram in DRAM_READ_METRICS]
-    return pairs
+    def _cupti_disable(self, collector: Any) -> None:
+        """Disable at close; a failure is logged, it must not keep the others enabled."""
+        try:
+            collector.disable()
+        except Exception as exc:  # teardown must reach every collector
+            log.debug("CUPTI PM sampling disable() during close: %s", _describe(exc))
 
 
 def _classify(lib: Any, exc: BaseException) -> str | None:
@@ -461,10 +631,18 @@ def _classify(lib: Any, exc: BaseException) -> str | None:
         if name in _MISSING_LIBRARY_ERRORS or "nvperf" in text:
             return "cupti_missing"
         if name == "NotSupportedError":  # cupti-python: "CUDA driver is not found (...)"
-            return "no_gpu" if "not found" in text else "unsupported_device"
+            return "cuda_missing" if "not found" in text else "unsupported_device"
         if "already enabled" in text:  # someone else in this process holds PM sampling
             return "profiler_busy"
     return None
+
+
+def _not_initialised(lib: Any, exc: BaseException) -> bool:
+    """CUPTI's ``ERROR_NOT_INITIALIZED`` from enable(), raw or as cupti-python translates it
+    when profiler_initialize answers it (a RuntimeError about the nvperf libraries)."""
+    if isinstance(exc, lib.cupti.cuptiError):
+        return _result_name(lib, getattr(exc, "status", None)) == "ERROR_NOT_INITIALIZED"
+    return type(exc) is RuntimeError and "nvperf" in str(exc)
 
 
 def _result_name(lib: Any, status: Any) -> str:
@@ -476,10 +654,14 @@ def _result_name(lib: Any, status: Any) -> str:
 
 def _count(value: float | None) -> float:
     """A per-interval count as a non-negative finite number, so totals never go down."""
-    if value is None:
-        return 0.0
-    number = float(value)
-    return number if math.isfinite(number) and number > 0 else 0.0
+    number = finite(value)
+    return number if number is not None and number > 0 else 0.0
+
+
+def _ratio_of_percent(value: float | None) -> float | None:
+    """A percentage of peak as a 0-1 ratio; ``None`` (dropped) when it is not a number."""
+    number = finite(value)
+    return None if number is None else ratio(number / 100.0)
 
 
 def _describe(exc: BaseException) -> str:

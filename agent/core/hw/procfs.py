@@ -1,5 +1,6 @@
 """Thin adapter over Linux ``/proc``: per-process and per-thread CPU ticks, memory, threads,
-context switches and command lines.
+context switches, command lines, and what GPU attribution needs (the GPU variables of the
+initial environment, the PID in each PID namespace).
 
 Reads the files directly instead of going through psutil because the agent samples at up to
 10 Hz and every target's threads are read each pass. The files read every pass (``stat``,
@@ -81,6 +82,32 @@ def parse_stat(pid: int, raw: bytes) -> ProcStat:
 
 #: Large enough for /proc/PID/status (about 1.5 KB); stat lines are a few hundred bytes.
 _READ_SIZE = 16384
+#: At most this much of ``/proc/PID/environ`` is read. The kernel caps a process's arguments
+#: and environment together at a quarter of its stack limit (2 MiB under the usual 8 MiB);
+#: a pod's environment, service links included, is tens of KB. Read once per process.
+ENVIRON_READ_BYTES = 1 << 20
+
+
+def _read_prefix(path: str, limit: int) -> bytes:
+    """At most ``limit`` bytes of ``path`` from its start."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ProcessGone(f"{path}: {exc.strerror or exc}") from exc
+    chunks: list[bytes] = []
+    left = limit
+    try:
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 16))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as exc:  # EACCES for another user's process, ESRCH while it exits
+        raise ProcessGone(f"{path}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
 
 
 class ProcFS:
@@ -185,6 +212,36 @@ class ProcFS:
             elif line.startswith(b"nonvoluntary_ctxt_switches:"):
                 involuntary = int(line.split()[1])
         return voluntary, involuntary
+
+    def nspid(self, pid: int) -> tuple[int, ...]:
+        """``pid`` in each PID namespace it belongs to, outermost (this ``/proc``'s) first, from
+        the ``NSpid`` line of ``/proc/PID/status``; empty on kernels before 4.1."""
+        for line in self._read_kept(f"{self.root}/{pid}/status").splitlines():
+            if line.startswith(b"NSpid:"):
+                try:
+                    return tuple(int(f) for f in line.split()[1:])
+                except ValueError:
+                    return ()
+        return ()
+
+    def environ(self, pid: int, names: tuple[str, ...]) -> dict[str, str]:
+        """The variables ``names`` as set in the initial environment of ``pid`` (what it was
+        started with; later changes inside the process are not visible here). Reads at most
+        :data:`ENVIRON_READ_BYTES`; an entry cut off there is dropped. ProcessGone when the
+        file cannot be read (another user's process without CAP_SYS_PTRACE, or gone)."""
+        raw = _read_prefix(f"{self.root}/{pid}/environ", ENVIRON_READ_BYTES)
+        entries = raw.split(b"\0")
+        if len(raw) >= ENVIRON_READ_BYTES:
+            entries.pop()  # possibly cut in the middle
+        wanted = {n.encode(): n for n in names}
+        out: dict[str, str] = {}
+        for entry in entries:
+            key, sep, value = entry.partition(b"=")
+            name = wanted.get(key)
+            if sep and name is not None and name not in out:
+                # The first one wins, as with getenv(3), which is how CUDA reads it.
+                out[name] = value.decode("utf-8", "replace")
+        return out
 
     def cmdline(self, pid: int) -> str:
         """The command line with NUL separators turned into spaces."""

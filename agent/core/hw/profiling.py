@@ -2,7 +2,9 @@
 
 CUPTI needs NVML's GPU list, and opens the GPU's performance monitors only when the profiling
 collector runs, so the sampler is made lazily; a failed build is retried on the next call (the
-GPU may appear later).
+GPU may appear later). Neither this module nor building the sampler touches CUDA: ``cuInit`` (and
+a primary context, only where CUPTI needs one) happens in the sampler's first start, inside
+:meth:`LazyProfiling.sample_profiling`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ class LazyProfiling:
             os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
             from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
 
-            self._sampler = CuptiPmSampler([s.gpu for s in self._devices.sample_devices()],
+            # Physical GPUs only: CUPTI refuses MIG devices (docs/gpu-readings.md).
+            self._sampler = CuptiPmSampler([s.gpu for s in self._devices.sample_devices()
+                                            if not s.gpu.uuid.startswith("MIG-")],
                                            interval_s=self._interval_s)
         return self._sampler.sample_profiling()
 

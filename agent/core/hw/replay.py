@@ -38,6 +38,8 @@ TRACE_FIELDS: dict[str, tuple[str, str, str]] = {
     "mem_total_bytes": ("device", "mem_total_bytes", "gauge"),
     "pcie_tx_bytes_per_second": ("device", "pcie_tx_bytes_per_second", "gauge"),
     "pcie_rx_bytes_per_second": ("device", "pcie_rx_bytes_per_second", "gauge"),
+    "pcie_tx_bytes_total": ("device", "pcie_tx_bytes_total", "counter"),
+    "pcie_rx_bytes_total": ("device", "pcie_rx_bytes_total", "counter"),
     "pcie_replays_total": ("device", "pcie_replays_total", "counter"),
     "nvlink_tx_bytes_total": ("device", "nvlink_tx_bytes_total", "counter"),
     "nvlink_rx_bytes_total": ("device", "nvlink_rx_bytes_total", "counter"),
@@ -57,6 +59,7 @@ TRACE_FIELDS: dict[str, tuple[str, str, str]] = {
     "nvlink_rx_bytes_per_second": ("gpm", "nvlink_rx_bytes_per_second", "gauge"),
     "sm_instructions_executed_total": ("profiling", "sm_instructions_executed_total", "counter"),
     "dram_read_bytes_total": ("profiling", "dram_read_bytes_total", "counter"),
+    "dram_read_throughput_ratio": ("profiling", "dram_read_throughput_ratio", "ratio"),
 }
 
 #: At most this many fine-grained utilisation points are handed out per sampling pass.
@@ -71,6 +74,10 @@ MAX_TRACE_BYTES = 16 << 20
 MAX_GPUS = 1024
 #: Longest ``uuid``/``name``: NVML's are 40-odd and 96 characters.
 MAX_LABEL_CHARS = 256
+#: Entries of one record's ``processes`` (NVML lists the tens of processes of a busy GPU).
+MAX_PROCESSES = 1024
+#: Linux's PID_MAX_LIMIT: no PID is larger.
+_PID_MAX = 1 << 22
 
 
 class ReplayFormatError(ValueError):
@@ -82,6 +89,8 @@ class _GpuTrace:
     identity: GPUIdentity
     times: list[float] = field(default_factory=list)
     records: list[dict[str, float]] = field(default_factory=list)
+    #: Per record, the optional ``processes``: GPU memory by PID.
+    processes: list[dict[int, float]] = field(default_factory=list)
     loop_increment: dict[str, float] = field(default_factory=dict)
     last_counter: dict[str, float] = field(default_factory=dict)
 
@@ -155,11 +164,30 @@ def load_trace(path: str) -> dict[int, _GpuTrace]:
             record[key] = float(value)
         trace.times.append(float(t))
         trace.records.append(record)
+        trace.processes.append(_processes(obj.get("processes"), where))
     if not gpus:
         raise ReplayFormatError(f"{path}: the trace holds no samples")
     for trace in gpus.values():
         _fill_loop_increments(trace)
     return gpus
+
+
+def _processes(value: Any, where: str) -> dict[int, float]:
+    """The optional ``processes`` field: ``{"PID": bytes}``, as NVML's process list."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_PROCESSES:
+        raise ReplayFormatError(f"{where}: 'processes' must be an object of at most "
+                                f"{MAX_PROCESSES} \"PID\": bytes entries")
+    out: dict[int, float] = {}
+    for pid, used in value.items():
+        if not (pid.isascii() and pid.isdigit()) or not 0 < int(pid) <= _PID_MAX:
+            raise ReplayFormatError(f"{where}: 'processes' key {pid[:20]!r} is not a PID")
+        if not _number(used) or used < 0:
+            raise ReplayFormatError(f"{where}: 'processes' value for {pid} must be a number "
+                                    ">= 0 (bytes)")
+        out[int(pid)] = float(used)
+    return out
 
 
 def _fill_loop_increments(trace: _GpuTrace) -> None:
@@ -256,8 +284,15 @@ class ReplayBackend:
         for identity, values in self._current("device"):
             sample = DeviceSample(gpu=identity, **values)  # type: ignore[arg-type]
             sample.util_samples = self._util_points(identity.index, self._gpus[identity.index])
+            sample.process_memory_bytes = self._processes_now(self._gpus[identity.index])
             out.append(sample)
         return out
+
+    def _processes_now(self, trace: _GpuTrace) -> dict[int, float]:
+        """The ``processes`` of the record :meth:`_current` shows for this GPU."""
+        _, pos = self._position(self._clock())
+        idx = bisect.bisect_right(trace.times, pos) - 1  # -1: the previous loop's last
+        return dict(trace.processes[idx])
 
     def sample_gpm(self) -> list[GpmSample]:
         if "gpm" not in self._has:
@@ -268,7 +303,8 @@ class ReplayBackend:
         if "profiling" not in self._has:
             raise SourceUnavailable(
                 "not_in_trace", f"{self.path} has no profiling-counter fields")
-        return [ProfilingSample(gpu=i, **v) for i, v in self._current("profiling") if v]
+        return [ProfilingSample(gpu=i, **v)  # type: ignore[arg-type]  # numeric fields only
+                for i, v in self._current("profiling") if v]
 
     def close(self) -> None:
         """Nothing to release: the trace was read whole when the backend was made."""

@@ -10,41 +10,69 @@ same order.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from mrc_agent.agent.core.hw.base import DeviceSample
+from mrc_agent.agent.core.hw.base import DeviceSample, finite, ratio
 from mrc_agent.agent.core.hw.nvml.events import XidEvents
 from mrc_agent.agent.core.hw.nvml.nvlink import NvlinkCounters
-from mrc_agent.agent.core.hw.nvml.pcie import PcieReader
+from mrc_agent.agent.core.hw.nvml.pcie import PcieCounters, PcieReader
 from mrc_agent.agent.core.hw.nvml.session import Gpu, Memo, union_value
 from mrc_agent.agent.core.hw.nvml.units import (
+    identify_clock,
     megahertz_to_hertz,
     milliwatts_to_watts,
     nvml_timestamp_to_monotonic,
     percent_to_ratio,
 )
 
+log = logging.getLogger(__name__)
+
+#: Per-process queries, newest first: a driver without the ``_v3`` entry points (which the
+#: plain names call in nvidia-ml-py 12.535 and later) still answers ``_v2``.
+_PROCESS_QUERIES = (
+    ("compute_processes", ("nvmlDeviceGetComputeRunningProcesses",
+                           "nvmlDeviceGetComputeRunningProcesses_v2")),
+    ("graphics_processes", ("nvmlDeviceGetGraphicsRunningProcesses",
+                            "nvmlDeviceGetGraphicsRunningProcesses_v2")),
+)
+
+
+def default_sample_clocks(wall_clock: Callable[[], float]) -> dict[str, Callable[[], float]]:
+    """The clocks an NVML sample timestamp may be on, by the name the info metric shows."""
+    return {
+        "realtime": wall_clock,
+        "boottime": lambda: time.clock_gettime(time.CLOCK_BOOTTIME),
+        "monotonic": lambda: time.clock_gettime(time.CLOCK_MONOTONIC),
+    }
+
 
 class DeviceReader:
     """Builds device samples. ``clock`` is the monotonic clock samples are stamped with;
-    ``wall_clock`` the one NVML's sample timestamps are taken on (the Unix epoch)."""
+    ``sample_clocks`` the clocks NVML's sample timestamps may be taken on, by name: which one
+    a GPU's timestamps are on is identified from its first batch (``sources["util_clock"]``)."""
 
     def __init__(
         self,
         memo: Memo,
         clock: Callable[[], float],
-        wall_clock: Callable[[], float],
+        sample_clocks: dict[str, Callable[[], float]],
         *,
         pcie: PcieReader,
+        pcie_counters: PcieCounters,
         nvlink: NvlinkCounters,
         xid: XidEvents,
     ) -> None:
         self._memo = memo
         self._clock = clock
-        self._wall_clock = wall_clock
+        self._sample_clocks = sample_clocks
+        #: The clock each GPU's sample timestamps were found on (None: none fits, unused).
+        self._util_clock: dict[str, str | None] = {}
         self._pcie = pcie
+        self._pcie_counters = pcie_counters
         self._nvlink = nvlink
         self._xid = xid
         # The newest GetSamples timestamp seen per GPU UUID, kept across NVML sessions so a
@@ -59,17 +87,13 @@ class DeviceReader:
 
         util = optional(lib, gpu, "utilization", lambda: lib.nvmlDeviceGetUtilizationRates(h))
         if util is not None:
-            s.gpu_util = percent_to_ratio(util.gpu)
-            s.mem_util = percent_to_ratio(util.memory)
-        s.util_samples = self._util_samples(lib, gpu)
+            s.gpu_util = ratio(percent_to_ratio(util.gpu))
+            s.mem_util = ratio(percent_to_ratio(util.memory))
+        s.util_samples = self._util_samples(lib, gpu, s)
 
         s.mem_used_bytes, s.mem_total_bytes = self._memory(lib, gpu)
 
-        # Not read here: each call blocks 20 ms. The PCIe thread's latest values, if fresh.
-        pcie = self._pcie.latest(gpu.identity.uuid)
-        if pcie is not None:
-            s.pcie_tx_bytes_per_second = pcie.tx_bytes_per_second
-            s.pcie_rx_bytes_per_second = pcie.rx_bytes_per_second
+        self._pcie_traffic(lib, gpu, s)
         replays = optional(
             lib, gpu, "pcie_replay_counter", lambda: lib.nvmlDeviceGetPcieReplayCounter(h)
         )
@@ -80,20 +104,13 @@ class DeviceReader:
 
         power = optional(lib, gpu, "power_usage", lambda: lib.nvmlDeviceGetPowerUsage(h))
         if power is not None:
-            s.power_watts = milliwatts_to_watts(power)
+            s.power_watts = finite(milliwatts_to_watts(power))
         clock = optional(
             lib, gpu, "sm_clock", lambda: lib.nvmlDeviceGetClockInfo(h, lib.NVML_CLOCK_SM)
         )
         if clock is not None:
-            s.sm_clock_hertz = megahertz_to_hertz(clock)
-        temp = optional(
-            lib,
-            gpu,
-            "temperature",
-            lambda: lib.nvmlDeviceGetTemperature(h, lib.NVML_TEMPERATURE_GPU),
-        )
-        if temp is not None:
-            s.temperature_celsius = float(temp)
+            s.sm_clock_hertz = finite(megahertz_to_hertz(clock))
+        s.temperature_celsius = finite(self._temperature(lib, gpu))
 
         ecc = optional(
             lib,
@@ -115,7 +132,55 @@ class DeviceReader:
         s.process_memory_bytes = self._process_memory(lib, gpu)
         return s
 
-    def _util_samples(self, lib: Any, gpu: Gpu) -> list[tuple[float, float]]:
+    def sample_mig(self, lib: Any, mig: Gpu) -> DeviceSample:
+        """What NVML answers per MIG device: its memory and the processes on it."""
+        s = DeviceSample(gpu=mig.identity)
+        s.mem_used_bytes, s.mem_total_bytes = self._memory(lib, mig)
+        s.process_memory_bytes = self._process_memory(lib, mig)
+        return s
+
+    def pcie_counters(self, lib: Any, gpus: list[Gpu]) -> dict[str, tuple[float, float]]:
+        """Each GPU's PCIe byte totals (TX, RX) now, for GPUs that have the counters."""
+        out: dict[str, tuple[float, float]] = {}
+        for gpu in gpus:
+            counted = self._pcie_counters.read(lib, gpu, self._clock())
+            if counted is not None:
+                out[gpu.identity.uuid] = (counted[0], counted[1])
+        return out
+
+    def _pcie_traffic(self, lib: Any, gpu: Gpu, s: DeviceSample) -> None:
+        """Byte counters where the driver has them; else the PCIe thread's latest rates."""
+        counted = self._pcie_counters.read(lib, gpu, self._clock())
+        if counted is not None:
+            s.pcie_tx_bytes_total, s.pcie_rx_bytes_total = counted[0], counted[1]
+            s.pcie_tx_bytes_per_second, s.pcie_rx_bytes_per_second = counted[2], counted[3]
+            s.sources["pcie"] = "byte_counters"
+            return
+        s.sources["pcie"] = "throughput_call"
+        # Not read here: each call blocks 20 ms. The PCIe thread's latest values, if fresh.
+        pcie = self._pcie.latest(gpu.identity.uuid)
+        if pcie is not None:
+            s.pcie_tx_bytes_per_second = pcie.tx_bytes_per_second
+            s.pcie_rx_bytes_per_second = pcie.rx_bytes_per_second
+
+    def _temperature(self, lib: Any, gpu: Gpu) -> float | None:
+        """nvmlDeviceGetTemperatureV where the library and driver have it; the deprecated
+        nvmlDeviceGetTemperature otherwise (nvidia-ml-py 12.535 has only that one)."""
+        h = gpu.handle
+        if hasattr(lib, "nvmlDeviceGetTemperatureV"):
+            temp = self._memo.optional(
+                lib, gpu, "temperature_v",
+                lambda: lib.nvmlDeviceGetTemperatureV(h, lib.NVML_TEMPERATURE_GPU),
+            )
+            if temp is not None:
+                return float(temp)
+        temp = self._memo.optional(
+            lib, gpu, "temperature",
+            lambda: lib.nvmlDeviceGetTemperature(h, lib.NVML_TEMPERATURE_GPU),
+        )
+        return None if temp is None else float(temp)
+
+    def _util_samples(self, lib: Any, gpu: Gpu, s: DeviceSample) -> list[tuple[float, float]]:
         uuid = gpu.identity.uuid
         last = self._last_util_timestamp.get(uuid, 0)
         # NOT_FOUND is NVML's answer when no sample is newer than ``last``.
@@ -129,17 +194,34 @@ class DeviceReader:
         if not got:
             return []
         value_type, samples = got
-        mono_now, wall_now = self._clock(), self._wall_clock()
+        ordered = sorted(samples, key=lambda smp: int(smp.timeStamp))
+        if not ordered:
+            return []
+        mono_now = self._clock()
+        nows = {name: read() for name, read in self._sample_clocks.items()}
+        if uuid not in self._util_clock:
+            found = identify_clock(int(ordered[-1].timeStamp), nows)
+            self._util_clock[uuid] = found
+            self._memo.log_once(
+                log, f"util_clock:{uuid}", logging.INFO if found else logging.WARNING,
+                "GPU %d (%s): utilisation sample timestamps %s", gpu.index, uuid,
+                f"are on the {found} clock" if found else
+                "fit no known clock; fine-grained utilisation samples are not used",
+            )
+        clock_name = self._util_clock[uuid]
+        s.sources["util_clock"] = clock_name or "unknown"
         out: list[tuple[float, float]] = []
         newest = last
-        for sample in sorted(samples, key=lambda smp: int(smp.timeStamp)):
+        for sample in ordered:
             stamp = int(sample.timeStamp)
             if stamp <= last:
                 continue  # the buffer may repeat the boundary sample
-            value = union_value(lib, value_type, sample.sampleValue)
-            when = nvml_timestamp_to_monotonic(stamp, mono_now=mono_now, wall_now=wall_now)
-            out.append((when, percent_to_ratio(value)))
             newest = max(newest, stamp)
+            value = ratio(percent_to_ratio(union_value(lib, value_type, sample.sampleValue)))
+            if clock_name is None or value is None:
+                continue
+            when = nvml_timestamp_to_monotonic(stamp, mono_now=mono_now, wall_now=nows[clock_name])
+            out.append((when, value))
         self._last_util_timestamp[uuid] = newest
         return out
 
@@ -159,18 +241,24 @@ class DeviceReader:
             )
         if mem is None:
             return None, None
-        return float(mem.used), float(mem.total)
+        return finite(mem.used), finite(mem.total)
 
     def _process_memory(self, lib: Any, gpu: Gpu) -> dict[int, float]:
         h = gpu.handle
         out: dict[int, float] = {}
-        for feature, query in (
-            ("compute_processes", lib.nvmlDeviceGetComputeRunningProcesses),
-            ("graphics_processes", lib.nvmlDeviceGetGraphicsRunningProcesses),
-        ):
-            procs = self._memo.optional(lib, gpu, feature, partial(query, h))
+        for feature, names in _PROCESS_QUERIES:
+            procs = None
+            for i, name in enumerate(names):
+                query = getattr(lib, name, None)
+                if query is None:
+                    continue
+                procs = self._memo.optional(
+                    lib, gpu, feature if i == 0 else f"{feature}_v{i + 1}", partial(query, h)
+                )
+                if procs is not None:
+                    break
             for proc in procs or ():
-                used = proc.usedGpuMemory
+                used = finite(proc.usedGpuMemory)
                 if used is None:
                     continue  # pynvml's spelling of NVML_VALUE_NOT_AVAILABLE (e.g. WDDM)
                 pid = int(proc.pid)

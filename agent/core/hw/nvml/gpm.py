@@ -3,12 +3,27 @@
 GPM metrics are computed between two samples, so each GPU keeps two sample buffers used
 alternately (on its :class:`Gpu`, freed at teardown) and its first sample of a session only
 primes them. Whether a GPU supports GPM is remembered across sessions by UUID.
+
+GPM runs on its own cadence, not the sampler's: NVML's reference for ``nvmlGpmMetricsGet``
+says the two samples "should be greater than 100ms" apart, and a window of a second averages
+out the bursts of a decode loop. A call inside the current window takes no new sample and
+returns the last window's values again (the same numbers, not a fresh measurement), so a
+10 Hz sampler reads GPM once per ``interval`` seconds.
+
+Each metric of a window stands alone: one the GPU does not support is absent (logged once);
+one that fails otherwise, or comes back NaN or infinite (NVML can answer SUCCESS with NaN:
+DCGM checks ``isnan`` after the same call), is absent for that window only. Only a failure of
+the sample itself (``nvmlGpmSampleGet``) or of the whole ``nvmlGpmMetricsGet`` call fails the
+sample. Ratios are clamped to 0-1 and rates to >= 0: a percentage a hair over 100 is rounding,
+not a finding.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -18,36 +33,70 @@ from mrc_agent.agent.core.hw.nvml.units import gpm_mib_per_s_to_bytes_per_s, per
 
 log = logging.getLogger(__name__)
 
+#: Seconds between two GPM samples by default.
+DEFAULT_GPM_INTERVAL_S = 1.0
+#: The shortest window allowed: twice NVML's 100 ms floor, so timer jitter never crosses it.
+MIN_GPM_INTERVAL_S = 0.2
+
+
+def _ratio(percent: float) -> float:
+    return min(1.0, max(0.0, percent_to_ratio(percent)))
+
+
+def _rate(mib_per_s: float) -> float:
+    return max(0.0, gpm_mib_per_s_to_bytes_per_s(mib_per_s))
+
+
 #: GPM metric id attribute name in pynvml -> GpmSample attribute, and the converter applied.
 _GPM_METRICS: tuple[tuple[str, str, Callable[[float], float]], ...] = (
-    ("NVML_GPM_METRIC_SM_UTIL", "sm_util", percent_to_ratio),
-    ("NVML_GPM_METRIC_SM_OCCUPANCY", "sm_occupancy", percent_to_ratio),
-    ("NVML_GPM_METRIC_ANY_TENSOR_UTIL", "tensor_util", percent_to_ratio),
-    ("NVML_GPM_METRIC_DRAM_BW_UTIL", "dram_bw_util", percent_to_ratio),
-    ("NVML_GPM_METRIC_PCIE_TX_PER_SEC", "pcie_tx_bytes_per_second", gpm_mib_per_s_to_bytes_per_s),
-    ("NVML_GPM_METRIC_PCIE_RX_PER_SEC", "pcie_rx_bytes_per_second", gpm_mib_per_s_to_bytes_per_s),
-    (
-        "NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC",
-        "nvlink_tx_bytes_per_second",
-        gpm_mib_per_s_to_bytes_per_s,
-    ),
-    (
-        "NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC",
-        "nvlink_rx_bytes_per_second",
-        gpm_mib_per_s_to_bytes_per_s,
-    ),
+    ("NVML_GPM_METRIC_SM_UTIL", "sm_util", _ratio),
+    ("NVML_GPM_METRIC_SM_OCCUPANCY", "sm_occupancy", _ratio),
+    ("NVML_GPM_METRIC_ANY_TENSOR_UTIL", "tensor_util", _ratio),
+    ("NVML_GPM_METRIC_DRAM_BW_UTIL", "dram_bw_util", _ratio),
+    ("NVML_GPM_METRIC_PCIE_TX_PER_SEC", "pcie_tx_bytes_per_second", _rate),
+    ("NVML_GPM_METRIC_PCIE_RX_PER_SEC", "pcie_rx_bytes_per_second", _rate),
+    ("NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC", "nvlink_tx_bytes_per_second", _rate),
+    ("NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC", "nvlink_rx_bytes_per_second", _rate),
 )
 
 
-class GpmSampler:
-    """Per-GPU GPM support (remembered by UUID) and GPM samples between two buffers."""
+def check_gpm_interval(seconds: float) -> float:
+    """``seconds`` if it is a usable GPM window, else ValueError naming the floor."""
+    if not (math.isfinite(seconds) and seconds >= MIN_GPM_INTERVAL_S):
+        raise ValueError(
+            f"GPM interval must be at least {MIN_GPM_INTERVAL_S} s (NVML wants more than "
+            f"100 ms between two GPM samples), not {seconds}"
+        )
+    return seconds
 
-    def __init__(self, memo: Memo) -> None:
+
+class GpmSampler:
+    """Per-GPU GPM support (remembered by UUID) and GPM samples between two buffers.
+
+    ``clock`` (monotonic seconds) times the windows; ``interval`` is their length.
+    """
+
+    def __init__(
+        self,
+        memo: Memo,
+        *,
+        clock: Callable[[], float],
+        interval: float = DEFAULT_GPM_INTERVAL_S,
+    ) -> None:
         self._memo = memo
+        self._clock = clock
+        self._interval = check_gpm_interval(interval)
         self._support: dict[str, bool] = {}
 
+    @property
+    def interval(self) -> float:
+        return self._interval
+
     def supported(self, lib: Any, gpu: Gpu) -> bool:
-        """Whether the GPU supports GPM; asked once per GPU, then remembered."""
+        """Whether the GPU supports GPM; asked once per GPU, then remembered. A MIG device
+        has its physical GPU's answer."""
+        if gpu.parent is not None:
+            return self.supported(lib, gpu.parent)
         uuid = gpu.identity.uuid
         if uuid not in self._support:
             support = self._memo.optional(
@@ -71,13 +120,22 @@ class GpmSampler:
             quietly(lib, "freeing a GPM sample", partial(lib.nvmlGpmSampleFree, buffer))
 
     def sample(self, lib: Any, gpu: Gpu) -> GpmSample | None:
-        """The GPU's GPM metrics since its previous call; None on the priming call."""
+        """The GPU's GPM metrics over its latest window; None until a window has closed.
+
+        Inside a window the previous window's sample is returned again (a copy).
+        """
+        now = self._clock()
+        if gpu.gpm_taken_at is not None and now - gpu.gpm_taken_at < self._interval:
+            return replace(gpu.gpm_last) if gpu.gpm_last is not None else None
         if not gpu.gpm_buffers:
             gpu.gpm_buffers = [lib.nvmlGpmSampleAlloc(), lib.nvmlGpmSampleAlloc()]
         current = gpu.gpm_buffers[gpu.gpm_next]
 
         def take() -> bool:
-            lib.nvmlGpmSampleGet(gpu.handle, current)
+            if gpu.parent is not None:  # a MIG device: its GPU instance, on the physical GPU
+                lib.nvmlGpmMigSampleGet(gpu.parent.handle, gpu.gpu_instance, current)
+            else:
+                lib.nvmlGpmSampleGet(gpu.handle, current)
             return True
 
         taken = self._memo.optional(lib, gpu, "gpm", take)
@@ -85,13 +143,17 @@ class GpmSampler:
             # The device said yes to GPM but will not sample (e.g. MIG mode at device level).
             self._support[gpu.identity.uuid] = False
             return None
+        gpu.gpm_taken_at = now
         previous = gpu.gpm_buffers[gpu.gpm_next ^ 1]
         gpu.gpm_next ^= 1
         if not gpu.gpm_primed:
             # GPM metrics are computed between two samples; the first one only sets the start.
             gpu.gpm_primed = True
             return None
+        gpu.gpm_last = self._metrics(lib, gpu, previous, current)
+        return replace(gpu.gpm_last)
 
+    def _metrics(self, lib: Any, gpu: Gpu, previous: Any, current: Any) -> GpmSample:
         wanted = [(int(getattr(lib, name)), attr, convert) for name, attr, convert in _GPM_METRICS]
         request = lib.c_nvmlGpmMetricsGet_t()
         request.version = lib.NVML_GPM_METRICS_GET_VERSION
@@ -103,21 +165,39 @@ class GpmSampler:
         lib.nvmlGpmMetricsGet(request)
 
         out = GpmSample(gpu=gpu.identity)
+        uuid = gpu.identity.uuid
         for i, (metric_id, attr, convert) in enumerate(wanted):
             metric = request.metrics[i]
-            if metric.nvmlReturn == lib.NVML_SUCCESS:
-                setattr(out, attr, convert(metric.value))
-            elif metric.nvmlReturn in unsupported_codes(lib):
+            code = metric.nvmlReturn
+            if code == lib.NVML_SUCCESS:
+                value = float(metric.value)
+                if math.isfinite(value):
+                    setattr(out, attr, convert(value))
+                    continue
+                why = f"answered {value}"
+            elif code in unsupported_codes(lib):
                 # E.g. NVLink metrics on a PCIe-only board: absent, not zero.
                 self._memo.log_once(
                     log,
-                    f"gpm_metric:{gpu.identity.uuid}:{metric_id}",
+                    f"gpm_metric:{uuid}:{metric_id}",
                     logging.INFO,
                     "GPU %d (%s): GPM metric %s not supported; leaving it absent",
                     gpu.index,
-                    gpu.identity.uuid,
+                    uuid,
                     attr,
                 )
+                continue
             else:
-                raise lib.NVMLError(metric.nvmlReturn)
+                why = f"failed ({lib.NVMLError(code)})"
+            # Absent for this window only: one metric's trouble is not the session's.
+            self._memo.log_once(
+                log,
+                f"gpm_metric_window:{uuid}:{metric_id}",
+                logging.WARNING,
+                "GPU %d (%s): GPM metric %s %s; absent for that window (logged once)",
+                gpu.index,
+                uuid,
+                attr,
+                why,
+            )
         return out

@@ -1,9 +1,15 @@
 """NVLink: which links are active, and their cumulative TX/RX byte counters.
 
 Links are discovered once per NVML session (the result is kept on the :class:`Gpu`), then
-every device sample fetches all links' TX and RX throughput fields in one
-``nvmlDeviceGetFieldValues`` call. A GPU without an active link keeps its NVLink fields
-``None``: absent series, never zeros.
+every device sample fetches the TX and RX throughput fields in one ``nvmlDeviceGetFieldValues``
+call: the aggregate over all links (``scopeId`` = UINT_MAX, which NVML documents for it) and
+each link's own. The totals are the aggregate. Per-link series are kept only while they sum to
+it: on some drivers a per-link read answers the aggregate itself, and summing those reports
+the total once per link (18 times too high on an H200). Without the aggregate scope (older
+drivers) the totals are the per-link sum, unless every link answers the same non-zero number,
+which is the same fault: then one of them is the total and no per-link series is kept.
+``sources["nvlink"]`` says which of these is live. A GPU without an active link keeps its
+NVLink fields ``None``: absent series, never zeros.
 """
 
 from __future__ import annotations
@@ -17,12 +23,22 @@ from mrc_agent.agent.core.hw.nvml.units import nvlink_kib_to_bytes
 
 log = logging.getLogger(__name__)
 
+#: nvmlFieldValue_t.scopeId asking for all links together (NVML: "UINT_MAX").
+AGGREGATE_SCOPE = 0xFFFFFFFF
+#: How far the per-link sum may differ from the aggregate read in the same call: the fields
+#: are read one after another while traffic flows, so not to the byte.
+_SUM_TOLERANCE = 0.02
+
 
 class NvlinkCounters:
     """Discovers each GPU's active links and reads their counters into device samples."""
 
     def __init__(self, memo: Memo) -> None:
         self._memo = memo
+        #: GPUs (UUIDs) whose driver refuses the aggregate scope, and those whose per-link
+        #: counts did not sum to it: remembered for the process's life.
+        self._no_aggregate: set[str] = set()
+        self._per_link_bad: set[str] = set()
 
     def active_links(self, lib: Any, gpu: Gpu) -> list[int]:
         """The GPU's active link indices, discovered on the first call of the session."""
@@ -31,7 +47,7 @@ class NvlinkCounters:
         return gpu.nvlinks
 
     def read(self, lib: Any, gpu: Gpu, s: DeviceSample) -> None:
-        """Set ``s``'s per-link and summed NVLink byte counters (left absent without links)."""
+        """Set ``s``'s NVLink byte totals and, where they add up, per-link counters."""
         links = self.active_links(lib, gpu)
         if not links:
             return
@@ -39,8 +55,10 @@ class NvlinkCounters:
             lib.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
             lib.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
         )
-        # scopeId selects the link; one call fetches every link's TX and RX together.
-        request = [(tx_id, link) for link in links] + [(rx_id, link) for link in links]
+        uuid = gpu.identity.uuid
+        scopes = ([] if uuid in self._no_aggregate else [AGGREGATE_SCOPE]) + links
+        # One call fetches the aggregate and every link's TX and RX together.
+        request = [(tx_id, scope) for scope in scopes] + [(rx_id, scope) for scope in scopes]
         values = self._memo.optional(
             lib, gpu, "nvlink_throughput", lambda: lib.nvmlDeviceGetFieldValues(gpu.handle, request)
         )
@@ -49,17 +67,62 @@ class NvlinkCounters:
         tx: dict[int, float] = {}
         rx: dict[int, float] = {}
         for value in list(values)[: len(request)]:
-            kib = self._field_value(
-                lib, gpu, value, f"nvlink_field_{value.fieldId}_link_{value.scopeId}"
-            )
+            scope = int(value.scopeId)
+            if scope == AGGREGATE_SCOPE and value.nvmlReturn in unsupported_codes(lib):
+                self._no_aggregate.add(uuid)
+                continue
+            kib = self._field_value(lib, gpu, value, f"nvlink_field_{value.fieldId}_link_{scope}")
             if kib is None:
                 continue
-            (tx if value.fieldId == tx_id else rx)[int(value.scopeId)] = nvlink_kib_to_bytes(kib)
+            (tx if value.fieldId == tx_id else rx)[scope] = nvlink_kib_to_bytes(kib)
         per_link = {link: (tx[link], rx[link]) for link in links if link in tx and link in rx}
-        if per_link:
-            s.nvlink_links = per_link
-            s.nvlink_tx_bytes_total = sum(t for t, _ in per_link.values())
-            s.nvlink_rx_bytes_total = sum(r for _, r in per_link.values())
+        if AGGREGATE_SCOPE in tx and AGGREGATE_SCOPE in rx:
+            s.nvlink_tx_bytes_total = tx[AGGREGATE_SCOPE]
+            s.nvlink_rx_bytes_total = rx[AGGREGATE_SCOPE]
+            s.sources["nvlink"] = "aggregate"
+            if per_link and self._adds_up(gpu, per_link, s.nvlink_tx_bytes_total,
+                                          s.nvlink_rx_bytes_total):
+                s.nvlink_links = per_link
+            return
+        if not per_link:
+            return
+        if len(per_link) > 1 and len(set(per_link.values())) == 1 and any(
+            v > 0 for v in next(iter(per_link.values()))
+        ):
+            # Every link answering one and the same non-zero count is the aggregate, repeated.
+            s.nvlink_tx_bytes_total, s.nvlink_rx_bytes_total = next(iter(per_link.values()))
+            s.sources["nvlink"] = "per_link_repeats_aggregate"
+            self._memo.log_once(
+                log, f"nvlink_repeat:{uuid}", logging.WARNING,
+                "GPU %d (%s): every NVLink link reports the same byte count; taking it as the "
+                "total and dropping per-link series", gpu.index, uuid,
+            )
+            return
+        s.nvlink_links = per_link
+        s.nvlink_tx_bytes_total = sum(t for t, _ in per_link.values())
+        s.nvlink_rx_bytes_total = sum(r for _, r in per_link.values())
+        s.sources["nvlink"] = "per_link_sum"
+
+    def _adds_up(
+        self, gpu: Gpu, per_link: dict[int, tuple[float, float]], tx_total: float,
+        rx_total: float,
+    ) -> bool:
+        """Whether the per-link counters sum to the aggregate (logged once when they do not)."""
+        uuid = gpu.identity.uuid
+        if uuid in self._per_link_bad:
+            return False
+        for total, summed in ((tx_total, sum(t for t, _ in per_link.values())),
+                              (rx_total, sum(r for _, r in per_link.values()))):
+            if abs(summed - total) > _SUM_TOLERANCE * max(total, 1.0) + 1024.0:
+                self._per_link_bad.add(uuid)
+                self._memo.log_once(
+                    log, f"nvlink_sum:{uuid}", logging.WARNING,
+                    "GPU %d (%s): NVLink per-link byte counts sum to %.0f, the aggregate is "
+                    "%.0f; per-link series dropped, totals from the aggregate",
+                    gpu.index, uuid, summed, total,
+                )
+                return False
+        return True
 
     def _discover(self, lib: Any, gpu: Gpu) -> list[int]:
         """Active link indices; [] when the GPU has no NVLink."""

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from mrc_agent.agent.core.hw.base import GPUIdentity, HardwareError, SourceUnavailable
+from mrc_agent.agent.core.hw.base import GpmSample, GPUIdentity, HardwareError, SourceUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,15 @@ class Gpu:
     gpm_buffers: list[Any] = field(default_factory=list)
     gpm_next: int = 0
     gpm_primed: bool = False
+    #: When the latest GPM sample was taken (the GPM sampler's clock), and the metrics of the
+    #: window it closed, returned again until the next window closes.
+    gpm_taken_at: float | None = None
+    gpm_last: GpmSample | None = None
+    #: For a MIG device: the physical GPU and its GPU instance id. For a physical GPU: its MIG
+    #: devices, ``None`` until first looked for in this session ([] when MIG mode is off).
+    parent: Gpu | None = None
+    gpu_instance: int | None = None
+    mig_devices: list[Gpu] | None = None
 
 
 def decode_text(value: Any) -> str:

@@ -24,8 +24,14 @@ GPM_MIB_PER_S_TO_BYTES_PER_S = 1024.0 * 1024.0
 MILLIWATTS_PER_WATT = 1000.0
 #: nvmlDeviceGetClockInfo returns MHz.
 HERTZ_PER_MEGAHERTZ = 1_000_000.0
-#: nvmlSample_t.timeStamp: "CPU Timestamp in microseconds" of the wall clock (Unix epoch).
+#: nvmlSample_t.timeStamp: "CPU Timestamp in microseconds". NVML does not name the clock; the
+#: wall clock (Unix epoch) is the common reading, one report found the boot clock, so the
+#: clock is identified at run time (:func:`identify_clock`).
 MICROSECONDS_PER_SECOND = 1_000_000.0
+#: A sample buffer holds seconds of history, so the newest timestamp lies within this many
+#: seconds of "now" on the clock it was taken on; the clocks differ by far more (the wall clock
+#: from the others by decades, the boot clock from the monotonic one by time spent suspended).
+CLOCK_MATCH_S = 120.0
 
 
 def percent_to_ratio(percent: float) -> float:
@@ -56,10 +62,25 @@ def megahertz_to_hertz(megahertz: float) -> float:
     return float(megahertz) * HERTZ_PER_MEGAHERTZ
 
 
-def nvml_timestamp_to_monotonic(timestamp_us: int, *, mono_now: float, wall_now: float) -> float:
-    """Map an NVML sample timestamp (wall clock, microseconds) onto the monotonic clock.
+def identify_clock(timestamp_us: int, nows: dict[str, float]) -> str | None:
+    """Which clock of ``nows`` (name -> that clock's "now", seconds) ``timestamp_us`` is on.
 
-    The sample's age is measured on the wall clock and subtracted from "now" on the monotonic
+    The nearest clock within :data:`CLOCK_MATCH_S` that the timestamp is not ahead of (by more
+    than a second); None when none fits, so the samples are not used at all rather than dated
+    decades off.
+    """
+    stamp = timestamp_us / MICROSECONDS_PER_SECOND
+    fits = [
+        (now - stamp, name) for name, now in nows.items() if -1.0 <= now - stamp <= CLOCK_MATCH_S
+    ]
+    return min(fits)[1] if fits else None
+
+
+def nvml_timestamp_to_monotonic(timestamp_us: int, *, mono_now: float, wall_now: float) -> float:
+    """Map an NVML sample timestamp (microseconds on the clock read as ``wall_now``) onto the
+    monotonic clock.
+
+    The sample's age is measured on its own clock and subtracted from "now" on the monotonic
     clock, so a wall-clock step between samples moves at most the current batch. Clamped to
     ``mono_now``: small disagreements between the two clocks must not date a sample in the
     future.

@@ -1,0 +1,72 @@
+"""The profiling collector over the real CUPTI sampler with the fake library beneath it: which
+series a throughput-only chip and a byte-counter chip export, as Prometheus sees them."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import CollectorRegistry
+
+from mrc_agent.agent.core.catalog import CATALOG
+from mrc_agent.agent.core.collectors.base import SampleContext
+from mrc_agent.agent.core.collectors.profiling import (
+    DRAM_READ_BYTES,
+    DRAM_READ_THROUGHPUT,
+    PROFILING_METRICS_INFO,
+    ProfilingCollector,
+)
+from mrc_agent.agent.core.hw.base import GPUIdentity
+from mrc_agent.agent.core.hw.cuda_driver import CudaDriver
+from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
+from mrc_agent.agent.core.sample import Snapshot
+from mrc_agent.exporters.exposition.snapshot import SnapshotCollector
+from tests.fakes.fake_cupti import FakeCupti, FakeDevice
+
+SM = "sm__inst_executed_realtime.sum"
+PCT = "dramc__read_throughput.avg.pct_of_peak_sustained_elapsed"
+BYTES = "dram__bytes_read.sum"
+
+
+def _exposition(*devices: FakeDevice) -> dict[str, list[tuple[dict[str, str], float]]]:
+    lib = FakeCupti(dict(enumerate(devices)))
+    gpus = [GPUIdentity(i, f"GPU-{i}", "NVIDIA H200") for i in range(len(devices))]
+    collector = ProfilingCollector(CuptiPmSampler(gpus, lib=lib, cuda=CudaDriver(lib.driver)))
+    samples = collector.update(SampleContext(now=1.0, wall=1.0, targets=[]))
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(CATALOG, lambda: Snapshot(1, 1.0, tuple(samples))))
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def test_a_throughput_only_chip_exports_a_ratio_and_names_its_metrics_never_bytes() -> None:
+    hopper = FakeDevice(
+        supported_metrics=frozenset(),
+        single_pass_sets={"PmSampling": ["sm__inst_executed_realtime", "dramc__read_throughput"]},
+        decodes=[[{SM: 10.0, PCT: 40.0}, {SM: 10.0, PCT: 80.0}]],
+    )
+
+    series = _exposition(hopper)
+
+    [(labels, value)] = series[DRAM_READ_THROUGHPUT.name]
+    assert labels["gpu"] == "0" and value == pytest.approx(0.6)  # mean of 40 % and 80 %
+    assert DRAM_READ_BYTES.name not in series
+    [(info, one)] = series[PROFILING_METRICS_INFO.name]
+    assert one == 1.0
+    assert (info["sm_metric"], info["dram_metric"], info["metric_set"]) == (SM, PCT, "PmSampling")
+    assert info["uuid"] == "GPU-0" and info["gpu_model"] == "NVIDIA H200"
+
+
+def test_a_byte_counter_chip_exports_bytes_no_ratio_and_says_no_set_was_used() -> None:
+    device = FakeDevice(decodes=[[{SM: 5.0, BYTES: 4096.0}]])  # no sets: names tried in order
+
+    series = _exposition(device, FakeDevice(errors={"enable": [PermissionError("admin only")]}))
+
+    assert [v for _, v in series[DRAM_READ_BYTES.name]] == [4096.0]
+    assert DRAM_READ_THROUGHPUT.name not in series
+    # Only the sampling GPU says which names are live.
+    [(info, _)] = series[PROFILING_METRICS_INFO.name]
+    assert (info["gpu"], info["dram_metric"], info["metric_set"]) == ("0", BYTES, "none")
