@@ -4,8 +4,9 @@ an operator tool. The only place that turns bad input into exit code 2. The flag
 
 Subcommands: ``run`` (the sidecar), ``record`` (write a replay trace from a real GPU),
 ``doctor`` (what this host can deliver), ``demo`` (the agent on an embedded default, printing
-the golden triangle live), ``diagnose`` (flame graph, samples and a verdict for one process)
-and ``catalog`` (the metric catalogue as Markdown).
+the golden triangle live), ``diagnose`` (flame graph, samples and a verdict for one process),
+``selfcheck`` (the agent's GPU readings against a reference measured in the same run) and
+``catalog`` (the metric catalogue as Markdown).
 """
 
 from __future__ import annotations
@@ -117,6 +118,20 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--chromium", metavar="PATH", help="Chromium for --format png "
                      "(chromium on PATH)")
 
+    check = sub.add_parser("selfcheck", help="check the agent's GPU readings (PCIe, DRAM, GPM, "
+                           "SM instructions, utilisation timestamps, NVLink) against copies and "
+                           "GEMMs of known size; PASS/FAIL/SKIP per metric")
+    mode = check.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--gpu", action="store_true",
+                      help="on the local NVIDIA GPU (needs torch with CUDA)")
+    mode.add_argument("--dry", action="store_true",
+                      help="on a simulated GPU, through the agent's real readers")
+    check.add_argument("--out", metavar="DIR", help="output directory for gpu_truth.txt, "
+                       "gpu_truth.json and the trace (./mrc-selfcheck-TIMESTAMP)")
+    check.add_argument("--duration", type=float, metavar="SECONDS",
+                       help="length of the recorded trace (20; 2 with --dry); shorter also "
+                       "shortens the measured windows")
+
     cat = sub.add_parser("catalog", help="print the metric catalogue (or, with --settings, the "
                          "settings reference) as Markdown")
     cat.add_argument("--out", metavar="FILE")
@@ -216,6 +231,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.duration <= 0 or not 0.01 <= args.interval <= 60:
                 raise ConfigError("--duration must be > 0 and --interval 0.01-60 seconds")
             return run_record(args.out, args.duration, args.interval, args.profiling)
+        if args.command == "selfcheck":
+            from mrc_agent.agent.tools.selfcheck import run_selfcheck_command
+
+            return run_selfcheck_command(args)
         if args.command == "loadgen":
             if args.rate <= 0 or args.duration <= 0 or args.max_in_flight < 1:
                 raise ConfigError("--rate and --duration must be > 0, --max-in-flight >= 1")
