@@ -160,7 +160,7 @@ KUSTOMIZATIONS = {
     "dra-shared-gpu": DEPLOY / "overlays" / "dra-shared-gpu",
 }
 PATCHES = {name: DEPLOY / "patches" / f"{name}.yaml" for name in
-           ("agent-as-root", "pss-restricted")}
+           ("agent-as-root", "pss-restricted", "profiling")}
 #: Kubernetes versions each variant must validate against: the oldest it supports, the newest
 #: kubernetes-validate ships. DRA's resource.k8s.io/v1 is GA from 1.34.
 LATEST = kubernetes_validate.latest_version()
@@ -396,9 +396,11 @@ def test_only_the_service_asks_for_a_gpu(variant: str) -> None:
         assert "claims" not in agent.get("resources", {})
         assert _gpu_requests(service) == [1]
         assert "resourceClaims" not in pod
-        # The agent reaches NVML through the runtime's env, read-only driver utilities only.
+        # The agent reaches NVML through the runtime's env, read-only driver utilities only;
+        # the profiling counters need the CUDA driver library too (compute), nothing more.
         assert _env(agent)["NVIDIA_VISIBLE_DEVICES"] == "all"
-        assert _env(agent)["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+        assert _env(agent)["NVIDIA_DRIVER_CAPABILITIES"] == (
+            "compute,utility" if variant == "base+profiling" else "utility")
         assert "NVIDIA_VISIBLE_DEVICES" not in _env(service)
         return
     # DRA: no device-plugin GPU anywhere; one claim for one GPU, shared by both containers.
@@ -470,7 +472,9 @@ def test_agent_args_are_its_real_command_line(variant: str, agent_config: Any) -
     ports = {p["name"]: p["containerPort"] for p in agent["ports"]}
     assert cfg.host_port == ("0.0.0.0", ports["agent-metrics"])
     assert 0.05 <= cfg.interval <= 1.0, "sub-second sampling resolves GPU idle windows"
-    assert cfg.gpu_backend == "auto" and not cfg.collectors["profiling"]
+    # Profiling is opt-in: on only where the patch that also gives it libcuda is applied.
+    assert cfg.gpu_backend == "auto"
+    assert cfg.collectors["profiling"] == (variant == "base+profiling")
     captures = _volume_for(objs, agent, cfg.capture_dir)
     assert "emptyDir" in captures and "medium" not in captures["emptyDir"]
     # The agent's own bound stays under the volume's, so it never gets the pod evicted.
