@@ -14,6 +14,20 @@ class FileRefused(OSError):
     """The path is not a regular file, or holds more than the reader accepts."""
 
 
+def read_fd(fd: int, limit: int, chunk: int = 1 << 20) -> bytes:
+    """Up to ``limit`` bytes from ``fd``'s current position, in reads of at most ``chunk``,
+    stopping at end of file. OSError from a read propagates; the caller closes ``fd``."""
+    chunks: list[bytes] = []
+    left = limit
+    while left > 0:
+        got = os.read(fd, min(left, chunk))
+        if not got:
+            break
+        chunks.append(got)
+        left -= len(got)
+    return b"".join(chunks)
+
+
 def read_bounded(path: str, max_bytes: int, what: str, *, truncate: bool = False) -> bytes:
     """At most ``max_bytes`` of the regular file ``path``. Larger files raise
     :class:`FileRefused` (``truncate``: their first ``max_bytes`` are returned instead).
@@ -25,17 +39,10 @@ def read_bounded(path: str, max_bytes: int, what: str, *, truncate: bool = False
             raise FileRefused(f"{what} {path} is not a regular file")
         if st.st_size > max_bytes and not truncate:
             raise FileRefused(f"{what} {path} is {st.st_size} bytes; at most {max_bytes} are read")
-        chunks: list[bytes] = []
-        left = max_bytes + (0 if truncate else 1)  # one more byte tells a file that grew
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
+        # One more byte than accepted tells a file that grew since fstat.
+        data = read_fd(fd, max_bytes + (0 if truncate else 1))
     finally:
         os.close(fd)
-    data = b"".join(chunks)
     if len(data) > max_bytes:
         raise FileRefused(f"{what} {path} holds more than {max_bytes} bytes")
     return data

@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from mrc_agent.agent.core.files import read_fd
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
@@ -94,20 +96,12 @@ def _read_prefix(path: str, limit: int) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
         raise ProcessGone(f"{path}: {exc.strerror or exc}") from exc
-    chunks: list[bytes] = []
-    left = limit
     try:
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 16))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
+        return read_fd(fd, limit, 1 << 16)
     except OSError as exc:  # EACCES for another user's process, ESRCH while it exits
         raise ProcessGone(f"{path}: {exc.strerror or exc}") from exc
     finally:
         os.close(fd)
-    return b"".join(chunks)
 
 
 class ProcFS:
