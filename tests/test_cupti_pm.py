@@ -7,6 +7,7 @@ import logging
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -435,16 +436,21 @@ def test_counters_held_by_another_profiler_is_profiler_busy(
 
 
 @pytest.mark.parametrize(
-    "device",
+    "make_device",
     [
-        FakeDevice(errors={"enable": [error("ERROR_NOT_SUPPORTED")]}),
-        FakeDevice(errors={"enable": [error("ERROR_MIG_DEVICE_NOT_SUPPORTED")]}),
+        # Made per test: a device's queued errors are used up, and the same test may run twice
+        # in one process (mutmut runs the suite in-process more than once).
+        lambda: FakeDevice(errors={"enable": [error("ERROR_NOT_SUPPORTED")]}),
+        lambda: FakeDevice(errors={"enable": [error("ERROR_MIG_DEVICE_NOT_SUPPORTED")]}),
         # The chip's PM sampling offers none of the metrics (configure raises ValueError).
-        FakeDevice(supported_metrics=frozenset({"gr__cycles_elapsed.max"})),
+        lambda: FakeDevice(supported_metrics=frozenset({"gr__cycles_elapsed.max"})),
     ],
+    ids=["not_supported", "mig_device", "no_metric"],
 )
-def test_pm_sampling_not_supported_is_unsupported_device(device: FakeDevice) -> None:
-    sampler, lib = sampler_for(device)
+def test_pm_sampling_not_supported_is_unsupported_device(
+    make_device: Callable[[], FakeDevice],
+) -> None:
+    sampler, lib = sampler_for(make_device())
 
     assert unavailable(sampler).reason == "unsupported_device"
     assert lib.count(0, "start") == 0
