@@ -7,8 +7,10 @@ declares (12.535), loaded from its real wheel."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
+import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -18,8 +20,10 @@ import pytest
 
 from mrc_agent.agent.core.hw.base import HardwareError
 from mrc_agent.agent.core.hw.nvml import NvmlBackend
+from mrc_agent.agent.core.hw.nvml.device import default_sample_clocks
+from mrc_agent.agent.core.hw.nvml.gpm import MIN_GPM_INTERVAL_S, check_gpm_interval
 from mrc_agent.agent.core.hw.nvml.pcie import unwrap
-from mrc_agent.agent.core.hw.nvml.units import identify_clock
+from mrc_agent.agent.core.hw.nvml.units import CLOCK_MATCH_S, identify_clock
 from tests.conftest import REPO
 from tests.fakes import fake_pynvml
 from tests.fakes.fake_pynvml import FakeNvml, gpu, nvlink
@@ -347,3 +351,247 @@ def test_doctor_says_mig_and_what_is_not_available() -> None:
     [line] = [x for x in out.getvalue().splitlines() if "GPU 0 MIG" in x]
     assert "2 MIG device(s) (MIG-00000001-fake-mig-uuid, MIG-00000002-fake-mig-uuid)" in line
     assert "GPM per GPU instance" in line and "not available in MIG mode: GPU" in line
+
+
+# --- what the mutation run found: per-GPU memory, messages, boundaries -----------------------
+
+NVML_LOGGER = "mrc_agent.agent.core.hw.nvml"
+UUID0, UUID1 = "GPU-00000000-fake-uuid", "GPU-00000001-fake-uuid"
+
+
+def messages(caplog: pytest.LogCaptureFixture, part: str) -> list[tuple[str, str]]:
+    return [(r.levelname, r.getMessage()) for r in caplog.records if part in r.getMessage()]
+
+
+def test_pcie_counters_are_kept_per_gpu_and_a_gpu_without_them_is_asked_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    fake = FakeNvml([gpu(index=0), gpu(index=1, pcie_count=counted(0, 0)),
+                     gpu(index=2, pcie_count=counted(0, 0))])
+    b = backend(fake, clock)
+    with caplog.at_level(logging.INFO, logger=NVML_LOGGER):
+        b.sample_devices()
+        clock.now += 1.0
+        fake.gpus[1]["pcie_count"] = counted(100, 200)
+        fake.gpus[2]["pcie_count"] = counted(7, 9)
+        _, s1, s2 = b.sample_devices()
+        b.sample_devices()
+    assert (s1.pcie_tx_bytes_total, s1.pcie_rx_bytes_total) == (100, 200)
+    assert (s2.pcie_tx_bytes_total, s2.pcie_rx_bytes_total) == (7, 9)
+    assert (s1.pcie_tx_bytes_per_second, s1.pcie_rx_bytes_per_second) == (100, 200)
+    # No GPU has a link: one field read each for the link count; GPU 0 one for the PCIe
+    # counters it lacks, never again; GPUs 1 and 2 one per sample.
+    assert fake.calls["nvmlDeviceGetFieldValues"] == 3 + 1 + 2 * 3
+    tx_id = pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES
+    assert messages(caplog, "byte counters") == [(
+        "INFO", f"GPU 0 ({UUID0}): no PCIe byte counters (the driver lacks field {tx_id}); "
+        "PCIe rates come from the 20 ms throughput call")]
+
+
+def test_pcie_counters_on_an_old_library_say_why_and_a_failing_field_fails_the_sample(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class OldLibrary(FakeNvml):
+        def __getattr__(self, name: str) -> Any:
+            if name.startswith("NVML_FI_DEV_PCIE_COUNT"):
+                raise AttributeError(name)
+            return super().__getattr__(name)
+
+    with caplog.at_level(logging.INFO, logger=NVML_LOGGER):
+        backend(OldLibrary([gpu(pcie_count=counted(1, 1))])).sample_devices()
+    assert messages(caplog, "byte counters") == [(
+        "INFO", f"GPU 0 ({UUID0}): no PCIe byte counters (this nvidia-ml-py has no PCIe "
+        "byte-count fields); PCIe rates come from the 20 ms throughput call")]
+    lost = pynvml.NVML_ERROR_GPU_IS_LOST
+    fake = FakeNvml([gpu(pcie_count=counted(1, 1),
+                         field_errors={pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES: lost})])
+    with pytest.raises(HardwareError, match=f"code {lost}"):
+        backend(fake).sample_devices()
+
+
+def test_pcie_counters_refuse_an_answer_for_other_fields() -> None:
+    class Confused(FakeNvml):
+        def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: list[Any]) -> Any:
+            values = super().nvmlDeviceGetFieldValues(handle, fieldIds)
+            if pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES in fieldIds:
+                values[0].fieldId = pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES  # RX twice, no TX
+            return values
+
+    with pytest.raises(HardwareError, match="GPU 0: NVML answered other fields than asked"):
+        backend(Confused([gpu(pcie_count=counted(1, 1))])).sample_devices()
+
+
+def test_unwrap_at_its_edges() -> None:
+    assert unwrap(5, 5, 32, 1.0) == 0  # no traffic is no wrap
+    assert unwrap(2**32 - 1, 0, 32, 1.0) == 1
+    assert unwrap(10, 3, None, 1.0) == 3  # an unknown width: a reset
+
+
+def test_doctor_comparison_reads_both_directions_over_one_window() -> None:
+    clock = Clock()
+    fake = FakeNvml([gpu(index=0, pcie_count=counted(1_000, 2_000)),
+                     gpu(index=1, not_supported={"nvmlDeviceGetPcieThroughput"}),
+                     gpu(index=2)])
+    b = backend(fake, clock)
+    b.sample_devices()
+
+    def wait(seconds: float) -> None:
+        clock.now += 2.0
+        fake.gpus[0]["pcie_count"] = counted(1_000 + 600, 2_000 + 1_000)
+
+    rows = b.compare_pcie(seconds=2.0, sleep=wait)
+    assert rows[UUID0] == {"counter_tx": 300, "counter_rx": 500, "call_tx": 1000 * 1024,
+                           "call_rx": 2000 * 1024}
+    assert rows[UUID1] == {"counter_tx": None, "counter_rx": None, "call_tx": None,
+                           "call_rx": None}
+    assert rows["GPU-00000002-fake-uuid"]["call_tx"] == 1000 * 1024  # GPU 1 did not stop it
+    assert "pcie_throughput" in b.info()["gpus"][1]["unsupported"]
+
+
+def test_nvlink_faults_are_remembered_per_gpu(caplog: pytest.LogCaptureFixture) -> None:
+    distinct = {i: nvlink(10 + i, 20 + i) for i in range(18)}
+    fake = FakeNvml([
+        gpu(index=0, nvlink=links18(10), nvlink_per_link_is_aggregate=True),
+        gpu(index=1, nvlink=links18(10)),
+        gpu(index=2, nvlink=distinct, nvlink_aggregate_scope=False),
+        gpu(index=3, nvlink=distinct),
+    ])
+    b = backend(fake)
+    with caplog.at_level(logging.INFO, logger=NVML_LOGGER):
+        for _ in range(2):
+            s0, s1, s2, s3 = b.sample_devices()
+    assert s0.nvlink_links == {} and len(s1.nvlink_links) == 18  # GPU 0's fault is its own
+    assert s2.sources["nvlink"] == "per_link_sum" and s3.sources["nvlink"] == "aggregate"
+    assert messages(caplog, "sum to") == [(
+        "WARNING", f"GPU 0 ({UUID0}): NVLink per-link byte counts sum to {18 * 18 * 10240}, the "
+        f"aggregate is {18 * 10240}; per-link series dropped, totals from the aggregate")]
+
+
+def test_nvlink_per_link_within_the_tolerance_is_kept_beyond_it_dropped() -> None:
+    total_kib = 18 * 1000
+    near = FakeNvml([gpu(nvlink=links18(1000), nvlink_aggregate_extra_kib=total_kib // 100)])
+    [s] = backend(near).sample_devices()
+    assert len(s.nvlink_links) == 18  # 1 % apart: traffic between two reads of one call
+    far = FakeNvml([gpu(nvlink=links18(1000), nvlink_aggregate_extra_kib=total_kib // 20)])
+    [s] = backend(far).sample_devices()
+    assert s.nvlink_links == {} and s.nvlink_tx_bytes_total == 1.05 * total_kib * 1024
+
+
+def test_nvlink_aggregate_refused_for_one_direction_falls_back_to_the_links(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rx = pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX
+    fake = FakeNvml([gpu(nvlink={0: nvlink(1, 2), 1: nvlink(3, 4)},
+                         fields_not_supported={(rx, 0xFFFFFFFF)})])
+    [s] = backend(fake).sample_devices()
+    assert s.sources["nvlink"] == "per_link_sum" and s.nvlink_rx_bytes_total == 6 * 1024
+    two_same = FakeNvml([gpu(nvlink={0: nvlink(5, 5), 1: nvlink(5, 5)},
+                             nvlink_per_link_is_aggregate=True, nvlink_aggregate_scope=False)])
+    with caplog.at_level(logging.INFO, logger=NVML_LOGGER):
+        [s] = backend(two_same).sample_devices()
+    assert s.sources["nvlink"] == "per_link_repeats_aggregate"  # two links are enough to tell
+    assert messages(caplog, "same byte count") == [(
+        "WARNING", f"GPU 0 ({UUID0}): every NVLink link reports the same byte count; taking it "
+        "as the total and dropping per-link series")]
+
+
+def test_identify_clock_edges() -> None:
+    nows = {"boottime": 1000.0}
+    assert identify_clock(1000 * 10**6, nows) == "boottime"  # taken just now
+    assert identify_clock(1001 * 10**6, nows) == "boottime"  # a second ahead: still this one
+    assert identify_clock(int(1001.5 * 10**6), nows) is None
+    assert identify_clock(int((1000 - CLOCK_MATCH_S) * 10**6), nows) == "boottime"
+    assert identify_clock(int((1000 - CLOCK_MATCH_S - 1) * 10**6), nows) is None
+
+
+def test_default_sample_clocks_are_the_three_clocks() -> None:
+    clocks = default_sample_clocks(lambda: 42.0)
+    assert set(clocks) == {"realtime", "boottime", "monotonic"}
+    assert clocks["realtime"]() == 42.0
+    assert abs(clocks["monotonic"]() - time.clock_gettime(time.CLOCK_MONOTONIC)) < 5
+    assert clocks["boottime"]() >= clocks["monotonic"]() - 5
+
+
+def test_util_clock_found_or_not_is_logged_once_at_its_level(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake = FakeNvml([gpu(index=0, util_samples=[(int((WALL_NOW - 1) * 1e6), 40)]),
+                     gpu(index=1, util_samples=[(12_345_678, 40)])])
+    b = backend(fake)
+    with caplog.at_level(logging.INFO, logger=NVML_LOGGER):
+        b.sample_devices()
+        fake.gpus[0]["util_samples"].append((int(WALL_NOW * 1e6), 50))
+        b.sample_devices()
+    assert messages(caplog, "sample timestamps") == [
+        ("INFO", f"GPU 0 ({UUID0}): utilisation sample timestamps are on the realtime clock"),
+        ("WARNING", f"GPU 1 ({UUID1}): utilisation sample timestamps fit no known clock; "
+                    "fine-grained utilisation samples are not used"),
+    ]
+
+
+def test_gpm_window_trouble_is_logged_once_per_metric_and_gpu(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sm, dram = pynvml.NVML_GPM_METRIC_SM_UTIL, pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL
+    fake = FakeNvml([gpu(index=0, gpm={sm: float("nan"), dram: 5.0}),
+                     gpu(index=1, gpm={sm: 1.0, dram: 5.0},
+                         gpm_metric_errors={dram: pynvml.NVML_ERROR_UNKNOWN})])
+    b = NvmlBackend(lib=fake, clock=Clock(), pcie_thread=False,
+                    gpm_clock=iter(range(0, 100, 2)).__next__)
+    with caplog.at_level(logging.WARNING, logger=NVML_LOGGER):
+        for _ in range(3):
+            b.sample_gpm()
+    assert messages(caplog, "absent for that window") == [
+        ("WARNING", f"GPU 0 ({UUID0}): GPM metric sm_util answered nan; absent for that "
+                    "window (logged once)"),
+        ("WARNING", f"GPU 1 ({UUID1}): GPM metric dram_bw_util failed (Unknown Error); absent "
+                    "for that window (logged once)"),
+    ]
+
+
+def test_the_shortest_gpm_window_is_allowed() -> None:
+    assert check_gpm_interval(MIN_GPM_INTERVAL_S) == MIN_GPM_INTERVAL_S
+
+
+def test_mig_edges(caplog: pytest.LogCaptureFixture) -> None:
+    sparse = mig_gpu()
+    sparse["mig"][1]["slot"] = 3  # MIG devices need not fill the slots in order
+    with caplog.at_level(logging.INFO, logger=NVML_LOGGER):
+        samples = backend(FakeNvml([sparse])).sample_devices()
+    assert [s.gpu.uuid[:12] for s in samples] == [UUID0[:12], "MIG-00000001", "MIG-00000002"]
+    assert messages(caplog, "MIG mode") == [(
+        "INFO", f"GPU 0 ({UUID0}): MIG mode, 2 MIG device(s) (MIG-00000001-fake-mig-uuid, "
+        "MIG-00000002-fake-mig-uuid); utilisation and profiling counters are not available per "
+        "MIG device")]
+    enable, disable = pynvml.NVML_DEVICE_MIG_ENABLE, pynvml.NVML_DEVICE_MIG_DISABLE
+    pending = mig_gpu()
+    pending["mig_mode"] = (disable, enable)  # MIG on after the next reset: not yet
+    assert len(backend(FakeNvml([pending])).sample_devices()) == 1
+    no_mig = FakeNvml([gpu(not_supported={"nvmlDeviceGetMigMode"})])  # e.g. an A10
+    b = backend(no_mig)
+    assert len(b.sample_devices()) == 1 and "mig_mode" in b.info()["gpus"][0]["unsupported"]
+
+
+def test_a_library_without_mig_calls_reports_whole_gpus() -> None:
+    class NoMig(FakeNvml):
+        def __getattribute__(self, name: str) -> Any:
+            if name == "nvmlDeviceGetMigMode":
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    [s] = backend(NoMig([mig_gpu()])).sample_devices()
+    assert s.gpu.uuid == UUID0
+
+
+def test_process_list_v2_refused_too_is_remembered_under_its_own_name() -> None:
+    class NeitherDriver(V2OnlyDriver):
+        def nvmlDeviceGetComputeRunningProcesses_v2(self, handle: Any) -> list[Any]:
+            self._count("nvmlDeviceGetComputeRunningProcesses_v2")
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    b = backend(NeitherDriver([gpu(compute_processes=[(1, 1)])]))
+    [s] = b.sample_devices()
+    assert s.process_memory_bytes == {}
+    unsupported = b.info()["gpus"][0]["unsupported"]
+    assert "compute_processes" in unsupported and "compute_processes_v2" in unsupported

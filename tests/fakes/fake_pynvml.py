@@ -89,6 +89,8 @@ def gpu(**overrides: Any) -> dict[str, Any]:
         # True: every per-link read answers the aggregate (the per-link reads reported to
         # return all links' total on some drivers)
         "nvlink_per_link_is_aggregate": False,
+        # KiB the aggregate scope answers beyond the per-link sum (a driver whose two disagree)
+        "nvlink_aggregate_extra_kib": 0,
         "power_mw": 300_000,
         "sm_clock_mhz": 1980,
         "temperature_c": 40,
@@ -115,6 +117,8 @@ def gpu(**overrides: Any) -> dict[str, Any]:
         # answers NOT_SUPPORTED for utilisation, utilisation samples and GPM samples, as NVML
         # does, and GPM is sampled per GPU instance (nvmlGpmMigSampleGet)
         "mig": [],
+        # nvmlDeviceGetMigMode's (current, pending) when set; else both follow ``mig``
+        "mig_mode": None,
     }
     data.update(overrides)
     return data
@@ -442,7 +446,7 @@ class FakeNvml:
                     if not data["nvlink_aggregate_scope"]:
                         out.nvmlReturn = NOT_SUPPORTED
                         continue
-                    out.value.ullVal = total
+                    out.value.ullVal = total + data["nvlink_aggregate_extra_kib"]
                 elif scope not in links:
                     out.nvmlReturn = pynvml.NVML_ERROR_INVALID_ARGUMENT
                 elif data["nvlink_per_link_is_aggregate"]:
@@ -549,6 +553,8 @@ class FakeNvml:
 
     def nvmlDeviceGetMigMode(self, device: FakeHandle) -> list[int]:
         data = self._gpu("nvmlDeviceGetMigMode", device)
+        if data["mig_mode"] is not None:
+            return list(data["mig_mode"])
         mode = pynvml.NVML_DEVICE_MIG_ENABLE if data["mig"] else pynvml.NVML_DEVICE_MIG_DISABLE
         return [mode, mode]  # current, pending
 
@@ -560,9 +566,11 @@ class FakeNvml:
         data = self._gpu("nvmlDeviceGetMigDeviceHandleByIndex", device)
         if not 0 <= index < 7:
             raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if index >= len(data["mig"]):
+        # A MIG device sits in its "slot" (default: its place in the list); others are empty.
+        slots = {m.get("slot", i): i for i, m in enumerate(data["mig"])}
+        if index not in slots:
             raise self._error(pynvml.NVML_ERROR_NOT_FOUND)
-        return FakeHandle(device.index, device.generation, mig=index)
+        return FakeHandle(device.index, device.generation, mig=slots[index])
 
     def nvmlDeviceGetGpuInstanceId(self, device: FakeHandle) -> int:
         if device.mig is None:

@@ -93,10 +93,7 @@ class GpmSampler:
         return self._interval
 
     def supported(self, lib: Any, gpu: Gpu) -> bool:
-        """Whether the GPU supports GPM; asked once per GPU, then remembered. A MIG device
-        has its physical GPU's answer."""
-        if gpu.parent is not None:
-            return self.supported(lib, gpu.parent)
+        """Whether the (physical) GPU supports GPM; asked once per GPU, then remembered."""
         uuid = gpu.identity.uuid
         if uuid not in self._support:
             support = self._memo.optional(
@@ -131,12 +128,12 @@ class GpmSampler:
             gpu.gpm_buffers = [lib.nvmlGpmSampleAlloc(), lib.nvmlGpmSampleAlloc()]
         current = gpu.gpm_buffers[gpu.gpm_next]
 
-        def take() -> bool:
+        def take() -> Any:
             if gpu.parent is not None:  # a MIG device: its GPU instance, on the physical GPU
                 lib.nvmlGpmMigSampleGet(gpu.parent.handle, gpu.gpu_instance, current)
             else:
                 lib.nvmlGpmSampleGet(gpu.handle, current)
-            return True
+            return current  # not None: the memo's None means "not supported"
 
         taken = self._memo.optional(lib, gpu, "gpm", take)
         if taken is None:
