@@ -595,3 +595,21 @@ def test_process_list_v2_refused_too_is_remembered_under_its_own_name() -> None:
     assert s.process_memory_bytes == {}
     unsupported = b.info()["gpus"][0]["unsupported"]
     assert "compute_processes" in unsupported and "compute_processes_v2" in unsupported
+
+
+def test_per_link_series_once_dropped_stay_dropped() -> None:
+    fake = FakeNvml([gpu(nvlink=links18(10), nvlink_per_link_is_aggregate=True)])
+    b = backend(fake)
+    assert b.sample_devices()[0].nvlink_links == {}
+    fake.gpus[0]["nvlink_per_link_is_aggregate"] = False  # now they would sum up...
+    [s] = b.sample_devices()
+    assert s.nvlink_links == {}  # ...but a driver that lied once is not trusted again
+
+
+def test_doctor_comparison_goes_on_past_a_gpu_whose_read_fails() -> None:
+    fake = FakeNvml([gpu(index=0, pcie_count=counted(0, 0)), gpu(index=1)])
+    b = backend(fake)
+    b.sample_devices()
+    fake.fail_next["nvmlDeviceGetPcieThroughput"] = [pynvml.NVML_ERROR_GPU_IS_LOST]
+    rows = b.compare_pcie(seconds=0.0, sleep=lambda s: None)
+    assert rows[UUID0]["call_tx"] is None and rows[UUID1]["call_tx"] == 1000 * 1024
