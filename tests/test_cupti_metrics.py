@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import pytest
 
 from mrc_agent.agent.core.hw.cupti_metrics import (
@@ -96,3 +99,53 @@ def test_query_sets_reads_the_chips_sets_and_says_none_where_the_api_cannot_answ
     assert query_sets(lib, "GH100", errors) == [("S0", ["a", "b"])]
     assert query_sets(lib, "GB999", errors) is None  # ValueError: unsupported chip
     assert query_sets(FakeCupti({0: FakeDevice()}, set_api=False), "GH100", errors) is None
+
+
+def test_within_pairs_of_a_kind_the_more_preferred_names_win_whatever_the_order() -> None:
+    worse_sm = ("A", ["sm__inst_executed", "dram__bytes_read"])
+    better_sm = ("B", ["sm__inst_executed_realtime", "dram__bytes_read"])
+    best = MetricChoice(SM_INSTRUCTION_METRICS[0], DRAM_READ_METRICS[0], "B")
+    assert choose_from_sets([worse_sm, better_sm]) == best
+    worse_dram = ("C", ["sm__inst_executed_realtime", "dram__bytes_op_read"])
+    assert choose_from_sets([worse_dram, better_sm]) == best
+
+
+def test_a_throughput_pair_beats_a_better_sm_name_alone() -> None:
+    sets = [("Sm", ["sm__inst_executed_realtime"]), ("Pct", ["sm__inst_executed", PCT])]
+    assert choose_from_sets(sets) == MetricChoice("sm__inst_executed.sum", PCT, "Pct")
+
+
+def test_dram_bytes_alone_beat_throughput_alone() -> None:
+    sets = [("Pct", [PCT]), ("Bytes", ["dram__bytes_op_read"])]
+    assert choose_from_sets(sets) == MetricChoice(None, "dram__bytes_op_read.sum", "Bytes")
+
+
+def test_a_set_offering_nothing_is_skipped_not_the_end_of_the_search() -> None:
+    sets = [("Other", ["gr__cycles_elapsed.max"]), ("Sm", ["sm__inst_executed"])]
+    assert choose_from_sets(sets) == MetricChoice("sm__inst_executed.sum", None, "Sm")
+
+
+def test_describe_names_the_metrics_and_the_set_or_its_absence() -> None:
+    assert MetricChoice("a.sum", None).describe() == "metrics a.sum, None (no single-pass set)"
+    assert MetricChoice("a.sum", "b.sum", "S1").describe() == "metrics a.sum, b.sum (set S1)"
+
+
+def test_query_sets_is_none_without_profiler_host_or_with_half_the_set_api() -> None:
+    errors = (cuptiError, ValueError, RuntimeError)
+    assert query_sets(SimpleNamespace(), "GH100", errors) is None
+    half = SimpleNamespace(profiler_host=SimpleNamespace(get_single_pass_sets=lambda chip: ["S"]))
+    assert query_sets(half, "GH100", errors) is None
+
+
+def test_a_failing_set_query_is_logged_with_the_chip_and_the_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    lib = FakeCupti({0: FakeDevice(chip_name="GH100")})
+
+    with caplog.at_level(logging.INFO, logger="mrc_agent.agent.core.hw.cupti_metrics"):
+        assert query_sets(lib, "GB999", (ValueError,)) is None
+
+    [message] = [r.getMessage() for r in caplog.records]
+    assert message.startswith("CUPTI single-pass metric sets of GB999 unavailable (ValueError: ")
+    assert 'Unsupported chip_name "GB999"' in message
+    assert message.endswith("); trying metric names in order")

@@ -121,12 +121,14 @@ def test_negative_or_non_finite_interval_values_never_lower_the_totals() -> None
 
 
 def test_a_full_decode_is_followed_by_another_so_the_buffer_empties() -> None:
-    # 64 is the smallest decode size; 150 records need three decodes in one call.
-    device = FakeDevice(decodes=[[rec(1, 2)] * 150])
+    # 64 is the smallest decode size; 128 records fill two decodes, and a third finds the
+    # buffer empty.
+    device = FakeDevice(decodes=[[rec(1, 2)] * 128])
     sampler, lib = sampler_for(device, interval_s=10.0)
 
-    assert totals(sampler) == [(150.0, 300.0)]
+    assert totals(sampler) == [(128.0, 256.0)]
     assert lib.count(0, "decode") == 3
+    assert lib.collectors[0].config["sampling_interval"] == 10_000_000_000
 
 
 def test_without_sets_falls_back_to_the_names_the_chip_accepts() -> None:
@@ -763,3 +765,264 @@ def test_fake_matches_the_real_library_where_installed() -> None:
             inspect.signature(getattr(FakeCupti().profiler_host, name)).parameters)
     for m in fake_cupti.CUresult:
         assert int(getattr(driver.CUresult, m.name)) == m.value
+
+
+# -- what the messages say ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("gpus", "order", "visible", "expected"),
+    [
+        (2, None, None, ["order"]),
+        (1, None, None, []),
+        (2, "PCI_BUS_ID", None, []),
+        (1, "PCI_BUS_ID", "0", ["visible"]),
+    ],
+)
+def test_a_cuda_numbering_that_may_differ_from_nvml_is_warned_about_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    gpus: int, order: str | None, visible: str | None, expected: list[str],
+) -> None:
+    for name, value in (("CUDA_DEVICE_ORDER", order), ("CUDA_VISIBLE_DEVICES", visible)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    sampler, _ = sampler_for(*(FakeDevice() for _ in range(gpus)))
+
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        sampler.sample_profiling()
+        sampler.sample_profiling()
+
+    said = []
+    for message in (r.getMessage() for r in caplog.records):
+        if "CUDA_DEVICE_ORDER is not PCI_BUS_ID" in message:
+            assert "used by CUPTI may not match NVML's, so profiling counters could carry " \
+                   "another GPU's labels" in message
+            said.append("order")
+        elif "CUDA_VISIBLE_DEVICES is set" in message:
+            assert "CUPTI device indices are renumbered and may not match NVML's" in message
+            said.append("visible")
+    assert said == expected
+
+
+def test_without_gpus_the_source_says_so_in_the_error_and_the_status() -> None:
+    sampler = CuptiPmSampler([], lib=FakeCupti(), cuda=None)
+
+    exc = unavailable(sampler)
+
+    assert (exc.reason, exc.detail) == sampler.status() == (
+        "no_gpu", "no GPUs were given to the profiling source")
+
+
+def test_a_closed_sampler_says_it_is_closed_and_each_gpu_is_not_started() -> None:
+    sampler, _ = sampler_for(FakeDevice())
+    sampler.sample_profiling()
+
+    sampler.close()
+
+    assert sampler.status() == ("not_started", "closed")
+    with pytest.raises(HardwareError, match="^CUPTI PM sampling is closed$"):
+        sampler.sample_profiling()
+
+
+def test_failures_of_several_gpus_are_listed_in_one_error_then_while_they_wait() -> None:
+    busy = error("ERROR_UNKNOWN")
+    sampler, _ = sampler_for(FakeDevice(errors={"start": [busy]}),
+                             FakeDevice(errors={"start": [busy]}))
+    why = "start failed: cuptiError: ERROR_UNKNOWN (999) (retry in 1 s)"
+
+    with pytest.raises(HardwareError) as first:
+        sampler.sample_profiling()
+    with pytest.raises(HardwareError) as waiting:
+        sampler.sample_profiling()
+
+    assert str(first.value) == f"CUPTI PM sampling failed: GPU 0: {why}; GPU 1: {why}"
+    assert str(waiting.value) == f"CUPTI PM sampling waits to retry: GPU 0: {why}; GPU 1: {why}"
+
+
+def test_starting_and_failing_are_logged_with_the_gpu_and_what_it_measures(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    device = FakeDevice(decodes=[[rec(1, 1)]], errors={"decode": [None, MemoryError("overflow")]})
+    sampler, _ = sampler_for(device)
+
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        sampler.sample_profiling()
+        with pytest.raises(HardwareError, match="GPU 0: decode failed: MemoryError: overflow"):
+            sampler.sample_profiling()
+
+    messages = [r.getMessage() for r in caplog.records]
+    what = f"metrics {SM}, {DRAM} (no single-pass set)"
+    assert f"CUPTI PM sampling on GPU 0 configured: {what}" in messages
+    assert f"CUPTI PM sampling started on GPU 0: {what}" in messages
+    assert ("CUPTI PM sampling on GPU 0: hardware_error (GPU 0: decode failed: MemoryError: "
+            "overflow (retry in 1 s))") in messages
+
+
+def test_the_primary_context_retry_is_logged_with_its_memory_cost(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sampler, _ = sampler_for(FakeDevice(), FakeDevice(needs_primary_context=True))
+
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        sampler.sample_profiling()
+
+    [message] = [r.getMessage() for r in caplog.records if "primary context" in r.getMessage()]
+    assert message.startswith(
+        "CUPTI PM sampling on GPU 1: enable() answered cuptiError: ERROR_NOT_INITIALIZED (15) "
+        "after cuInit; retrying")
+    assert message.endswith("with the device's primary context (it holds device memory)")
+
+
+def test_a_missing_libcuda_is_decided_once_and_told_for_every_gpu(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sampler, lib = sampler_for(FakeDevice(), FakeDevice())
+    lib.driver.library_missing = True
+
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        exc = unavailable(sampler)
+
+    assert exc.reason == "cuda_missing" and lib.driver.calls == ["cuInit"]
+    for gpu in (0, 1):
+        [told] = [r.getMessage() for r in caplog.records if f"on GPU {gpu}:" in r.getMessage()]
+        assert told == f"CUPTI PM sampling on GPU {gpu}: cuda_missing ({exc.detail})"
+
+
+def test_a_missing_cupti_is_logged_once_and_answered_the_same_every_time(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setitem(sys.modules, "cupti", None)
+    sampler = CuptiPmSampler([GPU0])
+
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        first, second = unavailable(sampler), unavailable(sampler)
+
+    assert (second.reason, second.detail) == (first.reason, first.detail)
+    assert first.detail.endswith("; install mrc-agent[profiling] (cupti-python>=13.3)")
+    [message] = [r.getMessage() for r in caplog.records]
+    assert message == f"CUPTI PM sampling unavailable: cupti_missing: {first.detail}"
+
+
+def test_cupti_without_pm_sampling_says_which_version_it_needs() -> None:
+    class OldCupti:
+        cupti = FakeCupti().cupti
+
+    exc = unavailable(CuptiPmSampler([GPU0], lib=OldCupti()))
+    assert exc.detail == "cupti-python has no pm_sampling module; it needs >= 13.3"
+
+
+def test_without_arguments_the_sampler_imports_cupti_and_the_cuda_driver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lib = FakeCupti({0: FakeDevice(decodes=[[rec(4, 8)]])})
+    monkeypatch.setitem(sys.modules, "cupti", lib)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.driver", lib.driver)
+    sampler = CuptiPmSampler([GPU0])
+
+    assert totals(sampler) == [(4.0, 8.0)]
+    assert lib.driver.calls == ["cuInit"]
+    # The default interval is 0.1 s.
+    assert lib.collectors[0].config["sampling_interval"] == 100_000_000
+
+
+def test_a_failing_cuinit_and_a_failing_enable_say_which_step_failed() -> None:
+    clock = Clock()
+    sampler, lib = sampler_for(FakeDevice(errors={"enable": [error("ERROR_UNKNOWN")]}),
+                               clock=clock)
+    lib.driver.init_results = [CUresult.CUDA_ERROR_SYSTEM_NOT_READY]
+
+    cuinit = r"cuInit failed: CUDA_ERROR_SYSTEM_NOT_READY \(802\) \(retry in 1 s\)"
+    with pytest.raises(HardwareError, match=f"GPU 0: CUDA initialisation failed: {cuinit}"):
+        sampler.sample_profiling()
+    clock.now += 1.0
+    with pytest.raises(HardwareError, match=r"GPU 0: enable failed: cuptiError: ERROR_UNKNOWN "
+                                            r"\(999\) \(retry in 2 s\)"):
+        sampler.sample_profiling()
+
+
+@pytest.mark.parametrize("method", ["enable", "start"])
+def test_a_busy_gpu_says_what_cupti_answered(method: str) -> None:
+    sampler, _ = sampler_for(FakeDevice(errors={method: [error("ERROR_HARDWARE_BUSY")]}))
+
+    assert unavailable(sampler).detail == "cuptiError: ERROR_HARDWARE_BUSY (26)"
+
+
+def test_a_chip_offering_no_metric_names_what_was_wanted_and_the_last_refusal() -> None:
+    sampler, _ = sampler_for(FakeDevice(supported_metrics=frozenset({"gr__cycles_elapsed.max"})))
+
+    exc = unavailable(sampler)
+
+    wanted = cupti_pm.SM_INSTRUCTION_METRICS + DRAM_READ_METRICS + cupti_pm.DRAM_THROUGHPUT_METRICS
+    last = cupti_pm.DRAM_THROUGHPUT_METRICS[-1]
+    assert exc.detail == f"PM sampling accepts none of {wanted}: Invalid metrics [{last!r}]"
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [("CUDA driver is not found (libcuda.so.1)", "cuda_missing"),
+     ("CUDA driver is too old for this CUPTI", "unsupported_device")],
+)
+def test_cupti_python_not_supported_errors_are_told_apart(text: str, reason: str) -> None:
+    sampler, _ = sampler_for(FakeDevice(errors={"enable": [NotSupportedError(text)]}))
+
+    assert unavailable(sampler).reason == reason
+
+
+# -- more counting -----------------------------------------------------------------------------
+
+
+def test_a_gpu_measuring_dram_bytes_only_counts_them() -> None:
+    device = FakeDevice(supported_metrics=frozenset({DRAM}), decodes=[[rec(1, 64)]])
+    sampler, lib = sampler_for(device)
+
+    assert totals(sampler) == [(None, 64.0)]
+    assert lib.collectors[0].metrics == [DRAM]
+
+
+def test_a_gpu_waiting_for_its_restart_has_no_series_while_another_samples() -> None:
+    clock = Clock()
+    gpu0 = FakeDevice(decodes=[[rec(1, 1)], [rec(1, 1)], [rec(1, 1)]])
+    gpu1 = FakeDevice(decodes=[[rec(5, 5)]], errors={"decode": [None, error("ERROR_UNKNOWN")]})
+    sampler, _ = sampler_for(gpu0, gpu1, clock=clock)
+    assert totals(sampler) == [(1.0, 1.0), (5.0, 5.0)]
+    with pytest.raises(HardwareError):
+        sampler.sample_profiling()
+
+    assert totals(sampler) == [(3.0, 3.0), (None, None)]  # within GPU 1's backoff
+
+
+def test_a_restart_onto_a_throughput_metric_drops_the_old_byte_total() -> None:
+    clock = Clock()
+    refused = ValueError("Requested PM sampling configuration is not supported.")
+    device = FakeDevice(
+        supported_metrics=frozenset({SM, DRAM, PCT}),
+        # The first configuration works; after the decode failure it and the other byte pair
+        # the chip offers are refused, so the restart measures the throughput percentage.
+        errors={"configure": [None, refused, refused], "decode": [None, error("ERROR_UNKNOWN")]},
+        decodes=[[rec(1, 100)], [{SM: 1.0, PCT: 40.0}]],
+    )
+    sampler, lib = sampler_for(device, clock=clock)
+    assert totals(sampler) == [(1.0, 100.0)]
+    with pytest.raises(HardwareError):
+        sampler.sample_profiling()
+    clock.now += cupti_pm.BACKOFF_INITIAL_S
+
+    [sample] = sampler.sample_profiling()
+
+    assert lib.collectors[0].metrics == [SM, PCT]
+    assert sample.dram_read_bytes_total is None
+    assert sample.dram_read_throughput_ratio == pytest.approx(0.4)
+    assert sample.sm_instructions_executed_total == 2.0
+
+
+def test_the_sampling_interval_is_whole_nanoseconds_and_at_least_one() -> None:
+    sampler, lib = sampler_for(FakeDevice(), interval_s=1e-10)
+    sampler.sample_profiling()
+    assert lib.collectors[0].config["sampling_interval"] == 1
+
+
+def test_interval_error_names_the_bad_value() -> None:
+    with pytest.raises(ValueError, match=r"^interval_s must be > 0, got -1\.0$"):
+        CuptiPmSampler([GPU0], lib=FakeCupti(), interval_s=-1.0)

@@ -8,6 +8,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
+from mrc_agent.agent.core.attribution import Attribution
 from mrc_agent.agent.core.catalog import CATALOG
 from mrc_agent.agent.core.collectors.base import SampleContext
 from mrc_agent.agent.core.collectors.profiling import (
@@ -16,7 +17,7 @@ from mrc_agent.agent.core.collectors.profiling import (
     PROFILING_METRICS_INFO,
     ProfilingCollector,
 )
-from mrc_agent.agent.core.hw.base import GPUIdentity
+from mrc_agent.agent.core.hw.base import GPUIdentity, SourceUnavailable
 from mrc_agent.agent.core.hw.cuda_driver import CudaDriver
 from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
 from mrc_agent.agent.core.sample import Snapshot
@@ -70,3 +71,49 @@ def test_a_byte_counter_chip_exports_bytes_no_ratio_and_says_no_set_was_used() -
     # Only the sampling GPU says which names are live.
     [(info, _)] = series[PROFILING_METRICS_INFO.name]
     assert (info["gpu"], info["dram_metric"], info["metric_set"]) == ("0", BYTES, "none")
+
+
+def _collector(*devices: FakeDevice) -> ProfilingCollector:
+    lib = FakeCupti(dict(enumerate(devices)))
+    gpus = [GPUIdentity(i, f"GPU-{i}", "NVIDIA H200") for i in range(len(devices))]
+    return ProfilingCollector(CuptiPmSampler(gpus, lib=lib, cuda=CudaDriver(lib.driver)))
+
+
+def test_status_says_not_requested_then_why_not_and_leaves_it_in_the_pass() -> None:
+    collector = _collector(FakeDevice(errors={"enable": [PermissionError("admin only")]}))
+    assert collector.status == ("not_requested", "")
+    ctx = SampleContext(now=1.0, wall=1.0, targets=[])
+
+    with pytest.raises(SourceUnavailable):
+        collector.update(ctx)
+
+    assert collector.status == ctx.profiling_status == (
+        "no_permission", "PermissionError: admin only")
+
+
+def test_a_working_source_is_ok_with_no_detail_in_the_pass() -> None:
+    collector = _collector(FakeDevice(decodes=[[{SM: 1.0, BYTES: 2.0}]]))
+    ctx = SampleContext(now=1.0, wall=1.0, targets=[])
+
+    collector.update(ctx)
+
+    assert collector.status == ctx.profiling_status == ("ok", "")
+
+
+def test_only_watched_gpus_are_exported() -> None:
+    collector = _collector(FakeDevice(decodes=[[{SM: 1.0, BYTES: 2.0}]]),
+                           FakeDevice(decodes=[[{SM: 3.0, BYTES: 4.0}]]))
+    watched = GPUIdentity(1, "GPU-1", "NVIDIA H200")
+    ctx = SampleContext(now=1.0, wall=1.0, targets=[],
+                        attribution=Attribution(mode="test", gpus={watched: frozenset()}))
+
+    samples = collector.update(ctx)
+
+    assert samples and {labels[0] for _, labels, _ in samples} == {"1"}
+
+
+def test_a_gpu_measuring_sm_instructions_only_still_names_its_metrics() -> None:
+    series = _exposition(FakeDevice(supported_metrics=frozenset({SM}), decodes=[[{SM: 5.0}]]))
+
+    [(info, _)] = series[PROFILING_METRICS_INFO.name]
+    assert (info["sm_metric"], info["dram_metric"]) == (SM, "none")

@@ -15,6 +15,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
+from mrc_agent.agent.tools.selfcheck_dry import DryModel
+
 
 class _OnFirstUse:
     """``pynvml``, imported when first used: importing the agent's modules must not load it
@@ -25,8 +27,6 @@ class _OnFirstUse:
 
 
 pynvml: Any = _OnFirstUse()
-
-from mrc_agent.agent.tools.selfcheck_dry import DryModel
 
 _PASSTHROUGH_PREFIXES = ("NVML_", "NVMLError", "c_nvml", "nvmlEventType", "nvmlMemory_v")
 #: nvmlDeviceGetPcieThroughput's window (NVML: "a byte counter over a 20ms interval").

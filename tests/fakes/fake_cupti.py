@@ -26,7 +26,8 @@ It mirrors the real libraries' shape and the behaviour their sources show (cupti
   ``lib.cupti.Result`` with the values of ``CUpti_PmSampling_TriggerMode`` / ``cupti_result.h``.
 - ``lib.driver``: ``cuInit / cuDeviceGet / cuDevicePrimaryCtxRetain / cuDevicePrimaryCtxRelease
   / cuCtxSetCurrent`` returning ``(CUresult, value...)`` tuples, raising cuda-pathfinder's
-  ``DynamicLibNotFoundError`` when ``library_missing`` (no libcuda.so.1).
+  ``DynamicLibNotFoundError`` when ``library_missing`` (no libcuda.so.1); ``errors`` injects a
+  result or an exception per call.
 
 A device is described by data: which metrics, sets and trigger modes it accepts, the samples
 its hardware produces (one list per decode call) and the errors to raise per call. An injected
@@ -92,6 +93,7 @@ class CUresult(enum.IntEnum):
     """The CUresult codes the fake driver answers (values from cuda.h)."""
 
     CUDA_SUCCESS = 0
+    CUDA_ERROR_OUT_OF_MEMORY = 2
     CUDA_ERROR_NOT_INITIALIZED = 3
     CUDA_ERROR_STUB_LIBRARY = 34
     CUDA_ERROR_NO_DEVICE = 100
@@ -176,17 +178,28 @@ class FakeCudaDriver:
         self.retained: dict[int, int] = {}
         self.current: int | None = None
         self.calls: list[str] = []
+        #: Per function name, outcomes consumed one per call before anything else: a CUresult
+        #: to answer (with ``None`` for any value) or an exception to raise.
+        self.errors: dict[str, list[_Result | BaseException]] = {}
 
-    def _enter(self, name: str) -> None:
+    def _enter(self, name: str) -> _Result | None:
+        """Record the call; the injected result it answers instead, if any."""
         self.calls.append(name)
         if self.library_missing:
             raise DynamicLibNotFoundError(
                 '"cuda" is an NVIDIA driver library and can only be found via system search. '
                 "Ensure the NVIDIA display driver is installed."
             )
+        outcomes = self.errors.get(name)
+        outcome = outcomes.pop(0) if outcomes else None
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     def cuInit(self, flags: int) -> tuple[_Result]:
-        self._enter("cuInit")
+        injected = self._enter("cuInit")
+        if injected is not None:
+            return (injected,)
         if flags != 0:
             return (_Result.CUDA_ERROR_INVALID_CONTEXT,)
         result = self.init_results.pop(0) if self.init_results else _Result.CUDA_SUCCESS
@@ -195,7 +208,9 @@ class FakeCudaDriver:
         return (result,)
 
     def cuDeviceGet(self, ordinal: int) -> tuple[_Result, int | None]:
-        self._enter("cuDeviceGet")
+        injected = self._enter("cuDeviceGet")
+        if injected is not None:
+            return (injected, None)
         if not self.initialised:
             return (_Result.CUDA_ERROR_NOT_INITIALIZED, None)
         if ordinal not in self._lib.devices:
@@ -203,14 +218,18 @@ class FakeCudaDriver:
         return (_Result.CUDA_SUCCESS, ordinal)
 
     def cuDevicePrimaryCtxRetain(self, dev: int) -> tuple[_Result, str | None]:
-        self._enter("cuDevicePrimaryCtxRetain")
+        injected = self._enter("cuDevicePrimaryCtxRetain")
+        if injected is not None:
+            return (injected, None)
         if not self.initialised:
             return (_Result.CUDA_ERROR_NOT_INITIALIZED, None)
         self.retained[dev] = self.retained.get(dev, 0) + 1
         return (_Result.CUDA_SUCCESS, f"ctx{dev}")
 
     def cuDevicePrimaryCtxRelease(self, dev: int) -> tuple[_Result]:
-        self._enter("cuDevicePrimaryCtxRelease")
+        injected = self._enter("cuDevicePrimaryCtxRelease")
+        if injected is not None:
+            return (injected,)
         if not self.retained.get(dev):
             return (_Result.CUDA_ERROR_INVALID_CONTEXT,)
         self.retained[dev] -= 1
@@ -219,7 +238,9 @@ class FakeCudaDriver:
         return (_Result.CUDA_SUCCESS,)
 
     def cuCtxSetCurrent(self, ctx: str | None) -> tuple[_Result]:
-        self._enter("cuCtxSetCurrent")
+        injected = self._enter("cuCtxSetCurrent")
+        if injected is not None:
+            return (injected,)
         self.current = int(ctx[3:]) if ctx else None
         return (_Result.CUDA_SUCCESS,)
 

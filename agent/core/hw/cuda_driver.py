@@ -149,13 +149,12 @@ class CudaDriver:
         except (RuntimeError, OSError) as exc:
             if isinstance(exc, OSError) or type(exc).__name__ in _MISSING_LIBRARY_ERRORS:
                 raise SourceUnavailable("cuda_missing", f"{LIBCUDA_MISSING} ({exc})") from None
-            raise HardwareError(f"{getattr(function, '__name__', function)}: {exc}") from exc
+            raise HardwareError(f"{function.__name__}: {exc}") from exc
 
     @staticmethod
     def _check(driver: Any, call: str, answer: Any) -> Any:
         """The value of a ``(CUresult, value...)`` answer, or the error the result means."""
-        parts = answer if isinstance(answer, tuple) else (answer,)
-        result, values = parts[0], parts[1:]
+        result, *values = answer  # every cuda.bindings.driver function answers a tuple
         if int(result) == 0:  # CUDA_SUCCESS
             return values[0] if values else None
         name = _result_name(driver, result)
@@ -167,9 +166,7 @@ class CudaDriver:
 
 
 def _result_name(driver: Any, result: Any) -> str:
-    name = getattr(result, "name", None)
-    if isinstance(name, str):
-        return name
+    """The CUresult name of ``result`` (an enum member or a plain code), else its text."""
     try:
         return str(driver.CUresult(int(result)).name)
     except (AttributeError, TypeError, ValueError):

@@ -79,7 +79,7 @@ class MetricChoice:
 
 def base_name(metric: str) -> str:
     """``dram__bytes_read.sum`` -> ``dram__bytes_read``."""
-    return metric.split(".", 1)[0]
+    return metric.partition(".")[0]
 
 
 def best_offered(names: Iterable[str], wanted: Sequence[str]) -> str | None:
@@ -96,7 +96,7 @@ def choose_from_sets(sets: Sequence[tuple[str, Sequence[str]]]) -> MetricChoice 
     preferred names; between equals, the set CUPTI lists first.
     """
     best: MetricChoice | None = None
-    best_rank: tuple[int, int, int] | None = None
+    best_rank: tuple[bool, bool, int, int] | None = None
     for set_name, names in sets:
         names = list(names)
         sm = best_offered(names, SM_INSTRUCTION_METRICS)
@@ -140,14 +140,13 @@ def query_sets(lib: Any, chip: str, errors: tuple[type[BaseException], ...]
         return None
 
 
-def _rank(sm: str | None, dram: str | None) -> tuple[int, int, int]:
-    if sm is not None and dram is not None:
-        kind = 0 if dram in DRAM_READ_METRICS else 1
-    elif sm is not None:
-        kind = 2
-    else:
-        kind = 3 if dram in DRAM_READ_METRICS else 4
-    return (kind, _index(SM_INSTRUCTION_METRICS, sm),
+def _rank(sm: str | None, dram: str | None) -> tuple[bool, bool, int, int]:
+    """Lower is better: a pair before one metric alone, a byte counter before a throughput
+    percentage, then the more preferred names. One metric alone needs no more: an SM name's
+    index is below ``len(SM_INSTRUCTION_METRICS)``, the index a missing SM metric gets, so SM
+    alone comes before DRAM bytes alone, which the throughput flag puts before throughput."""
+    return (sm is None or dram is None, dram in DRAM_THROUGHPUT_METRICS,
+            _index(SM_INSTRUCTION_METRICS, sm),
             _index(DRAM_READ_METRICS + DRAM_THROUGHPUT_METRICS, dram))
 
 

@@ -208,7 +208,6 @@ class CuptiPmSampler:
         self._lib = lib
         self._lib_error: SourceUnavailable | None = None
         self._cuda = cuda if cuda is not None or lib is not None else CudaDriver()
-        self._cuda_ready = False
         self._cuda_error: SourceUnavailable | None = None
         self._interval_s = interval_s
         self._clock = clock
@@ -334,9 +333,10 @@ class CuptiPmSampler:
         return self._lib
 
     def _require_cuda(self) -> None:
-        """``cuInit`` once per process. SourceUnavailable is for good (CUDA keeps a failed
-        initialisation's answer); HardwareError may pass and is retried with the backoff."""
-        if self._cuda is None or self._cuda_ready:
+        """``cuInit`` once per process (``CudaDriver.init`` is idempotent). SourceUnavailable is
+        for good (CUDA keeps a failed initialisation's answer); HardwareError may pass and is
+        retried with the backoff."""
+        if self._cuda is None:
             return
         if self._cuda_error is not None:
             raise SourceUnavailable(self._cuda_error.reason, self._cuda_error.detail)
@@ -345,7 +345,6 @@ class CuptiPmSampler:
         except SourceUnavailable as exc:
             self._cuda_error = exc
             raise SourceUnavailable(exc.reason, exc.detail) from None
-        self._cuda_ready = True
 
     @staticmethod
     def _due(dev: _Device, now: float) -> bool:
@@ -392,7 +391,6 @@ class CuptiPmSampler:
             self._unavailable(dev, reason, _describe(exc), now)
             return ""
         dev.running = True
-        dev.retry_at = None
         # Totals start at zero only for what is measured; the rest stays an absent series.
         if choice.sm_metric is not None and dev.sm_total is None:
             dev.sm_total = 0.0
@@ -443,7 +441,8 @@ class CuptiPmSampler:
         return text
 
     def _unavailable(self, dev: _Device, reason: str, detail: str, now: float) -> None:
-        dev.retry_at = now + BUSY_RETRY_S if reason == "profiler_busy" else None
+        # Only a busy GPU is ever tried again (_due); for the other reasons this is unused.
+        dev.retry_at = now + BUSY_RETRY_S
         self._set_state(dev, reason, detail)
 
     def _set_state(self, dev: _Device, state: str, detail: str) -> None:
@@ -468,7 +467,7 @@ class CuptiPmSampler:
             # A total kept from a byte counter configured before a restart is not exported
             # once the GPU measures a throughput percentage instead.
             dram_read_bytes_total=None if choice.dram_is_ratio else dev.dram_total,
-            dram_read_throughput_ratio=dev.dram_ratio if choice.dram_is_ratio else None,
+            dram_read_throughput_ratio=dev.dram_ratio,  # None unless dram_is_ratio (_collect)
             sm_metric=choice.sm_metric,
             dram_metric=choice.dram_metric,
             metric_set=choice.metric_set,
@@ -552,7 +551,7 @@ class CuptiPmSampler:
     ) -> Iterator[tuple[MetricChoice, Any]]:
         """(choice, trigger mode) in the order to try; lazy, so a restart whose old
         configuration still works does not query the chip's sets again."""
-        if dev.choice is not None and dev.trigger_mode is not None:
+        if dev.choice is not None:  # set together with trigger_mode
             yield dev.choice, dev.trigger_mode
         trigger = lib.pm_sampling.TriggerMode
         modes = (trigger.GPU_TIME_INTERVAL, trigger.GPU_SYSCLK_INTERVAL)
