@@ -18,6 +18,7 @@ from mrc_agent.agent.core import attribution as att
 from mrc_agent.agent.core.attribution import (
     Attribution,
     TargetView,
+    container_devices,
     decide,
     environ_gpus,
     explain,
@@ -73,6 +74,16 @@ def _indices(gpus: set[GPUIdentity] | None) -> set[int] | None:
     ({NV: f"MIG-{UUIDS[3]}/1/0"}, {3}, {3}),
     ({NV: "1:0,1:1"}, {1}, {1}),
     ({NV: "MIG-c0ffee00-1111-2222-3333-444444444444"}, None, None),
+    ({NV: "MIG-GPU-00000000-0000-0000-0000-000000000000/1/0"}, None, None),  # not this node's
+    ({NV: "7:0"}, None, None),
+    # Only <index>:<index> is the <gpu>:<mig> form; whitespace and empty entries name nothing.
+    ({NV: "1:a"}, None, None),
+    ({NV: "a:1"}, None, None),
+    ({NV: "1:0:0"}, None, None),
+    ({NV: " 2 ,, 3 "}, {2, 3}, {2, 3}),
+    # A device of another node, in any form, leaves the indices countable.
+    ({NV: "7:0,2,3", CUDA: "1"}, {3}, {2, 3}),
+    ({NV: "MIG-GPU-00000000-0000-0000-0000-000000000000/1/0,2,3", CUDA: "1"}, {3}, {2, 3}),
     # CUDA indices count the container's devices, in PCI (NVML index) order.
     ({NV: "2,3", CUDA: "1"}, {3}, {2, 3}),
     ({NV: "3,1", CUDA: "0"}, {1}, {1, 3}),
@@ -88,6 +99,11 @@ def _indices(gpus: set[GPUIdentity] | None) -> set[int] | None:
     ({NV: "all", CUDA: "GPU-8f2"}, set(), {0, 1, 2, 3}),  # ambiguous: invalid
     ({NV: "2,3", CUDA: "GPU-8f2a"}, set(), {2, 3}),  # not in the container
     ({NV: "all", CUDA: f"GPU-1234,{UUIDS[3]}"}, {2, 3}, {0, 1, 2, 3}),
+    ({NV: "all", CUDA: f" {UUIDS[3].upper()} "}, {3}, {0, 1, 2, 3}),
+    # The old MIG form names its device in CUDA_VISIBLE_DEVICES too.
+    ({NV: f"MIG-{UUIDS[3]}/1/0", CUDA: f"MIG-{UUIDS[3]}/1/0"}, {3}, {3}),
+    # A UUID the source does not report is still one of the container's devices.
+    ({NV: "GPU-0dd0,2", CUDA: "GPU-0dd,GPU-1234"}, {2}, {2}),
     # Without NVIDIA_VISIBLE_DEVICES only UUIDs count: an index would be a guess.
     ({CUDA: "GPU-1234"}, {2}, None),
     ({CUDA: "1"}, None, None),
@@ -100,6 +116,20 @@ def test_the_variables_give_the_gpus_cuda_can_use(environ: Mapping[str, str],
     got_usable, got_container = environ_gpus(environ, GPUS)
     assert _indices(got_usable) == usable
     assert _indices(got_container) == container
+
+
+def test_container_devices_are_in_pci_order_with_unreported_ones_last() -> None:
+    low = [u.lower() for u in UUIDS]
+    assert container_devices(f"GPU-0dd0,GPU-0dd1,{UUIDS[3]},1:0,{UUIDS[1]}", GPUS) == [
+        att._Device("", GPUS[1], whole=False), att._Device(low[1], GPUS[1]),
+        att._Device(low[3], GPUS[3]),
+        att._Device("gpu-0dd0", None), att._Device("gpu-0dd1", None)]
+    # "1:0" and GPU 1's UUID are two devices, a slice and the whole GPU, kept in the order
+    # listed; two slices of one GPU are one device: which slice each is is not known.
+    assert container_devices("1:0,1:1", GPUS) == [att._Device("", GPUS[1], whole=False)]
+    old = f"MIG-{UUIDS[2]}/1/0".lower()
+    assert container_devices(f"MIG-{UUIDS[2]}/1/0", GPUS) == [
+        att._Device(old, GPUS[2], whole=False)]
 
 
 MIG_A = "MIG-aaaa1111-2222-3333-4444-555555555555"
@@ -133,6 +163,8 @@ def test_a_process_on_a_mig_device_is_on_its_gpu_but_not_on_the_other_slices() -
         UUIDS[1]: {"nvml_process"}, MIG_B: {"nvml_process"}}
     on_gpu = decide("targets", [TargetView(20, environ={})], samples)
     assert [g.uuid for g in on_gpu.gpus] == [UUIDS[1]]
+    assert container_devices(MIG_A, MIG_GPUS) == [att._Device(MIG_A.lower(), MIG_GPUS[2],
+                                                              whole=False)]
 
 
 # --- the decision --------------------------------------------------------------------------------
@@ -151,6 +183,11 @@ def test_all_reports_every_gpu_whatever_the_targets_say() -> None:
     a = decide("all", [TargetView(10, environ={NV: UUIDS[1]})], _devices())
     assert a.mode == "all" and _gpus(a) == {i: {"all"} for i in range(4)}
     assert _gpus(Attribution("x", a.targets[0].gpus)) == {1: {"environ"}}  # still worked out
+    # Its process memory still carries the target's PID.
+    a = decide("all", [TargetView(10, nspid=7, environ={})], _devices(g2={7: 1.0}))
+    assert a.owners == {(UUIDS[2], 7): 10} and a.owner(GPUS[2], 7) == 10
+    assert explain(a)[-1] == ("GPU attribution",
+                              "all: every GPU (--gpus all); reporting GPU(s) 0, 1, 2, 3")
 
 
 @pytest.mark.parametrize("views", [
@@ -163,6 +200,7 @@ def test_without_any_information_every_gpu_is_reported_as_unknown(
     a = decide("targets", views, _devices(g3={99: 1.0}))  # 99 is a neighbour
     assert a.mode == "unknown" and _gpus(a) == {i: {"unknown"} for i in range(4)}
     assert att.samples(a)[0] == ("mrc_agent_watched_gpus", ("unknown",), 4.0)
+    assert a.owners == {} and a.owner(GPUS[3], 99) is None
 
 
 def test_sources_unite_per_target_and_over_targets_in_device_order() -> None:
@@ -172,7 +210,9 @@ def test_sources_unite_per_target_and_over_targets_in_device_order() -> None:
     a = decide("targets", views, _devices(g1={20: 1.0}, g3={20: 2.0, 10: 3.0, 99: 4.0}))
     assert a.mode == "targets"
     assert list(_gpus(a).items()) == [(1, {"nvml_process"}), (3, {"environ", "nvml_process"})]
-    assert [(t.pid, t.informed) for t in a.targets] == [(10, True), (20, True), (30, False)]
+    assert [(t.pid, t.informed, t.why) for t in a.targets] == [
+        (10, True, ""), (20, True, ""),
+        (30, False, "environment unreadable (unreadable); on no GPU's process list")]
     assert a.owner(GPUS[3], 20) == 20 and a.owner(GPUS[3], 99) is None
     assert att.samples(a) == [
         ("mrc_agent_watched_gpus", ("targets",), 2.0),
@@ -217,10 +257,24 @@ def test_explain_says_each_targets_gpus_and_why_not() -> None:
         ("GPUs of target 12", "none"),
         ("GPU attribution", "targets: the targets' GPUs; reporting GPU(s) 2"),
     ]
-    silent = decide("targets", [TargetView(13, environ={})], _devices())
-    assert explain(silent)[0] == ("GPUs of target 13", "no information: neither variable set; "
-                                                        "on no GPU's process list")
-    assert explain(silent)[-1][1].startswith("unknown: every GPU")
+    silent = decide("targets", [TargetView(13, environ={}),
+                                TargetView(14, environ={NV: "/var/run/nvidia-container-devices"})],
+                    _devices())
+    assert explain(silent) == [
+        ("GPUs of target 13", "no information: neither variable set; on no GPU's process list"),
+        ("GPUs of target 14", "no information: environment names no GPU of this node; "
+                              "on no GPU's process list"),
+        ("GPU attribution", "unknown: every GPU: no target says which GPUs it uses; "
+                            "reporting GPU(s) 0, 1, 2, 3"),
+    ]
+    both = decide("targets", [TargetView(15, environ={NV: "1,3"})], _devices(g3={15: 1.0}))
+    assert explain(both) == [
+        ("GPUs of target 15", f"1 {UUIDS[1]} (environ), 3 {UUIDS[3]} (environ+nvml_process)"),
+        ("GPU attribution", "targets: the targets' GPUs; reporting GPU(s) 1, 3"),
+    ]
+    nothing = decide("targets", [TargetView(16, environ={NV: "none"})], _devices())
+    assert explain(nothing)[-1] == ("GPU attribution",
+                                    "targets: the targets' GPUs; reporting GPU(s) none")
 
 
 # --- /proc -------------------------------------------------------------------------------------
@@ -273,6 +327,30 @@ def test_a_view_that_cannot_be_read_is_no_information_not_an_error(tmp_path: Pat
     assert v5.environ is None and "5/environ" in v5.why and v5.nspid is None
     assert v6.environ is None and "6/environ" in v6.why
     assert gone == TargetView(404, None, None, gone.why) and gone.why
+    fs.close()
+
+
+@pytest.mark.parametrize(("nspid", "inner"), [
+    ("5\t40\t7", 7),  # nested twice: the innermost
+    ("5\t7", 7),
+    ("5\t40\t5", None),  # the same number innermost: nothing to match apart from the PID
+    ("5", None),
+    (None, None),  # a kernel before 4.1
+    ("5\tx", None),  # a line that does not parse
+])
+def test_a_view_has_the_innermost_namespace_pid_when_it_differs(
+        tmp_path: Path, nspid: str | None, inner: int | None) -> None:
+    _proc(tmp_path, 5, environ=b"CUDA_VISIBLE_DEVICES=0\0", nspid=nspid)
+    fs = ProcFS(root=str(tmp_path))
+    assert read_view(fs, 5) == TargetView(5, nspid=inner, environ={CUDA: "0"})
+    fs.close()
+
+
+def test_a_view_without_a_status_file_still_has_its_environment(tmp_path: Path) -> None:
+    _proc(tmp_path, 5, environ=b"NVIDIA_VISIBLE_DEVICES=1\0", nspid="5\t7")
+    (tmp_path / "5" / "status").unlink()
+    fs = ProcFS(root=str(tmp_path))
+    assert read_view(fs, 5) == TargetView(5, environ={NV: "1"})
     fs.close()
 
 

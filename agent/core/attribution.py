@@ -104,7 +104,8 @@ def read_view(procfs: ProcFS, pid: int) -> TargetView:
         ns = procfs.nspid(pid)
     except ProcessGone:
         ns = ()
-    inner = ns[-1] if len(ns) > 1 and ns[-1] != pid else None
+    # NSpid starts with ``pid`` itself: a last field that differs is an inner namespace's.
+    inner = ns[-1] if ns and ns[-1] != pid else None
     return TargetView(pid=pid, nspid=inner, environ=environ, why=why)
 
 
@@ -141,7 +142,7 @@ def _gpus_of(devices: Sequence[_Device], gpus: Sequence[GPUIdentity]) -> set[GPU
     device (its device-wide series are the slice's too), and the MIG devices of each whole GPU
     (a container given a whole GPU has all its slices)."""
     out = {d.gpu for d in devices if d.gpu is not None}
-    whole = {d.gpu.index for d in devices if d.gpu is not None and d.whole and not is_mig(d.gpu)}
+    whole = {d.gpu.index for d in devices if d.gpu is not None and d.whole}
     parents = {g.index for g in out if is_mig(g)}
     out.update(g for g in gpus if (is_mig(g) and g.index in whole)
                or (not is_mig(g) and g.index in parents))
@@ -159,7 +160,7 @@ def _nvidia_token(token: str, gpus: Sequence[GPUIdentity]) -> _Device | None:
         g = by_index.get(int(gpu_part))
         return _Device("", g, whole=False) if g else None
     if low.startswith("mig-gpu-"):  # "MIG-GPU-<uuid>/<gi>/<ci>", drivers before 470
-        parent = low[len("mig-"):].split("/", 1)[0]
+        parent = low[len("mig-"):].partition("/")[0]
         g = next((g for g in gpus if g.uuid.lower() == parent), None)
         return _Device(low, g, whole=False) if g else None
     if low.startswith(("mig-", "gpu-")):  # a MIG device (if the source reports it) or a GPU
@@ -184,9 +185,9 @@ def container_devices(value: str, gpus: Sequence[GPUIdentity]) -> list[_Device] 
     if not any(d.gpu is not None for d in found):
         return None
     # CUDA numbers devices in PCI order (NVML's index order), not in the order listed; a device
-    # the source does not report goes last.
-    order = {id(d): i for i, d in enumerate(found)}
-    return sorted(found, key=lambda d: (d.gpu.index if d.gpu else 1 << 30, order[id(d)]))
+    # the source does not report goes last. The sort is stable: MIG devices of one GPU, and
+    # unreported devices, keep the order listed.
+    return sorted(found, key=lambda d: d.gpu.index if d.gpu else 1 << 30)
 
 
 def cuda_devices(value: str, devices: list[_Device] | None,
@@ -274,19 +275,19 @@ def _target(view: TargetView, gpus: Sequence[GPUIdentity],
     for g in usable or ():
         found.setdefault(g, set()).add(SOURCE_ENVIRON)
     for g in gpus:
-        pids = listed.get(g, ())
-        source = ""
+        pids = listed[g]
         if view.pid in pids:
-            source = SOURCE_PROCESS
-            owners[(g.uuid, view.pid)] = view.pid
+            source, nvml_pid = SOURCE_PROCESS, view.pid
         elif view.nspid is not None and view.nspid in pids and (
                 boundary is None or g in boundary):
-            source = SOURCE_NSPID
-            owners[(g.uuid, view.nspid)] = view.pid
-        if source:
-            # A process on a MIG device is on its physical GPU too; one on the physical GPU's
-            # list is on some slice of it, which one is not known.
-            for h in _gpus_of([_Device(g.uuid, g, whole=False)], gpus):
+            source, nvml_pid = SOURCE_NSPID, view.nspid
+        else:
+            continue
+        owners[(g.uuid, nvml_pid)] = view.pid
+        # A process on a MIG device is on its physical GPU too; one on the physical GPU's
+        # list is on some slice of it, which one is not known.
+        for h in gpus:
+            if h == g or (h.index == g.index and not is_mig(h)):
                 found.setdefault(h, set()).add(source)
     informed = usable is not None or bool(found)
     why = ""
@@ -310,8 +311,9 @@ def decide(setting: str, views: Sequence[TargetView],
         return Attribution(MODE_ALL, dict.fromkeys(gpus, frozenset({SOURCE_ALL})), targets,
                            owners)
     if not any(t.informed for t in targets):
+        # No target is on any list, so no NVML PID has an owner.
         return Attribution(MODE_UNKNOWN, dict.fromkeys(gpus, frozenset({SOURCE_UNKNOWN})),
-                           targets, owners)
+                           targets)
     union: dict[GPUIdentity, frozenset[str]] = {}
     for t in targets:
         for g, sources in t.gpus.items():
