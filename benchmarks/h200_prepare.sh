@@ -10,7 +10,8 @@ rm -rf .whl && mkdir .whl
 # cupti-python >= 13.3 has pm_sampling; it wants its own libcupti (nvidia-cuda-cupti ~= 13.4).
 python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
     --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
-    --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_27_x86_64 --platform manylinux_2_25_x86_64 \
+    --platform manylinux_2_24_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
     cupti-python==13.4.0 nvidia-cuda-cupti==13.4.92 pyelftools==0.33
 du -sh .whl
