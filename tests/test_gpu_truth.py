@@ -9,7 +9,6 @@ about ten seconds each with the shortest ``--duration``.
 
 from __future__ import annotations
 
-import inspect
 import io
 import json
 import threading
@@ -21,6 +20,7 @@ import pytest
 
 from mrc_agent.agent.cli import main
 from mrc_agent.agent.core.hw.base import GPUIdentity
+from mrc_agent.agent.core.hw.cuda_driver import CudaDriver
 from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
 from mrc_agent.agent.tools import selfcheck
 from mrc_agent.agent.tools import selfcheck_compare as cmp
@@ -244,13 +244,8 @@ def test_the_checks_pass_on_the_projects_own_nvml_and_cupti_fakes(tmp_path: Path
     cupti = FakeCupti({0: FakeDevice()})
     plan = selfcheck.Plan.for_mode(True, 1.0)
     backend = selfcheck.nvml_backend(fake, plan.gpm_interval)
-    kwargs: dict[str, Any] = {}
-    if "cuda" in inspect.signature(CuptiPmSampler).parameters and hasattr(cupti, "driver"):
-        from mrc_agent.agent.core.hw.cuda_driver import CudaDriver
-
-        kwargs["cuda"] = CudaDriver(cupti.driver)
     sampler = CuptiPmSampler([GPUIdentity(0, model.uuid(0), model.name)], lib=cupti,
-                             interval_s=0.1, **kwargs)
+                             interval_s=0.1, cuda=CudaDriver(cupti.driver))
     readers = AgentReaders(backend, backend, sampler, plan.gpm_interval, plan.poll_s,
                            before_poll=_Bridge(model, fake, cupti),
                            pcie_settle=plan.pcie_settle_s, util_settle=plan.util_settle_s)

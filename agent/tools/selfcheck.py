@@ -20,7 +20,6 @@ failed; cli.py turns :class:`~agent.core.config.ConfigError` (bad flags, no GPU)
 
 from __future__ import annotations
 
-import inspect
 import io
 import json
 import logging
@@ -73,9 +72,11 @@ class Plan:
         trace = duration if duration is not None else (DEFAULT_DRY_TRACE_S if dry
                                                        else DEFAULT_TRACE_S)
         if dry:
-            # GPM's shortest window (0.2 s) so a dry window of < 1 s still holds two.
-            # The simulated PCIe thread and utilisation need no more than 0.3 s to settle.
-            return cls(min(6.0, max(0.8, 0.3 * trace)), trace, 0.2, 0.05, 0.3, 0.3, 0.3)
+            # GPM's shortest window (0.2 s). GPM values count from about 0.6 s into a window
+            # (AgentReaders.gpm_settle), so 1.5 s leaves room for three or four GPM readings
+            # even when a busy machine delays the polls. The simulated PCIe thread and
+            # utilisation need no more than 0.3 s to settle.
+            return cls(min(6.0, max(1.5, 0.3 * trace)), trace, 0.2, 0.05, 0.3, 0.3, 0.3)
         return cls(min(6.0, max(4.0, 0.3 * trace)), trace, 1.0, 0.1, 0.5)
 
 
@@ -99,12 +100,10 @@ class Rig:
 
 
 def nvml_backend(lib: Any | None, gpm_interval: float) -> Any:
-    """The agent's NVML backend; the GPM window is set where this build takes one."""
+    """The agent's NVML backend with the check's GPM window."""
     from mrc_agent.agent.core.hw.nvml import NvmlBackend
 
-    if "gpm_interval" in inspect.signature(NvmlBackend).parameters:
-        return NvmlBackend(lib=lib, gpm_interval=gpm_interval)
-    return NvmlBackend(lib=lib)
+    return NvmlBackend(lib=lib, gpm_interval=gpm_interval)
 
 
 def _sources(nvml_lib: Any | None, cupti_lib: Any | None) -> Sources:
