@@ -12,7 +12,12 @@ from collections.abc import Callable
 import pytest
 
 from mrc_agent.agent.core.hw import cupti_pm
-from mrc_agent.agent.core.hw.base import GPUIdentity, HardwareError, SourceUnavailable
+from mrc_agent.agent.core.hw.base import (
+    GPUIdentity,
+    HardwareError,
+    SourceUnavailable,
+    ratio_of_percent,
+)
 from mrc_agent.agent.core.hw.cuda_driver import CudaDriver
 from mrc_agent.agent.core.hw.cupti_pm import (
     BACKOFF_MAX_S,
@@ -737,7 +742,7 @@ def test_interval_must_be_positive() -> None:
 def test_percentages_become_clamped_ratios_and_non_numbers_are_dropped(
     value: float | None, expected: float | None
 ) -> None:
-    assert cupti_pm._ratio_of_percent(value) == expected
+    assert ratio_of_percent(value) == expected
 
 
 def test_fake_matches_the_real_library_where_installed() -> None:

@@ -10,7 +10,6 @@ CPU and then tells the fake device it left work queued, as a kornia resize on CU
 from __future__ import annotations
 
 import functools
-import io
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from mrc_agent.reference_service.device import (
 )
 from mrc_agent.reference_service.preprocess import core
 from mrc_agent.reference_service.settings import Settings
+from tests.test_preprocess_units import jpeg
 
 HALF = (0.5, 0.5, 0.5)
 #: How long the fake device takes to run the work queued on it; the preprocess stage must
@@ -74,12 +74,6 @@ class FakeCuda:
     def max_memory_allocated(self, device: torch.device) -> int:
         self.calls.append(("max_memory_allocated", device))
         return self.peak
-
-
-def jpeg(w: int = 40, h: int = 30) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (w, h), (200, 100, 50)).save(buf, "JPEG")
-    return buf.getvalue()
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 from mrc_agent.agent.core.files import describe, read_bounded
-from mrc_agent.agent.core.hw.procfs import ProcessGone, ProcFS
+from mrc_agent.agent.core.hw.procfs import ProcessGone, ProcFS, is_pid
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +31,6 @@ class PidfileError(Exception):
     """The pidfile cannot be read or does not hold a PID."""
 
 
-#: Linux's PID_MAX_LIMIT: no PID is larger.
-PID_MAX = 1 << 22
 #: A pidfile's first line is a PID; more than this is not read.
 PIDFILE_READ_BYTES = 64
 
@@ -46,8 +44,7 @@ def read_pidfile(path: str) -> int:
         raise PidfileError(f"cannot read pidfile {path}: {describe(exc)}") from exc
     text = data.decode("utf-8", errors="replace")
     first = text.strip().split("\n", 1)[0].strip()
-    # ASCII digits only: str.isdigit() also passes "²", which int() refuses.
-    if not (first.isascii() and first.isdigit()) or not 0 < int(first) <= PID_MAX:
+    if not is_pid(first):
         raise PidfileError(f"pidfile {path} does not hold a PID (found {first[:20]!r})")
     return int(first)
 

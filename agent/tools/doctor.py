@@ -162,7 +162,7 @@ def _profiling_check(nvml: Any, cupti_lib: Any | None) -> Check:
     from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
 
     try:
-        devices = [s.gpu for s in nvml.sample_devices() if not s.gpu.uuid.startswith("MIG-")]
+        devices = [s.gpu for s in nvml.sample_devices() if not s.gpu.is_mig]
         sampler = CuptiPmSampler(devices, lib=cupti_lib)
         try:
             sampler.sample_profiling()

@@ -32,6 +32,13 @@ def ratio(value: float | None) -> float | None:
     return None if number is None else min(1.0, max(0.0, number))
 
 
+def ratio_of_percent(value: float | None) -> float | None:
+    """A percentage (0-100, as NVML and CUPTI give them) as a ratio clamped to 0-1; None when
+    absent or not finite."""
+    number = finite(value)
+    return None if number is None else ratio(number / 100.0)
+
+
 class HardwareError(Exception):
     """A hardware source failed at run time (GPU lost, timeout, driver error)."""
 
@@ -59,6 +66,11 @@ class GPUIdentity:
     @property
     def labels(self) -> tuple[str, str, str]:
         return (str(self.index), self.uuid, self.name)
+
+    @property
+    def is_mig(self) -> bool:
+        """A MIG device (its ``MIG-…`` UUID), not a whole GPU: CUPTI refuses those."""
+        return self.uuid.startswith("MIG-")
 
 
 @dataclass

@@ -62,7 +62,7 @@ from mrc_agent.agent.core.hw.base import (
     ProfilingSample,
     SourceUnavailable,
     finite,
-    ratio,
+    ratio_of_percent,
 )
 from mrc_agent.agent.core.hw.cuda_driver import LIBCUDA_MISSING, CudaDriver
 from mrc_agent.agent.core.hw.cupti_metrics import (
@@ -415,7 +415,7 @@ class CuptiPmSampler:
                 if dev.sm_total is not None:
                     dev.sm_total += _count(sm_value)
                 if choice.dram_is_ratio:
-                    fraction = _ratio_of_percent(dram_value)
+                    fraction = ratio_of_percent(dram_value)
                     if fraction is not None:
                         ratios.append(fraction)
                 elif dev.dram_total is not None:
@@ -655,12 +655,6 @@ def _count(value: float | None) -> float:
     """A per-interval count as a non-negative finite number, so totals never go down."""
     number = finite(value)
     return number if number is not None and number > 0 else 0.0
-
-
-def _ratio_of_percent(value: float | None) -> float | None:
-    """A percentage of peak as a 0-1 ratio; ``None`` (dropped) when it is not a number."""
-    number = finite(value)
-    return None if number is None else ratio(number / 100.0)
 
 
 def _describe(exc: BaseException) -> str:

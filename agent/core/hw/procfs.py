@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 from mrc_agent.agent.core.files import read_fd
 
+#: Linux's PID_MAX_LIMIT: no PID is larger.
+PID_MAX = 1 << 22
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
@@ -102,6 +104,12 @@ def _read_prefix(path: str, limit: int) -> bytes:
         raise ProcessGone(f"{path}: {exc.strerror or exc}") from exc
     finally:
         os.close(fd)
+
+
+def is_pid(text: str) -> bool:
+    """Whether ``text`` is a PID written out: ASCII digits (``str.isdigit`` also passes "²",
+    which ``int`` refuses), 1 to :data:`PID_MAX`."""
+    return text.isascii() and text.isdigit() and 0 < int(text) <= PID_MAX
 
 
 class ProcFS:

@@ -35,7 +35,7 @@ class LazyProfiling:
 
             # Physical GPUs only: CUPTI refuses MIG devices (docs/gpu-readings.md).
             self._sampler = CuptiPmSampler([s.gpu for s in self._devices.sample_devices()
-                                            if not s.gpu.uuid.startswith("MIG-")],
+                                            if not s.gpu.is_mig],
                                            interval_s=self._interval_s)
         return self._sampler.sample_profiling()
 

@@ -28,6 +28,7 @@ from mrc_agent.agent.core.hw.base import (
     ProfilingSample,
     SourceUnavailable,
 )
+from mrc_agent.agent.core.hw.procfs import is_pid
 
 #: Trace field -> (sample kind, attribute, kind of value). Kinds of value: "ratio" (0-1),
 #: "counter" (cumulative, non-decreasing), "gauge" (any non-negative number).
@@ -76,8 +77,6 @@ MAX_GPUS = 1024
 MAX_LABEL_CHARS = 256
 #: Entries of one record's ``processes`` (NVML lists the tens of processes of a busy GPU).
 MAX_PROCESSES = 1024
-#: Linux's PID_MAX_LIMIT: no PID is larger.
-_PID_MAX = 1 << 22
 
 
 class ReplayFormatError(ValueError):
@@ -181,7 +180,7 @@ def _processes(value: Any, where: str) -> dict[int, float]:
                                 f"{MAX_PROCESSES} \"PID\": bytes entries")
     out: dict[int, float] = {}
     for pid, used in value.items():
-        if not (pid.isascii() and pid.isdigit()) or not 0 < int(pid) <= _PID_MAX:
+        if not is_pid(pid):
             raise ReplayFormatError(f"{where}: 'processes' key {pid[:20]!r} is not a PID")
         if not _number(used) or used < 0:
             raise ReplayFormatError(f"{where}: 'processes' value for {pid} must be a number "

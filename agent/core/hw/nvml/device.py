@@ -16,7 +16,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from mrc_agent.agent.core.hw.base import DeviceSample, finite, ratio
+from mrc_agent.agent.core.hw.base import DeviceSample, finite, ratio_of_percent
 from mrc_agent.agent.core.hw.nvml.events import XidEvents
 from mrc_agent.agent.core.hw.nvml.nvlink import NvlinkCounters
 from mrc_agent.agent.core.hw.nvml.pcie import PcieCounters, PcieReader
@@ -26,7 +26,6 @@ from mrc_agent.agent.core.hw.nvml.units import (
     megahertz_to_hertz,
     milliwatts_to_watts,
     nvml_timestamp_to_monotonic,
-    percent_to_ratio,
 )
 
 log = logging.getLogger(__name__)
@@ -87,8 +86,8 @@ class DeviceReader:
 
         util = optional(lib, gpu, "utilization", lambda: lib.nvmlDeviceGetUtilizationRates(h))
         if util is not None:
-            s.gpu_util = ratio(percent_to_ratio(util.gpu))
-            s.mem_util = ratio(percent_to_ratio(util.memory))
+            s.gpu_util = ratio_of_percent(util.gpu)
+            s.mem_util = ratio_of_percent(util.memory)
         s.util_samples = self._util_samples(lib, gpu, s)
 
         s.mem_used_bytes, s.mem_total_bytes = self._memory(lib, gpu)
@@ -217,7 +216,7 @@ class DeviceReader:
             if stamp <= last:
                 continue  # the buffer may repeat the boundary sample
             newest = max(newest, stamp)
-            value = ratio(percent_to_ratio(union_value(lib, value_type, sample.sampleValue)))
+            value = ratio_of_percent(union_value(lib, value_type, sample.sampleValue))
             if clock_name is None or value is None:
                 continue
             when = nvml_timestamp_to_monotonic(stamp, mono_now=mono_now, wall_now=nows[clock_name])

@@ -27,9 +27,9 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from mrc_agent.agent.core.hw.base import GpmSample
+from mrc_agent.agent.core.hw.base import GpmSample, ratio_of_percent
 from mrc_agent.agent.core.hw.nvml.session import Gpu, Memo, quietly, unsupported_codes
-from mrc_agent.agent.core.hw.nvml.units import gpm_mib_per_s_to_bytes_per_s, percent_to_ratio
+from mrc_agent.agent.core.hw.nvml.units import gpm_mib_per_s_to_bytes_per_s
 
 log = logging.getLogger(__name__)
 
@@ -39,20 +39,16 @@ DEFAULT_GPM_INTERVAL_S = 1.0
 MIN_GPM_INTERVAL_S = 0.2
 
 
-def _ratio(percent: float) -> float:
-    return min(1.0, max(0.0, percent_to_ratio(percent)))
-
-
 def _rate(mib_per_s: float) -> float:
     return max(0.0, gpm_mib_per_s_to_bytes_per_s(mib_per_s))
 
 
 #: GPM metric id attribute name in pynvml -> GpmSample attribute, and the converter applied.
-_GPM_METRICS: tuple[tuple[str, str, Callable[[float], float]], ...] = (
-    ("NVML_GPM_METRIC_SM_UTIL", "sm_util", _ratio),
-    ("NVML_GPM_METRIC_SM_OCCUPANCY", "sm_occupancy", _ratio),
-    ("NVML_GPM_METRIC_ANY_TENSOR_UTIL", "tensor_util", _ratio),
-    ("NVML_GPM_METRIC_DRAM_BW_UTIL", "dram_bw_util", _ratio),
+_GPM_METRICS: tuple[tuple[str, str, Callable[[float], float | None]], ...] = (
+    ("NVML_GPM_METRIC_SM_UTIL", "sm_util", ratio_of_percent),
+    ("NVML_GPM_METRIC_SM_OCCUPANCY", "sm_occupancy", ratio_of_percent),
+    ("NVML_GPM_METRIC_ANY_TENSOR_UTIL", "tensor_util", ratio_of_percent),
+    ("NVML_GPM_METRIC_DRAM_BW_UTIL", "dram_bw_util", ratio_of_percent),
     ("NVML_GPM_METRIC_PCIE_TX_PER_SEC", "pcie_tx_bytes_per_second", _rate),
     ("NVML_GPM_METRIC_PCIE_RX_PER_SEC", "pcie_rx_bytes_per_second", _rate),
     ("NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC", "nvlink_tx_bytes_per_second", _rate),

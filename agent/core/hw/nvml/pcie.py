@@ -288,13 +288,12 @@ class PcieCounters:
         self._memo = memo
         self._lock = threading.Lock()
         self._counts: dict[tuple[str, str], _Count] = {}
-        self._live: set[str] = set()
         self._absent: set[str] = set()
 
     def live(self, uuid: str) -> bool:
         """Whether this GPU's byte counters answered (the thread then skips it)."""
         with self._lock:
-            return uuid in self._live
+            return (uuid, "tx") in self._counts
 
     def absent(self, uuid: str) -> bool:
         """Whether this GPU is known to lack the byte counters."""
@@ -308,12 +307,13 @@ class PcieCounters:
 
         The rates are None on a GPU's first reading. None when the GPU has no byte counters.
         """
+        if self.absent(gpu.identity.uuid):
+            return None
         uuid = gpu.identity.uuid
         tx_id = getattr(lib, "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", None)
         rx_id = getattr(lib, "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", None)
-        if tx_id is None or rx_id is None or self.absent(uuid):
-            self._mark_absent(gpu, "this nvidia-ml-py has no PCIe byte-count fields"
-                              if tx_id is None or rx_id is None else "")
+        if tx_id is None or rx_id is None:
+            self._mark_absent(gpu, "this nvidia-ml-py has no PCIe byte-count fields")
             return None
         values = self._memo.optional(
             lib, gpu, "pcie_byte_counters",
@@ -336,7 +336,6 @@ class PcieCounters:
         if tx_id not in got or rx_id not in got:
             raise HardwareError(f"GPU {gpu.index}: NVML answered other fields than asked")
         with self._lock:
-            self._live.add(uuid)
             tx = self._advance(uuid, "tx", *got[tx_id], now)
             rx = self._advance(uuid, "rx", *got[rx_id], now)
         return tx[0], rx[0], tx[1], rx[1]
