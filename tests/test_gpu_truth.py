@@ -19,14 +19,14 @@ import pynvml
 import pytest
 
 from mrc_agent.agent.cli import main
-from mrc_agent.agent.core.hw.base import GPUIdentity
+from mrc_agent.agent.core.hw.base import DeviceSample, GPUIdentity
 from mrc_agent.agent.core.hw.cuda_driver import CudaDriver
 from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
 from mrc_agent.agent.tools import selfcheck
 from mrc_agent.agent.tools import selfcheck_compare as cmp
 from mrc_agent.agent.tools.selfcheck_dry import DryCupti, DryFaults, DryModel, DryWorkload
 from mrc_agent.agent.tools.selfcheck_dry_nvml import GPM_METRICS, LINKS, DryNvml
-from mrc_agent.agent.tools.selfcheck_phases import AgentReaders
+from mrc_agent.agent.tools.selfcheck_phases import AgentReaders, timestamp_check
 from mrc_agent.agent.tools.selfcheck_workload import WorkDone
 from tests.fakes.fake_cupti import FakeCupti, FakeDevice
 from tests.fakes.fake_pynvml import FakeNvml, gpu, nvlink
@@ -96,6 +96,26 @@ def test_timestamps_check() -> None:
     unordered = cmp.timestamps_check("t", [(100.5, [(100.3, 0.5), (100.1, 0.5)])], start)
     assert unordered.verdict == cmp.FAIL and "order" in unordered.note
     assert cmp.timestamps_check("t", [(100.5, [])], start).verdict == cmp.SKIP
+
+
+def test_a_sample_stamped_while_the_device_call_ran_is_not_in_the_future() -> None:
+    """NVML answers with samples up to the moment it is read, which is after the poll began:
+    the check holds them against when the call returned (a busy machine widens the gap)."""
+    now = [100.0]
+
+    class SlowDevice:
+        def sample_devices(self) -> list[DeviceSample]:
+            now[0] += 0.05  # the call takes 50 ms; NVML stamps a sample on the way
+            return [DeviceSample(GPUIdentity(0, "GPU-0", "H200"),
+                                 util_samples=[(now[0] - 0.01, 1.0)])]
+
+    readers = AgentReaders(SlowDevice(), None, None, gpm_interval=1.0, poll_s=0.1,  # type: ignore[arg-type]
+                           clock=lambda: now[0])
+    for _ in range(3):
+        readers.poll()
+    assert all(p.devices_returned == p.t + 0.05 for p in readers.polls)
+    check = timestamp_check(readers, 0, 99.0, after=1)
+    assert check.verdict == cmp.PASS, check.note
 
 
 def test_window_values_median_and_delta() -> None:

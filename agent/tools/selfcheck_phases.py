@@ -40,9 +40,12 @@ GPU_UTIL_SETTLE_S = 1.2
 @dataclass
 class Poll:
     """One reading of every source at monotonic time ``t``; ``gpm`` is None when GPM was not
-    due. Sources that failed are missing (their error is kept by :class:`AgentReaders`)."""
+    due. Sources that failed are missing (their error is kept by :class:`AgentReaders`).
+    ``devices_returned`` is when the device call returned: its utilisation samples may be
+    as new as that, not only as ``t``."""
 
     t: float
+    devices_returned: float = 0.0
     devices: dict[int, DeviceSample] = field(default_factory=dict)
     gpm: dict[int, GpmSample] | None = None
     profiling: dict[int, ProfilingSample] = field(default_factory=dict)
@@ -96,6 +99,7 @@ class AgentReaders:
         p = Poll(now)
         got = self._call("device", self.device.sample_devices)
         p.devices = {s.gpu.index: s for s in got or ()}
+        p.devices_returned = self.clock()
         if self.gpm_source is not None and now >= self._next_gpm:
             self._next_gpm = now + self._gpm_every
             gpm = self._call("gpm", self.gpm_source.sample_gpm)
@@ -312,7 +316,7 @@ def timestamp_check(readers: AgentReaders, gpu: int, start: float,
     for p in readers.polls[after:]:
         s = p.devices.get(gpu)
         if s is not None:
-            calls.append((p.t, list(s.util_samples)))
+            calls.append((p.devices_returned, list(s.util_samples)))
     check = cmp.timestamps_check("nvml.util_samples_time", calls, start)
     if check.verdict == cmp.SKIP and readers.note("device"):
         check.note += f" ({readers.note('device')})"
