@@ -441,14 +441,68 @@ def test_a_target_listed_by_its_namespace_pid_gets_its_memory_under_the_agents_p
     assert ctx.gpus_of_pid == {4100: {GPUS[0]}}
 
 
-def test_without_a_decision_every_gpu_is_reported() -> None:
-    """The gpu collector off (or failed this pass): gpm and profiling report every GPU."""
-    source = Source()
+def test_with_the_gpu_collector_off_gpm_and_profiling_decide_from_the_environment() -> None:
+    """No gpu collector: the first collector with GPUs decides from the targets' environments
+    (no process lists), so a pod's agent still skips its neighbours' GPUs."""
+    ctx = SampleContext(now=1.0, wall=1.0, targets=[Target(10, "pid")])
+    ctx.processes[10] = TargetState(10, "python3", view=TargetView(10, environ={NV: UUIDS[1]}))
+    gpm = GpmCollector(Source()).update(ctx)
+    assert _uuids([(n, labels) for n, labels, _ in gpm]) == {UUIDS[1]}
+    prof = ProfilingCollector(Source()).update(ctx)
+    assert _uuids([(n, labels) for n, labels, _ in prof]) == {UUIDS[1]}
+    assert gpu_collector.attribution_samples(ctx) == [
+        ("mrc_agent_watched_gpus", ("targets",), 1.0),
+        ("mrc_agent_gpu_attribution_info", GPUS[1].labels + ("environ",), {})]
+
+
+def test_with_the_gpu_collector_off_and_no_target_information_every_gpu_is_reported() -> None:
     ctx = SampleContext(now=1.0, wall=1.0, targets=[])
+    assert len(GpmCollector(Source()).update(ctx)) == 2
+    assert len(ProfilingCollector(Source()).update(ctx)) == 2
+    assert ctx.attribution is not None and ctx.attribution.mode == "unknown"
+
+
+class FailingDevices(Source):
+    """Device state that fails from its second call on; GPM keeps answering."""
+
+    def __init__(self, processes: Mapping[int, Mapping[int, float]]) -> None:
+        super().__init__(processes)
+        self.calls = 0
+
+    def sample_devices(self) -> list[DeviceSample]:
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError("NVML_ERROR_UNKNOWN")
+        return super().sample_devices()
+
+
+def test_a_failed_gpu_pass_keeps_the_last_decision_for_gpm_and_profiling() -> None:
+    """The target is only on GPU 0's process list (its environment says nothing): a failed
+    device pass must not widen gpm and profiling to the neighbour's GPU 1."""
+    source = FailingDevices({0: {10: 1e9}})
+    collector = GpuCollector(source)
+    for expected_gpu_series in (True, False):
+        ctx = SampleContext(now=1.0, wall=1.0, targets=[Target(10, "pid")])
+        ctx.processes[10] = TargetState(10, "python3", view=TargetView(10, environ={}))
+        if expected_gpu_series:
+            assert _uuids([(n, ls) for n, ls, _ in collector.update(ctx)]) == {UUIDS[0]}
+        else:
+            with pytest.raises(RuntimeError):
+                collector.update(ctx)
+        series = GpmCollector(source).update(ctx) + ProfilingCollector(source).update(ctx)
+        assert _uuids([(n, ls) for n, ls, _ in series]) == {UUIDS[0]}
+        assert ctx.attribution is not None and set(ctx.attribution.gpus) == {GPUS[0]}
+
+
+def test_a_gpu_collector_failing_from_its_first_pass_leaves_the_environment_decision() -> None:
+    source = FailingDevices({})
+    source.calls = 1
+    ctx = SampleContext(now=1.0, wall=1.0, targets=[Target(10, "pid")])
+    ctx.processes[10] = TargetState(10, "python3", view=TargetView(10, environ={NV: "0"}))
+    with pytest.raises(RuntimeError):
+        GpuCollector(source).update(ctx)
     assert ctx.attribution is None
-    assert len(GpmCollector(source).update(ctx)) == 2
-    assert len(ProfilingCollector(source).update(ctx)) == 2
-    assert gpu_collector.attribution_samples(ctx) == []
+    assert _uuids([(n, ls) for n, ls, _ in GpmCollector(source).update(ctx)]) == {UUIDS[0]}
 
 
 def test_the_default_gpu_collector_attributes() -> None:

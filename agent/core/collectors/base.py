@@ -17,8 +17,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
+from mrc_agent.agent.core import attribution as attribution_rule
 from mrc_agent.agent.core.attribution import MODE_TARGETS, Attribution, TargetView
-from mrc_agent.agent.core.hw.base import GPUIdentity, SourceUnavailable
+from mrc_agent.agent.core.hw.base import DeviceSample, GPUIdentity, SourceUnavailable
 from mrc_agent.agent.core.hw.sources import Sources
 from mrc_agent.agent.core.sample import Sample
 from mrc_agent.agent.core.targets import Target
@@ -60,13 +61,30 @@ class SampleContext:
     succeeded: dict[str, bool] = field(default_factory=dict)
     #: Filled by the profiling collector: (reason, detail) of its source, "ok" when it works.
     profiling_status: tuple[str, str] = ("not_requested", "")
-    #: Filled by the gpu collector: the GPUs reported this pass (agent.core.attribution).
+    #: The GPUs reported this pass (agent.core.attribution): the gpu collector's decision
+    #: (its last one when it failed this pass), or :meth:`decide_gpus`'s.
     attribution: Attribution | None = None
 
-    def watches(self, gpu: GPUIdentity) -> bool:
-        """Whether ``gpu``'s series are reported this pass. Every GPU is while nothing has
-        decided (the gpu collector is off, or failed this pass)."""
-        return self.attribution is None or self.attribution.watches(gpu)
+    def target_views(self) -> list[TargetView]:
+        """Each target's view, as the process collector read it (an empty one where it did
+        not: the collector is off, or the target went this pass)."""
+        out = []
+        for t in self.targets:
+            state = self.processes.get(t.pid)
+            view = state.view if state is not None else None
+            out.append(view or TargetView(t.pid, why="not read (process collector off or "
+                                                     "target gone)"))
+        return out
+
+    def decide_gpus(self, setting: str, gpus: Sequence[GPUIdentity]) -> Attribution:
+        """This pass's decision. Where the gpu collector made none (it is off, or failed
+        before it ever decided) the first collector with GPUs makes it from the targets'
+        environments and ``gpus`` alone: without NVML's process lists, but never every GPU
+        of the node while a target says which are its own."""
+        if self.attribution is None:
+            self.attribution = attribution_rule.decide(
+                setting, self.target_views(), [DeviceSample(gpu=g) for g in gpus])
+        return self.attribution
 
 
 class Collector(Protocol):

@@ -4,6 +4,7 @@ are unavailable (an activity ratio, not an instruction count)."""
 
 from __future__ import annotations
 
+from mrc_agent.agent.core.attribution import MODE_TARGETS
 from mrc_agent.agent.core.collectors.base import (
     GPU,
     BuildContext,
@@ -63,13 +64,16 @@ MIN_DRAM_UTIL_FOR_PROXY = 0.01
 class GpmCollector:
     name = NAME
 
-    def __init__(self, source: GpmSource | None) -> None:
+    def __init__(self, source: GpmSource | None, gpus: str = MODE_TARGETS) -> None:
         self._source = source
+        self._gpus = gpus
 
     def update(self, ctx: SampleContext) -> list[Sample]:
         out: list[Sample] = []
-        for s in require(self._source).sample_gpm():
-            if not ctx.watches(s.gpu):
+        samples = require(self._source).sample_gpm()
+        att = ctx.decide_gpus(self._gpus, [s.gpu for s in samples])
+        for s in samples:
+            if not att.watches(s.gpu):
                 continue  # not a GPU of this pod's targets (agent.core.attribution)
             labels = s.gpu.labels
             out.extend(field_samples(s, _GPM_FIELDS, labels))
@@ -80,7 +84,7 @@ class GpmCollector:
 
 
 def _build(ctx: BuildContext) -> GpmCollector:
-    return GpmCollector(ctx.sources.gpm)
+    return GpmCollector(ctx.sources.gpm, ctx.gpus)
 
 
 DEFINITION = CollectorDef(

@@ -8,13 +8,14 @@ derived collector.
 
 It also decides which GPUs are reported this pass (:mod:`agent.core.attribution`: by default
 the GPUs the targets can use), leaves that decision in the context for the gpm and profiling
-collectors, and skips the other GPUs; :func:`attribution_samples` exports the decision.
+collectors (its last one when it fails), and skips the other GPUs; :func:`attribution_samples`
+exports the decision.
 """
 
 from __future__ import annotations
 
 from mrc_agent.agent.core import attribution
-from mrc_agent.agent.core.attribution import MODE_TARGETS, TargetView
+from mrc_agent.agent.core.attribution import MODE_TARGETS, Attribution
 from mrc_agent.agent.core.collectors.base import (
     GPU,
     PROC,
@@ -117,12 +118,20 @@ class GpuCollector:
     def __init__(self, source: DeviceSource | None, gpus: str = MODE_TARGETS) -> None:
         self._source = source
         self._gpus = gpus
+        self._last: Attribution | None = None
 
     def update(self, ctx: SampleContext) -> list[Sample]:
         out: list[Sample] = []
         names = {pid: st.process for pid, st in ctx.processes.items()}
-        samples = require(self._source).sample_devices()
-        att = ctx.attribution = attribution.decide(self._gpus, _views(ctx), samples)
+        try:
+            samples = require(self._source).sample_devices()
+        except Exception:
+            # A failed pass keeps the last decision: gpm and profiling go on reporting this
+            # pod's GPUs, not for one pass every GPU of the node.
+            ctx.attribution = self._last
+            raise
+        att = ctx.attribution = self._last = attribution.decide(
+            self._gpus, ctx.target_views(), samples)
         for s in samples:
             if not att.watches(s.gpu):
                 continue  # another pod's GPU
@@ -153,21 +162,10 @@ class GpuCollector:
         return out
 
 
-def _views(ctx: SampleContext) -> list[TargetView]:
-    """Each target's view, as the process collector read it (an empty one where it did not:
-    the collector is off, or the target went this pass)."""
-    out = []
-    for t in ctx.targets:
-        state = ctx.processes.get(t.pid)
-        view = state.view if state is not None else None
-        out.append(view or TargetView(t.pid, why="not read (process collector off or target "
-                                                 "gone)"))
-    return out
-
 
 def attribution_samples(ctx: SampleContext) -> list[Sample]:
-    """Pass finisher: which GPUs this pass reported and why (none when the gpu collector did
-    not decide: off, or failed)."""
+    """Pass finisher: which GPUs this pass reported and why (none when no collector with GPUs
+    ran: every one off, or failed before it ever decided)."""
     return attribution.samples(ctx.attribution) if ctx.attribution is not None else []
 
 

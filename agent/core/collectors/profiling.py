@@ -8,6 +8,7 @@ activity quotient off as an instruction count.
 
 from __future__ import annotations
 
+from mrc_agent.agent.core.attribution import MODE_TARGETS
 from mrc_agent.agent.core.collectors.base import (
     GPU,
     BuildContext,
@@ -60,8 +61,9 @@ class ProfilingCollector:
 
     name = NAME
 
-    def __init__(self, source: ProfilingSource | None) -> None:
+    def __init__(self, source: ProfilingSource | None, gpus: str = MODE_TARGETS) -> None:
         self._source = source
+        self._gpus = gpus
         self.status: tuple[str, str] = ("not_requested", "")
 
     def update(self, ctx: SampleContext) -> list[Sample]:
@@ -74,8 +76,9 @@ class ProfilingCollector:
             ctx.profiling_status = self.status
         self.status = ctx.profiling_status = ("ok", "")
         out: list[Sample] = []
+        att = ctx.decide_gpus(self._gpus, [s.gpu for s in samples])
         for s in samples:
-            if ctx.watches(s.gpu):  # only this pod's targets' GPUs (agent.core.attribution)
+            if att.watches(s.gpu):  # only this pod's targets' GPUs (agent.core.attribution)
                 out.extend(field_samples(s, _FIELDS, s.gpu.labels))
                 out.extend(_metrics_info(s))
         return out
@@ -101,7 +104,7 @@ def compute_memory_source(ctx: SampleContext) -> list[Sample]:
 
 
 def _build(ctx: BuildContext) -> ProfilingCollector:
-    return ProfilingCollector(ctx.sources.profiling)
+    return ProfilingCollector(ctx.sources.profiling, ctx.gpus)
 
 
 DEFINITION = CollectorDef(
