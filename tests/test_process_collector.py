@@ -10,9 +10,12 @@ itself says just before and just after each pass, and kept files answer fresh an
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
+from mrc_agent.agent.core import targets
 from mrc_agent.agent.core.collectors.base import SampleContext
 from mrc_agent.agent.core.collectors.process import ProcessCollector
 from mrc_agent.agent.core.hw.procfs import CLK_TCK, ProcessGone, ProcFS
@@ -168,6 +171,28 @@ def test_pidfile_follows_a_restarted_service(procs: Procs, tmp_path) -> None:
     assert [t.pid for t in resolver.resolve()] == [second.pid]
     pidfile.write_text("garbage")
     assert resolver.resolve() == []  # unreadable at run time: no target, no crash
+
+
+def test_process_name_regex_follows_an_entrypoint_that_execs_the_server(tmp_path) -> None:
+    """A real ``sh entrypoint.sh`` that sets up for a while, then execs the server under the
+    same PID: found within one refresh of the exec, as the same PID."""
+    marker = f"mrc-exec-marker-{os.getpid()}"
+    entry = tmp_path / "entrypoint.sh"
+    entry.write_text(f"sleep 1\nexec {sys.executable} -c 'import time; time.sleep(30)' "
+                     f"{marker}\n")
+    shell = subprocess.Popen(["sh", str(entry)])
+    try:
+        resolver = TargetResolver(process_name=marker)
+        assert resolver.resolve() == []  # still the shell
+        deadline = time.monotonic() + 1 + targets.REFRESH_S + 5
+        found: list[int] = []
+        while not found and time.monotonic() < deadline:
+            found = [t.pid for t in resolver.resolve()]
+            time.sleep(0.1)
+        assert found == [shell.pid]
+    finally:
+        shell.kill()
+        shell.wait()
 
 
 def test_process_name_regex_finds_each_match_but_not_itself(procs: Procs) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from mrc_agent.agent.core import targets
 from mrc_agent.agent.core.collectors import process as process_collector
 from mrc_agent.agent.core.collectors.base import SampleContext
 from mrc_agent.agent.core.collectors.process import ProcessCollector, ratio
@@ -336,6 +337,119 @@ def test_matched_process_stays_a_target_while_a_zombie(tmp_path: Path) -> None:
     for moment, want in (("t0", [700]), ("t1", [700]), ("t2", [])):
         root.become(moment)
         assert sorted(t.pid for t in resolver.resolve()) == want, moment
+
+
+class CmdlineTree:
+    """A /proc of command lines only, that a test rewrites (exec keeps the PID), and a count of
+    the command-line reads."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.reads = 0
+        self.fs = ProcFS(root=str(path))
+        real = self.fs.cmdline
+
+        def counted(pid: int) -> str:
+            self.reads += 1
+            return real(pid)
+
+        self.fs.cmdline = counted  # type: ignore[method-assign]
+
+    def set(self, pid: int, argv: str) -> None:
+        (self.path / str(pid)).mkdir(parents=True, exist_ok=True)
+        (self.path / str(pid) / "cmdline").write_bytes(argv.replace(" ", "\0").encode())
+
+    def remove(self, pid: int) -> None:
+        shutil.rmtree(self.path / str(pid))
+
+
+def _resolver(tree: CmdlineTree, now: list[float], regex: str = "serve") -> TargetResolver:
+    return TargetResolver(process_name=regex, procfs=tree.fs, self_pid=0, clock=lambda: now[0])
+
+
+def test_a_child_read_before_its_exec_is_matched_after_the_exec(tmp_path: Path) -> None:
+    """fork, then exec: a pass between the two reads the parent's command line in the child.
+    The child is matched from the first re-read on, one FIRST_RECHECK_S later."""
+    tree, now = CmdlineTree(tmp_path), [0.0]
+    resolver = _resolver(tree, now)
+    tree.set(500, "python3 -m pytest tests")  # forked, not yet exec'd
+    assert resolver.resolve() == []
+    tree.set(500, "python3 -m mrc.serve --port 8000")  # the exec
+    for t in (0.1, 0.5, 0.9):
+        now[0] = t
+        assert resolver.resolve() == [], t  # cached until its re-read
+    now[0] = targets.FIRST_RECHECK_S
+    assert resolver.resolve() == [Target(500, "process_name")]
+
+
+def test_an_entrypoint_that_execs_the_server_minutes_later_is_found(tmp_path: Path) -> None:
+    tree, now = CmdlineTree(tmp_path), [0.0]
+    resolver = _resolver(tree, now)
+    tree.set(600, "/bin/sh /entrypoint.sh")
+    t = 0.0
+    while t < 300:  # five minutes of setup at 10 Hz
+        now[0] = t
+        assert resolver.resolve() == []
+        t += 0.1
+    tree.set(600, "python3 -m mrc.serve")
+    exec_at, found_at = t, None
+    while found_at is None and t < exec_at + 10:
+        now[0] = t
+        if resolver.resolve():
+            found_at = t
+        t += 0.1
+    assert found_at is not None and found_at - exec_at <= targets.REFRESH_S + 0.1
+    # Five minutes cost one read, one re-read and one every REFRESH_S, not 3,000 reads.
+    assert tree.reads <= 2 + 300 / targets.REFRESH_S + 1
+
+
+def test_a_matched_process_that_execs_something_else_is_dropped(tmp_path: Path) -> None:
+    tree, now = CmdlineTree(tmp_path), [0.0]
+    resolver = _resolver(tree, now)
+    tree.set(700, "python3 -m mrc.serve")
+    assert resolver.resolve() == [Target(700, "process_name")]
+    tree.set(700, "/usr/bin/sleep 600")
+    now[0] = targets.FIRST_RECHECK_S
+    assert resolver.resolve() == []
+
+
+def test_a_re_read_of_an_empty_command_line_keeps_the_target(tmp_path: Path) -> None:
+    """A zombie (or a process mid-exec) reads as empty: it stays what it was."""
+    tree, now = CmdlineTree(tmp_path), [0.0]
+    resolver = _resolver(tree, now)
+    tree.set(800, "python3 -m mrc.serve")
+    assert resolver.resolve() == [Target(800, "process_name")]
+    (tmp_path / "800" / "cmdline").write_bytes(b"")
+    for t in (1.0, 10.0, 20.0):
+        now[0] = t
+        assert resolver.resolve() == [Target(800, "process_name")], t
+    tree.remove(800)
+    now[0] = 21.0
+    assert resolver.resolve() == []
+
+
+def test_re_reads_of_many_processes_are_spread_over_passes(tmp_path: Path) -> None:
+    """1,000 processes at 10 Hz: after the first re-read, no pass re-reads more than a few
+    percent of them (all 1,000 in one pass every REFRESH_S would be a latency spike)."""
+    tree, now = CmdlineTree(tmp_path), [0.0]
+    resolver = _resolver(tree, now)
+    for pid in range(1000, 2000):
+        tree.set(pid, f"worker {pid}")
+    resolver.resolve()
+    assert tree.reads == 1000
+    per_pass = []
+    for k in range(1, 300):  # 30 s
+        now[0] = k / 10
+        before = tree.reads
+        resolver.resolve()
+        per_pass.append(tree.reads - before)
+    first_recheck = int(targets.FIRST_RECHECK_S * 10) - 1
+    assert per_pass[first_recheck] == 1000
+    later = per_pass[first_recheck + 1:]
+    even = 1000 * 0.1 / targets.REFRESH_S  # 20 a pass
+    assert max(later) <= 1.5 * even, max(later)
+    # Every process is re-read once every REFRESH_S.
+    assert abs(sum(later) - 1000 * 28.9 / targets.REFRESH_S) <= 1000
 
 
 def test_fixture_sums_hold() -> None:

@@ -2,15 +2,28 @@
 
 Targets come from explicit PIDs, a pidfile (re-read every interval, so a restarted service that
 rewrites it is followed) and a command-line regex (re-matched every interval, so a restarted
-service is picked up; every match is its own target). Only the command lines of PIDs not seen
-before are read, which keeps discovery cheap at 10 Hz.
+service is picked up; every match is its own target). Discovery runs at up to 10 Hz, so a
+command line is cached per PID; since ``exec`` keeps the PID and changes the command line, the
+cache is re-read on a schedule:
+
+* a PID's command line is read again :data:`FIRST_RECHECK_S` after it was first read, which
+  catches a service started by fork and exec (``subprocess``, a supervisor) whose child the
+  agent read before the exec, with the parent's command line;
+* then once every :data:`REFRESH_S`, at a phase fixed per PID (so a node's processes are not
+  all re-read in one pass), which catches an entrypoint script that runs ``exec`` on the
+  server minutes later, and a matched process that execs something else.
+
+An empty command line on a re-read (a zombie, a process mid-exec) keeps the cached one.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mrc_agent.agent.core.files import describe, read_bounded
@@ -29,6 +42,21 @@ class Target:
 
 class PidfileError(Exception):
     """The pidfile cannot be read or does not hold a PID."""
+
+
+#: Seconds after a PID's first read at which its command line is read again (the fork-exec
+#: window is milliseconds; one busy interval or a few are covered).
+FIRST_RECHECK_S = 1.0
+#: Mean seconds between later re-reads of a cached command line.
+REFRESH_S = 5.0
+
+
+def next_refresh(pid: int, now: float) -> float:
+    """When ``pid``'s command line is next re-read after ``now``: once every
+    :data:`REFRESH_S`, at a phase of that period fixed per PID (golden-ratio spread), so the
+    re-reads of many processes fall evenly on different passes whenever they were first seen."""
+    phase = (pid * 0.6180339887) % 1.0
+    return (math.floor(now / REFRESH_S + phase) + 1 - phase) * REFRESH_S
 
 
 #: A pidfile's first line is a PID; more than this is not read.
@@ -59,6 +87,7 @@ class TargetResolver:
         process_name: str | None = None,
         procfs: ProcFS | None = None,
         self_pid: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._pids = list(dict.fromkeys(pids or []))
         self._pidfile = pidfile
@@ -66,7 +95,9 @@ class TargetResolver:
         self._procfs = procfs or ProcFS()
         # The agent's own command line contains the regex: never match ourselves.
         self._self_pid = os.getpid() if self_pid is None else self_pid
-        self._cmdlines: dict[int, str] = {}
+        self._clock = clock
+        #: PID -> (command line, monotonic time of its next re-read).
+        self._cmdlines: dict[int, tuple[str, float]] = {}
         self._pidfile_error: str | None = None
 
     @property
@@ -99,21 +130,40 @@ class TargetResolver:
         live_set = set(live)
         for gone in [p for p in self._cmdlines if p not in live_set]:
             del self._cmdlines[gone]
+        now = self._clock()
         matches = []
         for pid in live:
             if pid == self._self_pid:
                 continue
-            cmd = self._cmdlines.get(pid)
-            if cmd is None:
-                try:
-                    cmd = self._procfs.cmdline(pid)
-                except ProcessGone:
+            cached = self._cmdlines.get(pid)
+            if cached is None or now >= cached[1]:
+                cmd = self._read_cmdline(pid, cached, now)
+                if cmd is None:
                     continue
-                if not cmd:
-                    # Kernel threads have an empty cmdline; a process being exec'd may too:
-                    # do not cache it so it is read again next interval.
-                    continue
-                self._cmdlines[pid] = cmd
+            else:
+                cmd = cached[0]
             if self._regex.search(cmd):
                 matches.append(pid)
         return matches
+
+    def _read_cmdline(self, pid: int, cached: tuple[str, float] | None,
+                      now: float) -> str | None:
+        """Read (or re-read) ``pid``'s command line into the cache; None when it has none
+        yet and none is cached."""
+        try:
+            cmd = self._procfs.cmdline(pid)
+        except ProcessGone:
+            return None
+        if cached is None:
+            if not cmd:
+                # Kernel threads have an empty cmdline; a process being exec'd may too:
+                # do not cache it so it is read again next interval.
+                return None
+            self._cmdlines[pid] = (cmd, now + FIRST_RECHECK_S)
+            return cmd
+        if not cmd:
+            cmd = cached[0]  # a zombie or mid-exec: keep what it was
+        elif cmd != cached[0]:
+            log.debug("pid %d has a new command line (exec): %.200s", pid, cmd)
+        self._cmdlines[pid] = (cmd, next_refresh(pid, now))
+        return cmd
