@@ -271,7 +271,8 @@ class AgentConfig:
         help="file holding the target PID, re-read every interval")
     process_name: str | None = setting(
         parse=_text, check=_check_regex, commands=_AGENT, metavar="REGEX",
-        help="regex matched against command lines every interval; every match is a target")
+        help="regex matched against command lines every interval; every match is a target "
+             "(a process that execs into a match is found within 5 s)")
     listen: str = setting(
         DEFAULT_LISTEN, parse=_text, check=_check_listen, commands=(RUN,), metavar="HOST:PORT",
         help="address to serve on: HOST:PORT, :PORT or [::1]:PORT")
