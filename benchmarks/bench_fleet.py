@@ -54,15 +54,39 @@ RULES = REPO / "alerts" / "generated" / "mrc-rules.yaml"
 NVLINK_LINK = "mrc_gpu_nvlink_link_(tx|rx)_bytes_total"
 
 
+def _agent_exposition(gpus: int) -> str:
+    """The agent's exposition for a pod given every GPU of an H200 node of ``gpus`` GPUs.
+
+    The agent reports its targets' GPUs only (docs/attribution.md), so the watched process is
+    a child started with ``NVIDIA_VISIBLE_DEVICES=all`` in its environment, as the device plugin
+    sets it for such a pod; this process's own environment says nothing, and the agent would
+    report GPU 0 alone (the GPU whose process list names the target)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.test_series_budget import _nvml_exposition
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                             env={**os.environ, "NVIDIA_VISIBLE_DEVICES": "all"})
+    try:
+        text = _nvml_exposition(gpus, child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    reported = {s.labels["uuid"] for f in text_string_to_metric_families(text)
+                if f.name == "mrc_gpu_utilization_ratio" for s in f.samples}
+    if len(reported) != gpus:
+        raise SystemExit(f"bench_fleet: the agent reported {len(reported)} of {gpus} GPUs")
+    return text
+
+
 def _expositions(cells: int) -> dict[str, bytes]:
     """name -> exposition: agent-1gpu, agent-8gpu, service (9 or 4 cells)."""
     from prometheus_client import generate_latest
     from prometheus_client.registry import CollectorRegistry
 
     from mrc_agent.exporters.instrumentation import MRCMetrics
-    from tests.test_series_budget import _nvml_exposition
 
-    out = {f"agent-{g}gpu": _nvml_exposition(g, os.getpid()).encode() for g in (1, 8)}
+    out = {f"agent-{g}gpu": _agent_exposition(g).encode() for g in (1, 8)}
     registry = CollectorRegistry()
     kwargs: dict[str, Any] = {}
     if cells == 4:
