@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from mrc_agent.agent.tools.diagnose.pyspy import explain_failure, find_py_spy
-from mrc_agent.agent.tools.diagnose.sampling import runnable
+from mrc_agent.agent.tools.diagnose.sampling import cpu_ticks, runnable, steal_ratio
 from mrc_agent.agent.tools.diagnose.stacks import image_share, parse_collapsed, top_functions
 from mrc_agent.agent.tools.diagnose.verdict import Rules, analyse_cpu, decide
 from tests.conftest import BUSY, IDLE, REPO, Procs
@@ -321,13 +321,38 @@ def test_py_spy_errors_become_reasons() -> None:
     assert explain_failure(1, "Error: something else\nmore").reason == "failed"
 
 
+def test_cpu_the_hypervisor_stole_counts_as_the_threads(tmp_path: Path) -> None:
+    """A thread on a CPU all the window, 15 % of it stolen by the hypervisor: the kernel's
+    clocks give it 0.85 s of 1 s and no queueing, under the 0.9 line; the node's steal share
+    (from /proc/stat) puts it back at 1.0. Steal is never corrected beyond half the window."""
+    (tmp_path / "stat").write_text("cpu  1000 0 100 500 0 0 0 100 0 0\ncpu0 1 2 3 4\n")
+    before = cpu_ticks(str(tmp_path))
+    (tmp_path / "stat").write_text("cpu  1850 0 100 500 0 0 0 250 0 0\n")
+    after = cpu_ticks(str(tmp_path))
+    assert before == [1000, 0, 100, 500, 0, 0, 0, 100]
+    steal = steal_ratio(before, after)
+    assert steal == pytest.approx(0.15)
+    sched0, sched1 = {1: (0, 0)}, {1: (850_000_000, 0)}
+    plain = runnable(sched0, sched1, 1.0)
+    assert plain is not None and not analyse_cpu([], 7, 0.9, plain)["hot"]
+    run = runnable(sched0, sched1, 1.0, steal)
+    assert run == pytest.approx({"runnable_ratio": 1.0, "on_cpu_ratio": 1.0,
+                                 "waiting_ratio": 0.0, "steal_ratio": 0.15})
+    cpu = analyse_cpu([], 7, 0.9, run)
+    assert cpu["hot"] and cpu["node_steal_ratio"] == 0.15
+    half = runnable(sched0, {1: (400_000_000, 0)}, 1.0, 0.8)
+    assert half is not None and half["on_cpu_ratio"] == pytest.approx(0.8)
+    assert steal_ratio([], after) == 0.0 and steal_ratio(before, before) == 0.0
+    assert cpu_ticks(str(tmp_path / "missing")) == []
+
+
 def test_a_thread_waiting_for_a_cpu_still_counts_as_hot() -> None:
     # Thread 1: 0.4 s on a CPU and 0.58 s on the run queue in 1 s; thread 2 born in the window.
     before = {1: (10_000_000_000, 5_000_000_000)}
     after = {1: (10_400_000_000, 5_580_000_000), 2: (100_000_000, 0)}
     run = runnable(before, after, 1.0)
     assert run == pytest.approx({"runnable_ratio": 0.98, "on_cpu_ratio": 0.4,
-                                 "waiting_ratio": 0.58})
+                                 "waiting_ratio": 0.58, "steal_ratio": 0.0})
     assert runnable(before, {}, 1.0) is None
     assert run is not None
     assert analyse_cpu([], 7, 0.9, run)["hot"]

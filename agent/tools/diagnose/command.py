@@ -23,7 +23,13 @@ from mrc_agent.agent.core.runner import Runner
 from mrc_agent.agent.core.sample import Snapshot, first
 from mrc_agent.agent.core.targets import TargetResolver
 from mrc_agent.agent.tools.diagnose.pyspy import PY_SPY_RATE, PySpy, PySpyError, find_py_spy
-from mrc_agent.agent.tools.diagnose.sampling import IdleWindows, _Watched, runnable
+from mrc_agent.agent.tools.diagnose.sampling import (
+    IdleWindows,
+    _Watched,
+    cpu_ticks,
+    runnable,
+    steal_ratio,
+)
 from mrc_agent.agent.tools.diagnose.stacks import (
     image_share,
     parse_collapsed,
@@ -98,6 +104,7 @@ def diagnose(
                         TargetResolver([pid]), interval)
         spy = PySpy(exe, pid, paths["flamegraph"], paths["stacks"], duration)
         sched_before, sched_t0 = ProcFS().thread_schedstat(pid), time.monotonic()
+        ticks_before = cpu_ticks()
         snaps: list[Snapshot] = []
         try:
             tick = start
@@ -118,7 +125,8 @@ def diagnose(
             sched_after = ProcFS().thread_schedstat(pid)
         except ProcessGone:  # it exited in the window
             sched_after = {}
-        hottest_runnable = runnable(sched_before, sched_after, time.monotonic() - sched_t0)
+        hottest_runnable = runnable(sched_before, sched_after, time.monotonic() - sched_t0,
+                                    steal_ratio(ticks_before, cpu_ticks()))
         spy.stop()
     finally:
         sources.close()

@@ -88,14 +88,45 @@ class Borrowed:
         return out
 
 
+#: Above this share of stolen CPU the correction below would mostly be guesswork.
+MAX_STEAL_CORRECTION = 0.5
+
+
+def cpu_ticks(root: str = "/proc") -> list[int]:
+    """The node's CPU time counters (the first line of ``/proc/stat``: user, nice, system,
+    idle, iowait, irq, softirq, steal, ...), in ticks; empty when unreadable."""
+    try:
+        with open(f"{root}/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return []
+    return [int(v) for v in fields[1:9]] if fields[:1] == ["cpu"] and len(fields) >= 9 else []
+
+
+def steal_ratio(before: list[int], after: list[int]) -> float:
+    """The share of the node's CPU time the hypervisor took (``steal``) between two
+    :func:`cpu_ticks` readings; 0 when either is missing."""
+    if len(before) < 8 or len(after) < 8:
+        return 0.0
+    deltas = [max(b - a, 0) for a, b in zip(before, after, strict=True)]
+    total = sum(deltas)
+    return deltas[7] / total if total else 0.0
+
+
 def runnable(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]],
-             seconds: float) -> dict[str, float] | None:
+             seconds: float, steal: float = 0.0) -> dict[str, float] | None:
     """The hottest thread's share of the window spent running or ready to run.
 
     User CPU alone undercounts a thread on a node short of CPU: it wants a whole core but is
     granted less. Time on the run queue is demand too, so a thread runnable ~100 % of the
     window is CPU-bound whatever the node gave it. A thread born in the window counts from
-    zero."""
+    zero.
+
+    On a virtual machine the hypervisor also takes CPU (``steal``): while its vCPU is taken,
+    a running thread is neither on a CPU nor queued by the kernel's clocks, so its on-CPU time
+    is scaled by ``1 / (1 - steal)``, the node's stolen share over the window (at most
+    :data:`MAX_STEAL_CORRECTION`), as if it had run where it was running; ``steal_ratio`` says
+    how much was corrected."""
     if not after or seconds <= 0:
         return None
     best = (0.0, 0.0)
@@ -104,7 +135,10 @@ def runnable(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int
         d_cpu, d_wait = max(cpu - cpu0, 0) / 1e9, max(wait - wait0, 0) / 1e9
         if d_cpu + d_wait > sum(best):
             best = (d_cpu, d_wait)
-    return {"runnable_ratio": min((best[0] + best[1]) / seconds, 1.0),
-            "on_cpu_ratio": min(best[0] / seconds, 1.0),
-            "waiting_ratio": min(best[1] / seconds, 1.0)}
+    steal = min(max(steal, 0.0), MAX_STEAL_CORRECTION)
+    on_cpu = best[0] / (1.0 - steal)
+    return {"runnable_ratio": min((on_cpu + best[1]) / seconds, 1.0),
+            "on_cpu_ratio": min(on_cpu / seconds, 1.0),
+            "waiting_ratio": min(best[1] / seconds, 1.0),
+            "steal_ratio": steal}
 

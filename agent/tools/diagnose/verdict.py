@@ -227,6 +227,7 @@ def analyse_cpu(snaps: Sequence[Snapshot], pid: int, threshold: float,
             "system_ratio_mean": _r(_mean(system)), "hottest_thread_user_ratio_mean": _r(h),
             "hottest_thread_runnable_ratio": _r(run.get("runnable_ratio")),
             "hottest_thread_waiting_ratio": _r(run.get("waiting_ratio")),
+            "node_steal_ratio": _r(run.get("steal_ratio")),
             "threshold": threshold, "hot": hot, "windows": len(user)}
 
 
