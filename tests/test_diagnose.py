@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from mrc_agent.agent.core.hw.procfs import ProcFS
 from mrc_agent.agent.tools.diagnose.pyspy import explain_failure, find_py_spy
-from mrc_agent.agent.tools.diagnose.sampling import cpu_ticks, runnable, steal_ratio
+from mrc_agent.agent.tools.diagnose.sampling import runnable, steal_ratio
 from mrc_agent.agent.tools.diagnose.stacks import image_share, parse_collapsed, top_functions
 from mrc_agent.agent.tools.diagnose.verdict import Rules, analyse_cpu, decide
 from tests.conftest import BUSY, IDLE, REPO, Procs
@@ -326,9 +327,9 @@ def test_cpu_the_hypervisor_stole_counts_as_the_threads(tmp_path: Path) -> None:
     clocks give it 0.85 s of 1 s and no queueing, under the 0.9 line; the node's steal share
     (from /proc/stat) puts it back at 1.0. Steal is never corrected beyond half the window."""
     (tmp_path / "stat").write_text("cpu  1000 0 100 500 0 0 0 100 0 0\ncpu0 1 2 3 4\n")
-    before = cpu_ticks(str(tmp_path))
+    before = ProcFS(root=str(tmp_path)).cpu_ticks()
     (tmp_path / "stat").write_text("cpu  1850 0 100 500 0 0 0 250 0 0\n")
-    after = cpu_ticks(str(tmp_path))
+    after = ProcFS(root=str(tmp_path)).cpu_ticks()
     assert before == [1000, 0, 100, 500, 0, 0, 0, 100]
     steal = steal_ratio(before, after)
     assert steal == pytest.approx(0.15)
@@ -343,7 +344,7 @@ def test_cpu_the_hypervisor_stole_counts_as_the_threads(tmp_path: Path) -> None:
     half = runnable(sched0, {1: (400_000_000, 0)}, 1.0, 0.8)
     assert half is not None and half["on_cpu_ratio"] == pytest.approx(0.8)
     assert steal_ratio([], after) == 0.0 and steal_ratio(before, before) == 0.0
-    assert cpu_ticks(str(tmp_path / "missing")) == []
+    assert ProcFS(root=str(tmp_path / "missing")).cpu_ticks() == []
 
 
 def test_a_thread_waiting_for_a_cpu_still_counts_as_hot() -> None:

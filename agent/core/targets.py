@@ -47,7 +47,7 @@ class PidfileError(Exception):
 #: Seconds after a PID's first read at which its command line is read again (the fork-exec
 #: window is milliseconds; one busy interval or a few are covered).
 FIRST_RECHECK_S = 1.0
-#: Mean seconds between later re-reads of a cached command line.
+#: Seconds between later re-reads of a cached command line.
 REFRESH_S = 5.0
 
 

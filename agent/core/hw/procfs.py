@@ -261,3 +261,12 @@ class ProcFS:
             if line.startswith(b"btime"):
                 return float(line.split()[1])
         raise ProcessGone(f"{self.root}/stat: no btime")
+
+    def cpu_ticks(self) -> list[int]:
+        """The node's CPU time counters from ``/proc/stat``'s first line (user, nice, system,
+        idle, iowait, irq, softirq, steal), in ticks; empty when unreadable."""
+        try:
+            fields = _read(f"{self.root}/stat").split(b"\n", 1)[0].split()
+        except ProcessGone:
+            return []
+        return [int(v) for v in fields[1:9]] if fields[:1] == [b"cpu"] and len(fields) >= 9 else []

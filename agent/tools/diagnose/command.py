@@ -26,7 +26,6 @@ from mrc_agent.agent.tools.diagnose.pyspy import PY_SPY_RATE, PySpy, PySpyError,
 from mrc_agent.agent.tools.diagnose.sampling import (
     IdleWindows,
     _Watched,
-    cpu_ticks,
     runnable,
     steal_ratio,
 )
@@ -103,8 +102,9 @@ def diagnose(
         runner = Runner([*watched, *(_Watched(c) for c in extra), *tail, idle],
                         TargetResolver([pid]), interval)
         spy = PySpy(exe, pid, paths["flamegraph"], paths["stacks"], duration)
-        sched_before, sched_t0 = ProcFS().thread_schedstat(pid), time.monotonic()
-        ticks_before = cpu_ticks()
+        node = ProcFS()
+        sched_before, sched_t0 = node.thread_schedstat(pid), time.monotonic()
+        ticks_before = node.cpu_ticks()
         snaps: list[Snapshot] = []
         try:
             tick = start
@@ -122,11 +122,11 @@ def diagnose(
             spy.kill()
             raise
         try:
-            sched_after = ProcFS().thread_schedstat(pid)
+            sched_after = node.thread_schedstat(pid)
         except ProcessGone:  # it exited in the window
             sched_after = {}
         hottest_runnable = runnable(sched_before, sched_after, time.monotonic() - sched_t0,
-                                    steal_ratio(ticks_before, cpu_ticks()))
+                                    steal_ratio(ticks_before, node.cpu_ticks()))
         spy.stop()
     finally:
         sources.close()

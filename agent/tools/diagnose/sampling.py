@@ -92,20 +92,9 @@ class Borrowed:
 MAX_STEAL_CORRECTION = 0.5
 
 
-def cpu_ticks(root: str = "/proc") -> list[int]:
-    """The node's CPU time counters (the first line of ``/proc/stat``: user, nice, system,
-    idle, iowait, irq, softirq, steal, ...), in ticks; empty when unreadable."""
-    try:
-        with open(f"{root}/stat", encoding="ascii") as f:
-            fields = f.readline().split()
-    except OSError:
-        return []
-    return [int(v) for v in fields[1:9]] if fields[:1] == ["cpu"] and len(fields) >= 9 else []
-
-
 def steal_ratio(before: list[int], after: list[int]) -> float:
     """The share of the node's CPU time the hypervisor took (``steal``) between two
-    :func:`cpu_ticks` readings; 0 when either is missing."""
+    :meth:`~agent.core.hw.procfs.ProcFS.cpu_ticks` readings; 0 when either is missing."""
     if len(before) < 8 or len(after) < 8:
         return 0.0
     deltas = [max(b - a, 0) for a, b in zip(before, after, strict=True)]
