@@ -640,3 +640,21 @@ def test_config_from_args_puts_overrides_over_flags_over_the_file(monkeypatch,
     cfg = config_from_args(args, interval=0.5, log_level=None)
     assert (cfg.interval, cfg.log_level, cfg.capture_max_count) == (0.5, "error", 7)
     assert config_from_args(argparse.Namespace()).interval == 1.0
+
+
+def test_pids_and_counts_have_a_ceiling() -> None:
+    with pytest.raises(ValueError, match="^PIDs are at most 4194304$"):
+        c._pids([1, 4194305], None)
+    with pytest.raises(ValueError, match="too large"):
+        c._whole(1 << 70, None)
+
+
+def test_shown_values_are_cut_and_bounded_in_work() -> None:
+    assert c.shown("x" * 10) == "'xxxxxxxxxx'"
+    assert len(c.shown("x" * 100_000)) <= c.SHOWN_CHARS
+    nested: list[object] = ["lol"] * 9
+    for _ in range(30):  # 9 ** 30 items if walked
+        nested = [nested] * 9
+    assert len(c.shown(nested)) <= c.SHOWN_CHARS
+    assert c.shown(1 << 20_000) == "<an integer of 20001 bits>"
+    assert c.clipped("y" * 1000, 10) == "yyyyyyy..."

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from mrc_agent.agent.cli import main as cli_main
-from mrc_agent.agent.core.config import ConfigError, load, parse_listen
+from mrc_agent.agent.core.config import SETTINGS, ConfigError, load, parse_listen
 from mrc_agent.agent.core.files import FileRefused, read_bounded
 from mrc_agent.agent.core.hw.replay import MAX_TRACE_BYTES, ReplayFormatError, load_trace
 from mrc_agent.agent.core.runner import Runner
@@ -277,3 +277,185 @@ def test_webhook_with_odd_pid_labels_ignores_them(api: CaptureAPI, pid: str) -> 
 def test_webhook_nested_deeply_gets_400(api: CaptureAPI) -> None:
     status, body = _post(api, b"[" * 100_000 + b"]" * 100_000)
     assert status == 400 and "nested too deeply" in json.dumps(body)
+
+
+# -- settings given no value --------------------------------------------------------------------
+
+FILE_SETTINGS = [s.name for s in SETTINGS.values() if not s.env_only]
+
+
+@pytest.mark.parametrize("key", FILE_SETTINGS)
+def test_a_setting_given_no_value_is_one_clear_line(tmp_path: Path, key: str) -> None:
+    for empty in ("", " null", " ~", " Null"):
+        path = _config(tmp_path, f"{key.replace('_', '-')}:{empty}\n".encode())
+        with pytest.raises(ConfigError) as err:
+            load({}, env={}, config_path=path)
+        assert str(err.value) == (f"config file {path}: {key} has no value (give one, or "
+                                  "leave the key out for the default)"), empty
+
+
+@pytest.mark.parametrize("key", ["log_level", "listen", "gpu_backend", "capture_dir"])
+def test_cli_exits_2_on_a_setting_given_no_value(tmp_path: Path, key: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    path = _config(tmp_path, f"{key}:\n".encode())
+    assert cli_main(["run", "--config", path]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{key} has no value" in err, err
+
+
+# -- alias bombs and long values ----------------------------------------------------------------
+
+def _bomb(levels: int = 9, width: int = 9) -> str:
+    """A "billion laughs" YAML flow sequence: ``width ** levels`` items, a few hundred bytes."""
+    items = ['&a0 [' + ", ".join(['"lol"'] * width) + "]"]
+    for i in range(1, levels):
+        items.append(f"&a{i} [" + ", ".join([f"*a{i - 1}"] * width) + "]")
+    return "[" + ", ".join(items) + "]"
+
+
+#: Reads one file under a 512 MiB address-space limit (the interpreter and the modules take
+#: some 40 MiB) and prints the ConfigError: an alias expanded into a message dies here of
+#: MemoryError instead of taking the machine's memory.
+_BOUNDED = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (512 << 20, 512 << 20))
+from mrc_agent.agent.core.config import ConfigError, load
+from mrc_agent.agent.core.webconfig import load_web_config
+try:
+    load({}, env={}, config_path=sys.argv[2]) if sys.argv[1] == "agent" \\
+        else load_web_config(sys.argv[2])
+except ConfigError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.parametrize(("kind", "text"), [
+    ("agent", f"listen: {_bomb()}\n"),
+    ("agent", f"interval: {_bomb()}\n"),
+    ("agent", f"collectors: {_bomb()}\n"),
+    ("agent", f"pids: {_bomb()}\n"),
+    ("web", f"tls_server_config:\n  cert_file: {_bomb()}\n"),
+    ("web", f"basic_auth_users: {{alice: {_bomb()}}}\n"),
+    ("web", f"http_server_config:\n  headers: {{X-Frame-Options: {_bomb()}}}\n"),
+], ids=["listen", "interval", "collectors", "pids", "cert_file", "basic_auth_users",
+        "headers"])
+def test_a_yaml_alias_bomb_is_refused_without_expanding(tmp_path: Path, kind: str,
+                                                        text: str) -> None:
+    import subprocess
+    import sys
+
+    path = _config(tmp_path, text.encode())
+    assert len(text) < 600
+    r = subprocess.run([sys.executable, "-c", _BOUNDED, kind, path], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-2000:]
+    line = r.stdout.strip()
+    assert "\n" not in line and len(line) < 300, line[:2000]
+    assert "anchors and aliases are not allowed" in line and f"{path}:" in line, line
+
+
+def test_an_anchor_alone_and_a_merge_key_are_refused_too(tmp_path: Path) -> None:
+    for text in (b"listen: &l 127.0.0.1:1\n", b"base: &b {interval: 2}\n<<: *b\n"):
+        with pytest.raises(ConfigError, match="anchors and aliases are not allowed"):
+            load({}, env={}, config_path=_config(tmp_path, text))
+
+
+@pytest.mark.parametrize("text", [
+    "listen: " + "x" * 100_000,
+    "interval: " + "x" * 100_000,
+    "gpu_backend: " + "x" * 100_000,
+    "log_level: " + "x" * 100_000,
+    "process_name: '(" + "x" * 100_000 + "'",
+    "collectors: " + "x" * 100_000,
+    "collectors: {gpu: " + "x" * 100_000 + "}",
+    "x" * 100_000 + ": 1",
+    "pids: [" + ", ".join(["[1]"] * 20_000) + "]",
+    "interval: 1" + "0" * 5000,
+    "interval: 0b" + "1" * 20_000,
+    "capture_max_count: 0b" + "1" * 20_000,
+    "pids: 0b" + "1" * 20_000,
+    "0b" + "1" * 20_000 + ": 1",
+    "capture_retention: 2024-13-45",
+], ids=["listen", "interval", "gpu_backend", "log_level", "process_name", "collectors",
+        "collector-switch", "key", "pids-nested", "interval-long-decimal", "interval-long-binary",
+        "count-long-binary", "pids-long-binary", "key-long-binary", "no-date"])
+def test_a_long_value_is_shown_cut_in_the_message(tmp_path: Path, text: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load({}, env={}, config_path=_config(tmp_path, text.encode()))
+    message = str(err.value)
+    assert "\n" not in message and len(message) < 400 + len(str(tmp_path)), message[:1000]
+
+
+@pytest.mark.parametrize("text", [
+    "tls_server_config:\n  cert_file: [" + ", ".join(["x"] * 30_000) + "]\n",
+    "tls_server_config:\n  cert_file: c\n  key_file: k\n  min_version: " + "x" * 100_000 + "\n",
+    "tls_server_config:\n  client_auth_type: " + "x" * 100_000 + "\n",
+    "tls_server_config:\n  cert_file: c\n  key_file: k\n  prefer_server_cipher_suites: "
+    + "x" * 100_000 + "\n",
+    "http_server_config:\n  headers: {" + "x" * 100_000 + ": 1}\n",
+    "http_server_config:\n  headers: {X-Frame-Options: " + "x" * 100_000 + "}\n",
+    "basic_auth_users: {" + "x" * 100_000 + ": nope}\n",
+    "basic_auth_users: {1" + "0" * 100_000 + ": nope}\n",
+    "x" * 100_000 + ": 1\n",
+    "0b" + "1" * 20_000 + ": 1\n",
+], ids=["cert_file", "min_version", "client_auth_type", "prefer_server_cipher_suites",
+        "header-name", "header-value", "user", "user-number", "key", "key-long-binary"])
+def test_a_long_web_config_value_is_shown_cut_in_the_message(tmp_path: Path,
+                                                             text: str) -> None:
+    from mrc_agent.agent.core.webconfig import load_web_config
+
+    with pytest.raises(ConfigError) as err:
+        load_web_config(_config(tmp_path, text.encode()))
+    message = str(err.value)
+    assert "\n" not in message and len(message) < 400 + len(str(tmp_path)), message[:1000]
+
+
+# -- SIGHUP -------------------------------------------------------------------------------------
+
+def test_a_failed_reload_keeps_the_running_configuration(tmp_path: Path,
+                                                         agent_factory: type) -> None:
+    """Nulls and alias bombs in either file on SIGHUP: one line each, the agent serves on with
+    what it ran with. Its address space is bounded so that an expansion fails in it, not in the
+    machine."""
+    import resource
+    import signal
+    import time
+
+    config, web = tmp_path / "agent.yaml", tmp_path / "web.yaml"
+    config.write_text("log_level: info\n")
+    web.write_text("")
+    agent = agent_factory("--gpu-backend", "none", "--config", str(config),
+                          "--web-config-file", str(web))
+    status = Path(f"/proc/{agent.proc.pid}/status").read_text()
+    vm = int(status.split("VmSize:")[1].split()[0]) << 10
+    resource.prlimit(agent.proc.pid, resource.RLIMIT_AS, (vm + (512 << 20), vm + (512 << 20)))
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(agent.proc.stderr.readline, "")),
+                              daemon=True)
+    reader.start()
+
+    def refused() -> int:
+        return sum("configuration not reloaded, keeping the running one" in x for x in lines)
+
+    cases = [("log_level:\n", ""), ("listen: ~\n", ""), ("gpu_backend: null\n", ""),
+             (f"listen: {_bomb()}\n", ""),
+             ("log_level: info\n", f"tls_server_config:\n  cert_file: {_bomb()}\n")]
+    for n, (text, web_text) in enumerate(cases, 1):
+        config.write_text(text)
+        web.write_text(web_text)
+        agent.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while refused() < n and agent.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert agent.proc.poll() is None, "".join(lines)[-3000:]
+        assert refused() == n, "".join(lines)[-3000:]
+        r = httpx.get(agent.url + "/metrics", timeout=10)
+        assert r.status_code == 200 and "mrc_agent_samples_total" in r.text
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.proc.wait(10) == 0
+    reader.join(10)
+    log = "".join(lines)
+    assert "Traceback" not in log, log[-3000:]
+    for line in log.splitlines():
+        assert len(line) < 600, line[:1000]
+    assert "has no value" in log and "anchors and aliases are not allowed" in log

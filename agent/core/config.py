@@ -8,6 +8,15 @@ is one edit here.
 
 Precedence is config file < environment < command-line flags. Every problem becomes a
 :class:`ConfigError` with one line of text; ``agent/cli.py`` turns it into exit code 2.
+
+The config file and the web configuration file are read as plain data only, and not as all of
+YAML: anchors and aliases (``&a``/``*a``, merge keys) are refused, because a few hundred bytes
+of nested aliases ("billion laughs") stand for billions of items once anything walks the value
+— an error message showing it, a ``str()`` of a list. A key given no value (``listen:`` or
+``listen: null``) is refused too rather than read as the default: a template that rendered
+nothing, or a value lost in an edit, should be seen, as a wrong value is (Prometheus and
+exporter-toolkit refuse a null where they want a string). Leaving the key out is how to ask
+for the default. Every value shown in an error is cut to :data:`SHOWN_CHARS`.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import reprlib
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -56,6 +66,40 @@ CAPTURES_GROUP = "on-alert captures (off unless a webhook token is given)"
 
 class ConfigError(Exception):
     """A bad flag, environment variable or config file entry."""
+
+
+#: Characters of a value an error message shows at most: enough to recognise it, and no more
+#: of a megabyte-long value (or a nested one) than one line of a terminal.
+SHOWN_CHARS = 80
+
+
+class _ShortRepr(reprlib.Repr):
+    """``reprlib``'s bounded repr, which also survives an integer too long for ``str()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother, self.maxlong = 3, SHOWN_CHARS, SHOWN_CHARS, 40
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 5
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 128:
+            return f"<an integer of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+_SHORT = _ShortRepr()
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)`` for an error message, at most ``limit`` characters; the work is bounded
+    too (a nested value is walked only a few levels and items deep)."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def clipped(text: str, limit: int = 2 * SHOWN_CHARS) -> str:
+    """``text`` (an exception's message, which may quote a value) cut to ``limit`` characters."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -125,12 +169,22 @@ def _float(value: Any, _cfg: Any) -> float:
     return float(value)
 
 
+#: Whole-number settings are counts; past this a number is a mistake (and YAML's ``0b``/``0x``
+#: forms can write one too long for ``str()``).
+MAX_WHOLE = 1 << 62
+#: Linux's PID_MAX_LIMIT: no PID is larger.
+MAX_PID = 1 << 22
+
+
 def _whole(value: Any, _cfg: Any) -> int:
     if isinstance(value, bool):
         raise TypeError("expected a whole number")
     if isinstance(value, float) and not value.is_integer():
         raise ValueError("expected a whole number")
-    return int(value)
+    number = int(value)
+    if abs(number) > MAX_WHOLE:
+        raise ValueError("too large")
+    return number
 
 
 def _bytes(value: Any, _cfg: Any) -> int:
@@ -149,6 +203,8 @@ def _pids(value: Any, _cfg: Any) -> list[int]:
     pids = [_whole(v, None) if not isinstance(v, str) else int(v) for v in value]
     if any(p <= 0 for p in pids):
         raise ValueError("PIDs are positive")
+    if any(p > MAX_PID for p in pids):
+        raise ValueError(f"PIDs are at most {MAX_PID}")
     return pids
 
 
@@ -165,11 +221,11 @@ def _switch(value: Any, name: object) -> bool:
         return True
     if text in _FALSE:
         return False
-    raise ConfigError(f"collector {name!r}: {value!r} is not true or false")
+    raise ConfigError(f"collector {shown(name)}: {shown(value)} is not true or false")
 
 
 def _unknown_collector(name: object) -> ConfigError:
-    return ConfigError(f"unknown collector {name!r} (known: {', '.join(COLLECTOR_NAMES)})")
+    return ConfigError(f"unknown collector {shown(name)} (known: {', '.join(COLLECTOR_NAMES)})")
 
 
 def _collectors(value: Any, cfg: Any) -> dict[str, bool]:
@@ -226,23 +282,24 @@ def _check_regex(value: str | None, _name: str) -> None:
     try:
         re.compile(value)
     except re.error as exc:
-        raise ConfigError(f"process-name regex {value!r} does not compile: {exc}") from exc
+        raise ConfigError(f"process-name regex {shown(value)} does not compile: "
+                          f"{clipped(str(exc))}") from exc
 
 
 def _check_backend(value: str, _name: str) -> None:
     if value not in ("auto", "nvml", "none") and not (
             value.startswith("replay:") and len(value) > len("replay:")):
-        raise ConfigError(f"gpu-backend {value!r} is not one of {GPU_BACKENDS}")
+        raise ConfigError(f"gpu-backend {shown(value)} is not one of {GPU_BACKENDS}")
 
 
 def _check_gpus(value: str, _name: str) -> None:
     if value not in GPU_MODES:
-        raise ConfigError(f"gpus {value!r} is not {' or '.join(GPU_MODES)}")
+        raise ConfigError(f"gpus {shown(value)} is not {' or '.join(GPU_MODES)}")
 
 
 def _check_log_level(value: str, _name: str) -> None:
     if value.lower() not in ("debug", "info", "warning", "error"):
-        raise ConfigError(f"log-level {value!r} is not debug, info, warning or error")
+        raise ConfigError(f"log-level {shown(value)} is not debug, info, warning or error")
 
 
 def _check_token(value: str | None, _name: str) -> None:
@@ -407,11 +464,11 @@ def parse_listen(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     # ASCII digits only: str.isdigit() also passes "²", which int() refuses.
     if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"listen address {value!r} is not HOST:PORT")
+        raise ConfigError(f"listen address {shown(value)} is not HOST:PORT")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     if "[" in host or "]" in host:
-        raise ConfigError(f"listen address {value!r} is not HOST:PORT")
+        raise ConfigError(f"listen address {shown(value)} is not HOST:PORT")
     return (host or "0.0.0.0", int(port))
 
 
@@ -440,22 +497,49 @@ def apply(cfg: AgentConfig, values: Mapping[str, Any], origin: str) -> None:
     for key, value in values.items():
         spec = SETTINGS.get(key)
         if spec is None:
-            raise ConfigError(f"{origin}: unknown setting {key!r}")
+            raise ConfigError(f"{origin}: unknown setting {shown(key)}")
         try:
             parsed = spec.parse(value, cfg)
         except ConfigError as exc:
             raise ConfigError(f"{origin}: {exc}") from exc
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{origin}: invalid value {value!r} for {key} ({exc})") from exc
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ConfigError(f"{origin}: invalid value {shown(value)} for {key} "
+                              f"({clipped(str(exc))})") from exc
         setattr(cfg, key, parsed)
 
 
+class YAMLRefused(yaml.MarkedYAMLError):
+    """Valid YAML that :class:`PlainLoader` does not take; its ``problem`` is shown."""
+
+
+class PlainLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` without anchors and aliases, whose values are constructed or refused
+    with a mark: an integer too long for Python, a date that is no date (``2024-13-45``)."""
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        event = self.peek_event()
+        # An alias event, or a node event carrying an anchor: refused before anything refers
+        # to anything, so no value here is ever shared, let alone shared a billion times.
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise YAMLRefused(None, None, "anchors and aliases are not allowed",
+                              event.start_mark)
+        return super().compose_node(parent, index)  # type: ignore[no-any-return]
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, OverflowError) as exc:
+            raise YAMLRefused(None, None, f"cannot read {shown(node.value)} "
+                              f"({clipped(str(exc), SHOWN_CHARS)})", node.start_mark) from exc
+
+
 def load_yaml_mapping(path: str, what: str, holds: str,
-                      loader: type[yaml.SafeLoader] = yaml.SafeLoader) -> dict[Any, Any]:
+                      loader: type[yaml.SafeLoader] = PlainLoader) -> dict[Any, Any]:
     """The mapping in the YAML file ``path`` (``{}`` when empty), plain data only: read bounded
-    and without blocking, UTF-8. Every failure is one :class:`ConfigError` line naming
-    ``what`` and ``path`` (the line, for a YAML error; the problem, for a key given twice to a
-    loader that refuses that); ``holds`` says what the mapping should have been."""
+    and without blocking, UTF-8, by :class:`PlainLoader` or a subclass. Every failure is one
+    :class:`ConfigError` line naming ``what`` and ``path`` (the line, for a YAML error; the
+    problem, for :class:`YAMLRefused` or a key given twice to a loader that refuses that);
+    ``holds`` says what the mapping should have been."""
     where = f"{what} {path}"
     try:
         text = read_bounded(path, MAX_CONFIG_BYTES, what).decode("utf-8")
@@ -469,8 +553,11 @@ def load_yaml_mapping(path: str, what: str, holds: str,
         mark = getattr(exc, "problem_mark", None)
         at = f":{mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None)
-        why = f": {problem}" if problem and "twice" in str(problem) else ""
+        why = (f": {clipped(str(problem))}" if problem and (
+            isinstance(exc, YAMLRefused) or "twice" in str(problem)) else "")
         raise ConfigError(f"{where}{at} is not valid YAML{why}") from exc
+    except (ValueError, OverflowError) as exc:  # a value a loader of another kind cannot build
+        raise ConfigError(f"{where} is not valid YAML: {clipped(str(exc))}") from exc
     except RecursionError as exc:
         raise ConfigError(f"{where} is nested too deeply") from exc
     if data is None:
@@ -482,12 +569,17 @@ def load_yaml_mapping(path: str, what: str, holds: str,
 
 def from_file(path: str) -> dict[str, Any]:
     data = load_yaml_mapping(path, "config file", "a mapping of settings")
-    out = {str(k).replace("-", "_"): v for k, v in data.items()}
-    for key in out:
+    # A key that is not text is no setting; shown() names it even where str() cannot (an
+    # integer too long to print).
+    out = {(k if isinstance(k, str) else shown(k)).replace("-", "_"): v for k, v in data.items()}
+    for key, value in out.items():
         spec = SETTINGS.get(key)
         if spec is not None and spec.env_only:
             raise ConfigError(f"config file {path}: do not put the {key.replace('_', ' ')} in "
                               f"the config file; use {spec.name}_file or {spec.env}")
+        if spec is not None and value is None:
+            raise ConfigError(f"config file {path}: {key} has no value (give one, or leave "
+                              "the key out for the default)")
     return out
 
 
@@ -502,7 +594,7 @@ def from_env(env: Mapping[str, str]) -> dict[str, Any]:
             continue
         key = by_env.get(name)
         if key is None:
-            raise ConfigError(f"environment: unknown setting {name}")
+            raise ConfigError(f"environment: unknown setting {clipped(name)}")
         out[key] = value
     return out
 

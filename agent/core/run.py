@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from mrc_agent.agent import __version__
-from mrc_agent.agent.core.config import AgentConfig, ConfigError
+from mrc_agent.agent.core.config import AgentConfig, ConfigError, clipped
 from mrc_agent.agent.core.runner import Runner
 from mrc_agent.agent.core.webconfig import WebConfig, load_web_config, reload_web_config
 from mrc_agent.agent.core.wiring import build_runner, build_server, make_sources
@@ -67,7 +67,7 @@ def run_agent(cfg: AgentConfig, routes_factory: RoutesFactory | None = None,
               reload: Reloader | None = None) -> int:
     """Run until SIGTERM or SIGINT, re-reading the configuration through ``reload`` on
     SIGHUP; bad input at start raises ConfigError (exit 2 in the CLI), at a reload it is
-    logged and the running configuration kept."""
+    logged in one line and the running configuration kept — whatever the reload raised."""
     from mrc_agent.agent.core.hw.replay import ReplayFormatError
     from mrc_agent.agent.core.targets import PidfileError, read_pidfile
 
@@ -128,6 +128,11 @@ def run_agent(cfg: AgentConfig, routes_factory: RoutesFactory | None = None,
         except ConfigError as exc:
             log.warning("received SIGHUP; configuration not reloaded, keeping the running "
                         "one: %s", exc)
+            continue
+        except Exception as exc:  # noqa: BLE001 - whatever a file holds, a reload never stops
+            # the agent (the docs promise the running configuration is kept); one line.
+            log.warning("received SIGHUP; configuration not reloaded, keeping the running "
+                        "one: %s: %s", type(exc).__name__, clipped(str(exc)))
             continue
         later = apply_reload(cfg, new, runner)
         web = _apply_web(server, web, new_web)

@@ -48,7 +48,7 @@ from typing import Any
 import bcrypt
 import yaml
 
-from mrc_agent.agent.core.config import ConfigError, load_yaml_mapping
+from mrc_agent.agent.core.config import ConfigError, PlainLoader, load_yaml_mapping, shown
 from mrc_agent.agent.core.files import describe, read_bounded
 
 log = logging.getLogger(__name__)
@@ -219,9 +219,10 @@ def reload_web_config(running: WebConfig, path: str | None) -> WebConfig:
 
 # -- reading -----------------------------------------------------------------------------------
 
-class _StrictLoader(yaml.SafeLoader):
-    """``yaml.safe_load`` that refuses a key given twice, as exporter-toolkit's strict
-    unmarshalling does (the last of two users of one name must not win silently)."""
+class _StrictLoader(PlainLoader):
+    """The config file's loader (plain data, no anchors or aliases) that also refuses a key
+    given twice, as exporter-toolkit's strict unmarshalling does (the last of two users of one
+    name must not win silently)."""
 
 
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
@@ -231,7 +232,7 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[An
         try:
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} given twice", key_node.start_mark)
+                    None, None, f"key {shown(key)} given twice", key_node.start_mark)
             seen.add(key)
         except TypeError:  # an unhashable key: construct_mapping says so
             break
@@ -246,13 +247,13 @@ def _keys(section: Mapping[Any, Any], known: tuple[str, ...], where: str, prefix
     for key, value in section.items():
         if key in known:
             continue
-        name = f"{prefix}{key}"
+        name = f"{prefix}{key if isinstance(key, str) else shown(key)}"
         if key in _UNSUPPORTED:
             if value in (None, "", [], {}):
                 continue  # set to nothing: means what leaving it out means
             raise ConfigError(f"{where}: {name} is not supported by mrc-agent "
                               f"({_UNSUPPORTED[key]})")
-        raise ConfigError(f"{where}: unknown key {name!r} (known: {', '.join(known)})")
+        raise ConfigError(f"{where}: unknown key {shown(name)} (known: {', '.join(known)})")
 
 
 def _section(data: Mapping[str, Any], name: str, where: str) -> dict[str, Any]:
@@ -269,7 +270,7 @@ def _string(section: Mapping[str, Any], key: str, where: str, prefix: str) -> st
     if value is None:
         return ""
     if not isinstance(value, str):
-        raise ConfigError(f"{where}: {prefix}{key} must be a string, not {value!r}")
+        raise ConfigError(f"{where}: {prefix}{key} must be a string, not {shown(value)}")
     return value
 
 
@@ -278,7 +279,8 @@ def _flag(section: Mapping[str, Any], key: str, default: bool, where: str, prefi
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise ConfigError(f"{where}: {prefix}{key} must be true or false, not {value!r}")
+        raise ConfigError(f"{where}: {prefix}{key} must be true or false, not "
+                          f"{shown(value)}")
     return value
 
 
@@ -331,7 +333,7 @@ def _tls_context(section: Mapping[str, Any], base: str,
         raise ConfigError(f"{where}: {prefix}key_file is missing")
     mode = CLIENT_AUTH.get(auth_name)
     if mode is None:
-        raise ConfigError(f"{where}: {prefix}client_auth_type {auth_name!r} is not one of "
+        raise ConfigError(f"{where}: {prefix}client_auth_type {shown(auth_name)} is not one of "
                           f"{', '.join(CLIENT_AUTH)}")
     if ca_file and ca_text:
         raise ConfigError(f"{where}: give {prefix}client_ca_file or client_ca, not both")
@@ -345,7 +347,7 @@ def _tls_context(section: Mapping[str, Any], base: str,
     for name, default in (("min_version", "TLS12"), ("max_version", "TLS13")):
         text = _string(section, name, where, prefix) or default
         if text not in TLS_VERSIONS:
-            raise ConfigError(f"{where}: {prefix}{name} {text!r} is not one of "
+            raise ConfigError(f"{where}: {prefix}{name} {shown(text)} is not one of "
                               f"{', '.join(TLS_VERSIONS)}")
         versions.append(TLS_VERSIONS[text])
     if versions[0] > versions[1]:
@@ -393,7 +395,7 @@ def _headers(section: Mapping[str, Any], where: str) -> dict[str, str]:
     out = {}
     for name, value in given.items():
         if name not in HEADERS:
-            raise ConfigError(f"{where}: header {name!r} cannot be set (exporter-toolkit lets "
+            raise ConfigError(f"{where}: header {shown(name)} cannot be set (exporter-toolkit lets "
                               f"a file set {', '.join(HEADERS)})")
         if value is None or value == "":
             continue  # "unset if blank"
@@ -401,7 +403,7 @@ def _headers(section: Mapping[str, Any], where: str) -> dict[str, str]:
             raise ConfigError(f"{where}: header {name} must be one line of ASCII text")
         allowed = HEADERS[name]
         if allowed is not None and value not in allowed:
-            raise ConfigError(f"{where}: header {name} {value!r} is not one of "
+            raise ConfigError(f"{where}: header {name} {shown(value)} is not one of "
                               f"{', '.join(allowed)}")
         out[name] = value
     return out
@@ -414,9 +416,10 @@ def _users(given: Any, where: str) -> dict[str, str]:
         raise ConfigError(f"{where}: basic_auth_users must map user names to bcrypt hashes")
     for user, hashed in given.items():
         if not isinstance(user, str):
-            raise ConfigError(f"{where}: basic_auth_users: user name {user!r} must be a string "
-                              "(quote it)")
+            raise ConfigError(f"{where}: basic_auth_users: user name {shown(user)} must be a "
+                              "string (quote it)")
         if not isinstance(hashed, str) or not _BCRYPT.fullmatch(hashed):
-            raise ConfigError(f"{where}: basic_auth_users: the password of {user!r} is not a "
-                              "bcrypt hash (make one with: htpasswd -nBC 10 \"\" | tr -d ':\\n')")
+            raise ConfigError(f"{where}: basic_auth_users: the password of {shown(user)} is "
+                              "not a bcrypt hash (make one with: htpasswd -nBC 10 \"\" | "
+                              "tr -d ':\\n')")
     return dict(given)
