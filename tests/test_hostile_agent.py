@@ -222,6 +222,10 @@ GOOD = '{"t": 0, "gpu": 0, "gpu_util": 0.5}'
     ('{"t": 0, "gpu": 1' + "0" * 400 + "}", "'gpu' must be an integer 0-1023"),
     ('{"t": 0, "gpu": 0, "uuid": "' + "U" * 300 + '"}', "at most 256 characters"),
     ('{"t": 0, "gpu": true}', "'gpu' must be an integer"),
+    # A lone surrogate is valid JSON but no text: every scrape would fail to encode it.
+    ('{"t": 0, "gpu": 0, "name": "H200 \\ud800"}', "'name' is not valid Unicode text"),
+    ('{"t": 0, "gpu": 1, "uuid": "GPU-\\udcff"}', "'uuid' is not valid Unicode text"),
+    ('{"t": 0, "gpu": 0, "processes": {"1' + "0" * 5000 + '": 1}}', "is not a PID"),
 ])
 def test_hostile_trace_lines_name_the_line(tmp_path: Path, line: str, message: str) -> None:
     path = _trace(tmp_path, [GOOD, line])
@@ -229,6 +233,28 @@ def test_hostile_trace_lines_name_the_line(tmp_path: Path, line: str, message: s
         load_trace(path)
     assert f"{path}:2: " in str(err.value) and message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_process_names_and_command_lines_from_proc_are_always_encodable(tmp_path: Path) -> None:
+    """The process label comes from /proc/PID/stat's comm and the target match from the
+    command line: bytes a process chooses, decoded with replacement (never surrogateescape),
+    so no lone surrogate can reach a label."""
+    from mrc_agent.agent.core.hw.procfs import ProcFS
+    from tests.test_procfs import stat_line
+
+    hostile = b"\xed\xa0\x80\xff\xfe(x) "  # a UTF-8-encoded surrogate, bytes no UTF-8 has
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "stat").write_bytes(stat_line(7, comm=hostile))
+    (tmp_path / "7" / "cmdline").write_bytes(b"python3\0" + hostile + b"\0")
+    (tmp_path / "7" / "environ").write_bytes(b"NVIDIA_VISIBLE_DEVICES=" + hostile + b"\0")
+    fs = ProcFS(root=str(tmp_path))
+    texts = [fs.stat(7).comm, fs.cmdline(7),
+             *fs.environ(7, ("NVIDIA_VISIBLE_DEVICES",)).values()]
+    assert len(texts) == 3
+    for text in texts:
+        assert "\ufffd" in text
+        text.encode("utf-8")  # raises on a lone surrogate
+    fs.close()
 
 
 def test_trace_larger_than_the_bound_is_refused_before_reading(tmp_path: Path) -> None:

@@ -94,6 +94,17 @@ class _GpuTrace:
     last_counter: dict[str, float] = field(default_factory=dict)
 
 
+def _text(value: str) -> bool:
+    """Whether ``value`` is Unicode text that encodes: JSON's ``\\ud800`` escapes decode to
+    lone surrogates, which pass every string check and then fail UTF-8 encoding in every
+    scrape that writes them as a label."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _number(value: Any) -> TypeGuard[float]:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return False
@@ -138,6 +149,10 @@ def load_trace(path: str) -> dict[int, _GpuTrace]:
         if len(uuid) > MAX_LABEL_CHARS or len(name) > MAX_LABEL_CHARS:
             raise ReplayFormatError(f"{where}: 'uuid' and 'name' must be at most "
                                     f"{MAX_LABEL_CHARS} characters (they become labels)")
+        for key, text in (("uuid", uuid), ("name", name)):
+            if not _text(text):
+                raise ReplayFormatError(f"{where}: {key!r} is not valid Unicode text (a lone "
+                                        "surrogate escape such as \\ud800)")
         trace = gpus.get(gpu)
         if trace is None:
             trace = gpus[gpu] = _GpuTrace(GPUIdentity(gpu, uuid, name))
@@ -180,7 +195,8 @@ def _processes(value: Any, where: str) -> dict[int, float]:
                                 f"{MAX_PROCESSES} \"PID\": bytes entries")
     out: dict[int, float] = {}
     for pid, used in value.items():
-        if not is_pid(pid):
+        # A PID has at most 7 digits; a longer key is not one (and too long for int()).
+        if len(pid) > 7 or not is_pid(pid):
             raise ReplayFormatError(f"{where}: 'processes' key {pid[:20]!r} is not a PID")
         if not _number(used) or used < 0:
             raise ReplayFormatError(f"{where}: 'processes' value for {pid} must be a number "
