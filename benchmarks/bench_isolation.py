@@ -309,8 +309,6 @@ async def _good(svc: str, agent: str, rate: float, duration: float, photo: bytes
     limits = httpx.Limits(max_connections=6, max_keepalive_connections=6)
     async with httpx.AsyncClient(timeout=60, limits=limits) as svc_client, \
             httpx.AsyncClient(timeout=10) as scraper:
-        # The scrapers' credentials pass once before the clock starts, as a scraper's do.
-        await scraper.get(agent + "/metrics", headers={"Authorization": _basic(USER, PASSWORD)})
         tasks: list[asyncio.Task[None]] = []
 
         async def service_stream() -> None:
@@ -484,6 +482,8 @@ def main() -> int:
                 stdout=agent_log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
             attacker = None
             try:
+                # With the scrapers' credentials: they pass once before the attack starts, as
+                # a scraper's do at its first scrape.
                 _wait(agent + "/readyz", "agent", 60, _basic(USER, PASSWORD))
                 if kind != "clean":
                     attacker = subprocess.Popen(
