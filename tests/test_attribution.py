@@ -561,3 +561,81 @@ def test_a_trace_replays_its_process_lists_as_nvml_would(tmp_path: Path) -> None
     assert backend.sample_devices()[0].process_memory_bytes == {41: 3e9, 42: 1.0}
     now[0] += 1.0  # the next loop: the first record again
     assert backend.sample_devices()[0].process_memory_bytes == {41: 2e9}
+
+
+# --- a hostile environment ---------------------------------------------------------------------
+# A target's environment is the target's to choose: 14,000 distinct tokens (110 KB, a legal
+# environment) cost 8 s of CPU per pass while duplicates were found by a list search. The work
+# is linear in the value and bounded by MAX_DEVICE_TOKENS.
+
+def _many(n: int) -> str:
+    return ",".join(f"GPU-{i:08x}" for i in range(n))
+
+
+def test_a_long_device_list_is_read_in_linear_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(att, "MAX_DEVICE_TOKENS", 1 << 20, raising=False)  # no cap: the work
+    n, calls = 14_000, 0
+    compare = att._Device.__eq__
+
+    def counted(self: object, other: object) -> bool:
+        nonlocal calls
+        calls += 1
+        # Quadratic de-duplication would make ~n^2/2 comparisons; stop long before.
+        assert calls <= 4 * n, "device comparisons grow faster than the list"
+        return compare(self, other)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(att._Device, "__eq__", counted)
+    devices = container_devices(f"{_many(n)},{UUIDS[1]},{_many(n)}", GPUS)
+    assert devices is not None and len(devices) == n + 1 and devices[0].gpu == GPUS[1]
+
+
+def test_uuid_prefixes_against_a_long_device_list_are_linear(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA_VISIBLE_DEVICES' prefixes against the container's devices: ten times the tokens
+    costs about ten times the CPU, not a hundred (a ratio, not a time: the machine is busy)."""
+    import time
+
+    monkeypatch.setattr(att, "MAX_DEVICE_TOKENS", 1 << 20, raising=False)
+
+    def cost(n: int) -> float:
+        environ = {NV: f"{UUIDS[0]},{_many(n)}", CUDA: _many(n)}
+        best = float("inf")
+        for _ in range(3):
+            started = time.process_time()
+            usable, _ = environ_gpus(environ, GPUS)
+            best = min(best, time.process_time() - started)
+        assert usable == set()  # the listed devices are nobody's GPU of this node
+        return best
+
+    small, large = cost(1_500), cost(15_000)
+    assert large < 30 * max(small, 1e-3), (small, large)
+
+
+def test_tokens_past_the_cap_are_ignored() -> None:
+    cap = att.MAX_DEVICE_TOKENS
+    assert 64 <= cap <= 1024  # a node has a few dozen devices (8 GPUs x 7 MIG slices)
+    within, _ = environ_gpus({NV: f"{_many(cap - 1)},{UUIDS[2]}"}, GPUS)
+    assert _indices(within) == {2}
+    past, _ = environ_gpus({NV: f"{_many(cap)},{UUIDS[2]}"}, GPUS)
+    assert past is None  # the only device of this node is past the cap: no information
+    usable, _ = environ_gpus({NV: "all", CUDA: f"{'-1,' * 100_000}0"}, GPUS)
+    assert usable == set()
+    # An index too long for int() names no device.
+    assert container_devices("1" * 5000, GPUS) is None
+    assert environ_gpus({NV: "all", CUDA: "1" * 5000}, GPUS)[0] == set()
+
+
+def test_a_view_keeps_the_first_tokens_and_says_so_once(tmp_path: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    cap = att.MAX_DEVICE_TOKENS
+    value = f"{UUIDS[1]},{_many(14_000)}"
+    _proc(tmp_path, 5, environ=f"{NV}={value}\0{CUDA}=0\0".encode())
+    fs = ProcFS(root=str(tmp_path))
+    with caplog.at_level("WARNING", logger=att.__name__):
+        view = read_view(fs, 5)
+    fs.close()
+    assert view.environ is not None and view.environ[CUDA] == "0"
+    assert view.environ[NV].split(",") == value.split(",")[:cap]
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and f"pid 5: {NV} lists 14001 devices" in warned[0], warned
+    assert _indices(environ_gpus(view.environ, GPUS)[0]) == {1}

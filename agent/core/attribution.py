@@ -34,10 +34,18 @@ operators):
 
 A target that says it uses no GPU (``NVIDIA_VISIBLE_DEVICES=none``) is information: with only
 such targets no GPU is reported and ``mrc_agent_watched_gpus{mode="targets"}`` is 0.
+
+The two variables are the target's to choose, and are read every pass, so the work is linear in
+their length (devices are de-duplicated by hashing, UUID prefixes found by bisection in a
+sorted list) and bounded: only the first :data:`MAX_DEVICE_TOKENS` entries of each are read,
+and :func:`read_view` says once per target when it cut one. An index too long to be one names
+no device.
 """
 
 from __future__ import annotations
 
+import bisect
+import logging
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -57,6 +65,16 @@ SOURCE_ALL, SOURCE_UNKNOWN = "all", "unknown"
 
 NVIDIA_VISIBLE_DEVICES, CUDA_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"
 VARIABLES = (NVIDIA_VISIBLE_DEVICES, CUDA_VISIBLE_DEVICES)
+
+#: Entries of either variable that are read. A node has a few dozen devices at most (8 GPUs of
+#: 7 MIG slices each are 64 with the GPUs; 16 such GPUs 128), so a longer list is a mistake or
+#: an attack, and its tail is ignored.
+MAX_DEVICE_TOKENS = 256
+#: Digits of an index at most: no node has a million devices, and ``int()`` refuses a few
+#: thousand digits.
+_MAX_INDEX_DIGITS = 6
+
+log = logging.getLogger(__name__)
 
 #: Labels of the per-GPU attribution series: the per-GPU labels of every GPU series
 #: (``collectors.base.GPU``, which imports this module) and the reason.
@@ -92,14 +110,28 @@ class TargetView:
     why: str = ""
 
 
+def _tokens(value: str) -> list[str]:
+    """The first :data:`MAX_DEVICE_TOKENS` comma-separated entries of ``value``, unstripped
+    (one pass over the value; the rest is not split)."""
+    tokens = value.split(",", MAX_DEVICE_TOKENS)
+    return tokens[:MAX_DEVICE_TOKENS]
+
+
 def read_view(procfs: ProcFS, pid: int) -> TargetView:
     """The :class:`TargetView` of ``pid``; a file that cannot be read is no information,
-    never an error."""
+    never an error. A variable of more than :data:`MAX_DEVICE_TOKENS` entries is kept cut to
+    those, with a warning (a view is read once per process, so once per target)."""
     environ: dict[str, str] | None
     try:
         environ, why = procfs.environ(pid, VARIABLES), ""
     except ProcessGone as exc:
         environ, why = None, str(exc)
+    for name, value in list((environ or {}).items()):
+        count = value.count(",") + 1
+        if environ is not None and count > MAX_DEVICE_TOKENS:
+            log.warning("pid %d: %s lists %d devices; only the first %d are read (a node has "
+                        "a few dozen)", pid, name, count, MAX_DEVICE_TOKENS)
+            environ[name] = ",".join(_tokens(value))
     try:
         ns = procfs.nspid(pid)
     except ProcessGone:
@@ -127,6 +159,11 @@ def _is_index(token: str) -> bool:
     return token.isascii() and token.isdigit()
 
 
+def _index(token: str) -> int | None:
+    """``token`` as a device index; None when it is not one (or too long to be one)."""
+    return int(token) if _is_index(token) and len(token) <= _MAX_INDEX_DIGITS else None
+
+
 def is_mig(gpu: GPUIdentity) -> bool:
     """A MIG device: the NVML source reports one per slice, with the ``MIG-`` UUID and the index
     of its physical GPU."""
@@ -149,39 +186,48 @@ def _gpus_of(devices: Sequence[_Device], gpus: Sequence[GPUIdentity]) -> set[GPU
     return out
 
 
-def _nvidia_token(token: str, gpus: Sequence[GPUIdentity]) -> _Device | None:
+def _nvidia_token(token: str, by_index: Mapping[int, GPUIdentity],
+                  by_uuid: Mapping[str, GPUIdentity]) -> _Device | None:
+    """The device one entry names; ``by_index``: the GPUs (not MIG devices) by index,
+    ``by_uuid``: every reported device by lower-case UUID."""
     low = token.lower()
-    by_index = {g.index: g for g in gpus if not is_mig(g)}
     if _is_index(low):
-        g = by_index.get(int(low))
+        index = _index(low)
+        g = by_index.get(index) if index is not None else None
         return _reported(g) if g else None
     gpu_part, sep, mig_part = low.partition(":")
     if sep and _is_index(gpu_part) and _is_index(mig_part):  # "<gpu>:<mig>": a slice of it
-        g = by_index.get(int(gpu_part))
+        index = _index(gpu_part)
+        g = by_index.get(index) if index is not None else None
         return _Device("", g, whole=False) if g else None
     if low.startswith("mig-gpu-"):  # "MIG-GPU-<uuid>/<gi>/<ci>", drivers before 470
         parent = low[len("mig-"):].partition("/")[0]
-        g = next((g for g in gpus if g.uuid.lower() == parent), None)
+        g = by_uuid.get(parent)
         return _Device(low, g, whole=False) if g else None
     if low.startswith(("mig-", "gpu-")):  # a MIG device (if the source reports it) or a GPU
-        g = next((g for g in gpus if g.uuid.lower() == low), None)
+        g = by_uuid.get(low)
         return _reported(g) if g else _Device(low, None)
     return None  # a device-list path, a typo: names nothing
 
 
 def container_devices(value: str, gpus: Sequence[GPUIdentity]) -> list[_Device] | None:
     """The devices ``NVIDIA_VISIBLE_DEVICES=value`` gives a container, in CUDA's enumeration
-    order; None when the value names no device of ``gpus`` (no information)."""
+    order; None when the value names no device of ``gpus`` (no information). Only the first
+    :data:`MAX_DEVICE_TOKENS` entries are read."""
     text = value.strip()
     if text.lower() == "all":
         return [_reported(g) for g in sorted(gpus, key=lambda g: g.index)]
     if text.lower() in ("", "none", "void"):
         return []
-    found: list[_Device] = []
-    for token in text.split(","):
-        device = _nvidia_token(token.strip(), gpus)
-        if device is not None and device not in found:
-            found.append(device)
+    by_index = {g.index: g for g in gpus if not is_mig(g)}
+    by_uuid: dict[str, GPUIdentity] = {}
+    for g in gpus:
+        by_uuid.setdefault(g.uuid.lower(), g)  # the first of a UUID reported twice, as before
+    found: dict[_Device, None] = {}  # de-duplicated in the order listed
+    for token in _tokens(text):
+        device = _nvidia_token(token.strip(), by_index, by_uuid)
+        if device is not None:
+            found.setdefault(device)
     if not any(d.gpu is not None for d in found):
         return None
     # CUDA numbers devices in PCI order (NVML's index order), not in the order listed; a device
@@ -197,24 +243,30 @@ def cuda_devices(value: str, devices: list[_Device] | None,
     if not value.strip():
         return []  # set but empty: CUDA sees no device
     pool = devices if devices is not None else [_reported(g) for g in gpus]
+    # The pool's UUIDs sorted: the devices a prefix names are one run of this list.
+    named = sorted((d.uuid, i) for i, d in enumerate(pool) if d.uuid)
+    keys = [uuid for uuid, _ in named]
     chosen: list[_Device] = []
-    for raw in value.split(","):
+    for raw in _tokens(value):
         token = raw.strip().lower()
         if _is_index(token):
             # An index counts the container's devices: unknown ones, or ones whose place in
             # CUDA's order is unknown (not reported by the source), make it a guess.
             if devices is None or any(d.gpu is None for d in devices):
                 return None
-            if int(token) >= len(pool):
+            index = _index(token)
+            if index is None or index >= len(pool):
                 break
-            chosen.append(pool[int(token)])
+            chosen.append(pool[index])
             continue
         if not token.startswith(("gpu-", "mig-")):
             break  # "-1", "NoDevFiles": CUDA stops at the first invalid entry
-        matches = [d for d in pool if d.uuid and d.uuid.startswith(token)]
-        if len(matches) != 1:
+        at = bisect.bisect_left(keys, token)
+        unique = (at < len(keys) and keys[at].startswith(token)
+                  and not (at + 1 < len(keys) and keys[at + 1].startswith(token)))
+        if not unique:
             break  # unknown or ambiguous prefix
-        chosen.append(matches[0])
+        chosen.append(pool[named[at][1]])
     return chosen
 
 
