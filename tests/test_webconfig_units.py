@@ -514,9 +514,12 @@ def test_an_unknown_user_is_checked_against_the_decoy(monkeypatch) -> None:
         return real(password, hashed)
 
     monkeypatch.setattr(w.bcrypt, "checkpw", checkpw)
-    auth = BasicAuth({"alice": _hash("a")})
-    assert auth.check(_basic("mallory", "a")) is False
-    assert seen == [w._DECOY]
+    alice = _hash("a")
+    auth = BasicAuth({"alice": alice})
+    assert auth.check(_basic("mallory", "a")) is False  # alice's password, no such user
+    assert seen == [alice.encode()]  # the costliest configured hash is the decoy
+    assert BasicAuth({}).check(_basic("mallory", "a")) is False
+    assert seen[-1] == w._DECOY  # no user configured: the built-in one
     monkeypatch.setattr(w.bcrypt, "checkpw", lambda password, hashed: True)
     assert auth.check(_basic("mallory", "a")) is False  # even were the decoy to match
     assert auth.cached(_basic("mallory", "a")) is None

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -41,6 +42,8 @@ import os
 import re
 import ssl
 import threading
+import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -98,11 +101,23 @@ _BCRYPT = re.compile(r"\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}")
 #: bcrypt reads at most this many bytes of a password; longer ones are cut, as every bcrypt
 #: (Go's, htpasswd's) cuts them.
 BCRYPT_MAX_PASSWORD = 72
-#: Checked for a user who does not exist, so that the answer takes as long as for one who
-#: does (no user enumeration by timing). A cost-10 hash of a random password nobody kept.
+#: Checked for a user who does not exist when no user is configured at all (with users, the
+#: costliest configured hash is checked instead). A cost-10 hash of a random password nobody
+#: kept.
 _DECOY = b"$2b$10$NUiNa9zajcDgWW0ouxdNm.MXUDvgeBaa2l.fxEdqzgcohdge2DbJG"
 #: Successful checks remembered: a few scrapers and people, each with one password.
 MAX_CACHED = 64
+#: Durations of recent checks at the costliest hash that set the failure floor: the slowest
+#: of them, so that a padded answer is as slow as all but the rarest unpadded one.
+_FLOOR_SAMPLES = 8
+#: A floor older than this is measured again (one extra check of the costliest hash, at most
+#: once a minute), so it follows the machine's load.
+_FLOOR_REFRESH_S = 60.0
+
+
+def _cost(hashed: bytes) -> int:
+    """The cost of a bcrypt hash (``$2b$12$...`` → 12); the pattern was checked on load."""
+    return int(hashed[4:6])
 
 
 class BasicAuth:
@@ -112,13 +127,26 @@ class BasicAuth:
     (user, password) pair that passed once is remembered — as exporter-toolkit does — under
     an HMAC with a key of this process's, never in the clear. Failures are not remembered:
     each costs a check, which the server runs in a thread of its own.
+
+    A wrong password must not tell users apart by its answer's time. A bcrypt check takes
+    time in proportion to 2^cost, so an unknown user is checked against the costliest
+    configured hash (its answer ignored), and :meth:`failure_floor_s` gives the server the
+    time a check of that hash has taken lately: it answers no failure sooner, so a cost-5
+    user's wrong password takes as long as a cost-12 user's or a stranger's. What stays
+    unequal: a correct password is answered when its own check ends (a cheap hash sooner —
+    the answer says it passed anyway), a remembered one at once, an ``Authorization`` that is
+    not basic auth at all at once, and the wait in the server's queue depends on the load.
     """
 
     def __init__(self, users: Mapping[str, str]) -> None:
         self._users = {u.encode(): h.encode() for u, h in users.items()}
+        self._decoy = max(self._users.values(), key=_cost, default=_DECOY)
+        self._top = _cost(self._decoy)
         self._key = os.urandom(32)
         self._passed: dict[bytes, None] = {}  # insertion order: the oldest goes first
         self._lock = threading.Lock()
+        self._took: deque[float] = deque(maxlen=_FLOOR_SAMPLES)
+        self._measured: float | None = None  # monotonic time of the last costliest check
 
     def _digest(self, user: bytes, password: bytes) -> bytes:
         msg = len(user).to_bytes(4, "big") + user + password
@@ -139,18 +167,46 @@ class BasicAuth:
         if digest in self._passed:
             return True
         hashed = self._users.get(user)
+        target = self._decoy if hashed is None else hashed
         try:
-            ok = bcrypt.checkpw(password[:BCRYPT_MAX_PASSWORD], hashed or _DECOY)
+            ok = self._checkpw(password[:BCRYPT_MAX_PASSWORD], target)
         except ValueError as exc:  # a hash that passed the pattern but not bcrypt itself
-            log.warning("basic auth: the hash of user %r does not check: %s", user, exc)
+            log.warning("basic auth: the hash of user %r does not check: %s",
+                        user if hashed is not None else self._decoy_user(), exc)
             return False
         if not ok or hashed is None:
+            measured = self._measured
+            if measured is None or time.monotonic() - measured > _FLOOR_REFRESH_S:
+                # No recent check of the costliest hash to set the floor: time one now. A
+                # broken hash is logged where its own user's checks fail.
+                with contextlib.suppress(ValueError):
+                    self._checkpw(b"", self._decoy)
             return False
         with self._lock:
             self._passed[digest] = None
             while len(self._passed) > MAX_CACHED:
                 del self._passed[next(iter(self._passed))]
         return True
+
+    def _checkpw(self, password: bytes, hashed: bytes) -> bool:
+        """bcrypt's check, timed when it is one of the costliest hash."""
+        started = time.monotonic()
+        ok = bcrypt.checkpw(password, hashed)
+        if _cost(hashed) >= self._top:
+            now = time.monotonic()
+            with self._lock:
+                self._took.append(now - started)
+                self._measured = now
+        return ok
+
+    def _decoy_user(self) -> bytes:
+        return next((u for u, h in self._users.items() if h == self._decoy), b"")
+
+    def failure_floor_s(self) -> float:
+        """The least time from the start of a failed check to its answer: the slowest recent
+        check of the costliest configured hash (0 before any)."""
+        with self._lock:
+            return max(self._took, default=0.0)
 
 
 def credentials(authorization: str | None) -> tuple[bytes, bytes] | None:
