@@ -281,8 +281,8 @@ def test_a_flood_of_wrong_passwords_does_not_stall_a_remembered_scrape(tmp_path)
             assert _get(port, auth=("prometheus", "scrape"))[0] == 200
             unanswered = [s for s in flood if not select.select([s], [], [], 0)[0]]
             assert unanswered, "the remembered scrape waited for every bcrypt check"
-            for s in flood:
-                assert s.recv(65536).startswith(b"HTTP/1.1 401 ")
+            for s in flood:  # past four waiting checks from one address: 503 at once
+                assert s.recv(65536).startswith((b"HTTP/1.1 401 ", b"HTTP/1.1 503 "))
         finally:
             for s in flood:
                 s.close()

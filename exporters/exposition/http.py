@@ -4,15 +4,27 @@ optional extra :class:`Routes` (the agent's Alertmanager webhook and captures).
 
 One asyncio event loop in one thread serves every connection: no thread per connection, no
 polling (an idle agent's loop sleeps until a packet or a timer), and a hard cap on connections
-(:class:`Limits`): at the cap the longest-idle kept-alive connection is closed to make room, so a
-flood of idle connections can neither exhaust memory nor lock Prometheus out. Every read is
-bounded in bytes and time — request head, body, idle keep-alive — and a slow reader cannot
-hold a write forever. HTTP/1.1 connections stay open unless the client says ``close``;
-HTTP/1.0 ones only when the client asks for ``keep-alive``, and the answer says so.
+(:class:`Limits`): at the cap the connection that has waited longest for a request to finish
+arriving — idle between requests, or part-way through its request head — is closed to make
+room; only one whose request is being answered is kept. So neither a flood of idle
+connections nor one of slow heads (a request line and nothing more) can exhaust memory or
+lock Prometheus out. Every read is bounded in bytes and time — request head, body, idle
+keep-alive — and a slow reader cannot hold a write forever. HTTP/1.1 connections stay open
+unless the client says ``close``; HTTP/1.0 ones only when the client asks for ``keep-alive``,
+and the answer says so.
 
-The rendered body is cached per snapshot version and format, so fifty scrapers of the same
-snapshot cost one render; a scrape never touches hardware. The socket is bound in the
-constructor so that "address in use" surfaces before the agent starts sampling.
+The rendered body is cached per snapshot version, format and gzip, so fifty scrapers of the
+same snapshot cost one render; a scrape never touches hardware. The format is one of the fixed
+set :data:`exporters.render.FORMATS` whatever the ``Accept`` header says, so the cache holds
+at most two bodies per format and the ``Content-Type`` never carries the client's bytes. The
+socket is bound in the constructor so that "address in use" surfaces before the agent starts
+sampling.
+
+No byte of a request body is ever read as a request. Where a method takes no body (all but
+POST to the extra routes), a small declared ``Content-Length`` is read and dropped; a bigger
+one (413), an unreadable one (400) or any ``Transfer-Encoding`` (400) is refused and the
+connection closed after a lingering close. A header carrying a bare CR, NUL or other control
+character is refused (400), as RFC 9112 lets a server do.
 
 Extra routes see a plain :class:`Request` and answer a :class:`Response`, in a worker thread
 (they may read files). A request body is read only when it declares a ``Content-Length``
@@ -24,7 +36,12 @@ Transport security and access come in already built (the agent reads them from t
 exporter-toolkit web configuration file): an ``ssl.SSLContext`` for TLS (the handshake is bounded
 by the head timeout), an :class:`Authenticator` that every request, on every path, must pass
 (401 with ``WWW-Authenticate: Basic`` otherwise, as exporter-toolkit answers), and headers added
-to every response. :meth:`ExpositionServer.reconfigure` swaps them while serving.
+to every response. :meth:`ExpositionServer.reconfigure` swaps them while serving. A credential
+that passed before is answered on the loop at once; the others wait in a
+:class:`~exporters.exposition.checks.CheckQueue` (client addresses in turn, bounded: 503 with
+``Retry-After`` when full) for the one check thread. A failed check is answered no sooner
+than the authenticator's ``failure_floor_s`` after it began — a sleep on the loop, not in the
+thread — so that a wrong password takes as long for every user.
 """
 
 from __future__ import annotations
@@ -32,19 +49,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from http import HTTPStatus
 from typing import Protocol
 
 from prometheus_client.registry import CollectorRegistry
 
-from mrc_agent.exporters.render import content_type, render, wants_gzip
+from mrc_agent.exporters.exposition.checks import CheckQueue, peer_key
+from mrc_agent.exporters.render import FORMATS, Format, encode, negotiate, wants_gzip
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +80,14 @@ class Limits:
     of at most 1 MiB arrives in well under a second. ``write_timeout_s`` 10: a client that
     does not read its answer is dropped. ``linger_s``/``linger_bytes``: how long, and how much,
     of an unread request body is drained after an early error answer.
+    ``max_skipped_body_bytes`` 64 KiB: a body sent with a GET or DELETE means nothing here;
+    one that small is read and dropped (some clients send ``Content-Length`` on everything),
+    a bigger one is refused rather than read.
+    ``max_checks_per_peer`` 4 and ``max_checks`` 16: credential checks waiting or running, per
+    client address and in all (see :mod:`exporters.exposition.checks`). Four lets a scraper
+    and a few people behind one address log in at once; sixteen keeps the last in line within
+    ~4 s at cost 12 (~0.24 s a check), under Prometheus's 10 s scrape timeout, even when
+    sixteen addresses flood at once. Past either: 503 at once.
     """
 
     max_connections: int = 256
@@ -72,6 +99,9 @@ class Limits:
     max_headers: int = 100
     linger_s: float = 2.0
     linger_bytes: int = 16 << 20
+    max_skipped_body_bytes: int = 64 * 1024
+    max_checks_per_peer: int = 4
+    max_checks: int = 16
 
 
 @dataclass(frozen=True)
@@ -120,16 +150,27 @@ class Authenticator(Protocol):
         in its own worker thread, never on the event loop."""
         ...
 
+    # Optional: ``failure_floor_s() -> float``, the least time from the start of a failed
+    # check to its answer; the server waits out the rest on the loop.
+
 
 _INDEX = b"""<html><head><title>mrc-agent</title></head><body><h1>mrc-agent</h1>
 <p><a href="/metrics">/metrics</a> &middot; <a href="/healthz">/healthz</a> &middot;
 <a href="/readyz">/readyz</a></p></body></html>
 """
 _TEXT = "text/plain; charset=utf-8"
+#: Methods that take no body here (POST without routes is answered 405 and drained).
+_BODILESS = ("GET", "HEAD", "PUT", "DELETE", "PATCH")
+#: Control characters other than horizontal tab: never in a header line (RFC 9110 5.5).
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class _RenderCache:
-    """Rendered exposition bodies keyed by (snapshot version, content type, gzip)."""
+    """Rendered exposition bodies keyed by (snapshot version, format, gzip). Only the current
+    version's are kept, and the formats are a fixed set: at most ``2 * len(FORMATS)`` bodies,
+    whatever clients send."""
+
+    LIMIT = 2 * len(FORMATS)
 
     def __init__(self, registry: CollectorRegistry, version: Callable[[], int]) -> None:
         self._registry = registry
@@ -137,20 +178,21 @@ class _RenderCache:
         self._lock = threading.Lock()
         self._bodies: dict[tuple[int, str, bool], bytes] = {}
 
-    def render(self, accept: str, gzipped: bool) -> tuple[bytes, str]:
-        ctype = content_type(accept)
+    def render(self, fmt: Format, gzipped: bool) -> bytes:
         version = self._version()
-        key = (version, ctype, gzipped)
+        key = (version, fmt.content_type, gzipped)
         body = self._bodies.get(key)
         if body is None:
             with self._lock:
                 body = self._bodies.get(key)
                 if body is None:
-                    body = render(self._registry, accept, gzipped)[0]
-                    # Keep only the current version's bodies.
-                    self._bodies = {k: v for k, v in self._bodies.items() if k[0] == version}
-                    self._bodies[key] = body
-        return body, ctype
+                    body = encode(self._registry, fmt, gzipped)
+                    bodies = {k: v for k, v in self._bodies.items() if k[0] == version}
+                    if len(bodies) >= self.LIMIT:  # only if FORMATS and keys ever disagree
+                        bodies.clear()
+                    bodies[key] = body
+                    self._bodies = bodies
+        return body
 
 
 class _BadRequest(Exception):
@@ -180,8 +222,10 @@ class _Head:
 @dataclass
 class _Conn:
     writer: asyncio.StreamWriter
-    idle: bool = True
-    idle_since: float = field(default_factory=time.monotonic)
+    #: Its request head is complete and the answer under way: the one state never evicted.
+    served: bool = False
+    #: When it began waiting for its current request (idle or reading the head).
+    since: float = field(default_factory=time.monotonic)
 
 
 class ExpositionServer:
@@ -208,9 +252,9 @@ class ExpositionServer:
         self._tls = tls
         self._auth = auth
         self._headers = dict(headers or {})
-        # One thread for the slow credential checks: a flood of wrong passwords queues here
-        # (at most one per open connection) while the loop goes on serving cached ones.
-        self._auth_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mrc-agent-auth")
+        # One thread for the slow credential checks, fed in turns by client address and
+        # bounded; the loop goes on answering credentials that passed before.
+        self._checks = CheckQueue(limits.max_checks_per_peer, limits.max_checks)
         self._listener: asyncio.Server | None = None
         host = host.strip("[]")  # "[::1]" or "::1": an IPv6 address either way
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -240,6 +284,11 @@ class ExpositionServer:
         """Connections open now."""
         return len(self._conns)
 
+    @property
+    def credential_checks(self) -> int:
+        """Credential checks waiting or running now."""
+        return len(self._checks)
+
     def reconfigure(self, tls: ssl.SSLContext | None, auth: Authenticator | None,
                     headers: Mapping[str, str] | None) -> None:
         """Serve new connections with ``tls`` and every next request with ``auth`` and
@@ -264,7 +313,7 @@ class ExpositionServer:
         try:
             loop.run_until_complete(self._serve())
         finally:
-            self._auth_pool.shutdown(wait=False, cancel_futures=True)
+            loop.run_until_complete(self._checks.close())
             loop.run_until_complete(loop.shutdown_default_executor())
             loop.close()
             self._sock.close()
@@ -316,12 +365,15 @@ class ExpositionServer:
 
     # -- one connection ------------------------------------------------------------------------
     def _make_room(self) -> None:
-        """At the cap, close the longest-idle connection (never one being served)."""
+        """At the cap, close the connection that has waited longest for its request — idle,
+        or part-way through its head — never one being answered. A head that has not
+        arrived whole costs the server nothing to drop, and protecting it would let a
+        client that sends request lines alone hold every slot."""
         if len(self._conns) < self.limits.max_connections:
             return
-        idle = [c for c in self._conns.values() if c.idle]
-        if idle:
-            oldest = min(idle, key=lambda c: c.idle_since)
+        waiting = [c for c in self._conns.values() if not c.served]
+        if waiting:
+            oldest = min(waiting, key=lambda c: c.since)
             oldest.writer.close()
             self._conns.pop(id(oldest), None)
 
@@ -342,10 +394,11 @@ class ExpositionServer:
                 # for the client's delayed ACK.
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = writer.get_extra_info("peername")
+        who = peer_key(peer)
         try:
             first = True
             while True:
-                conn.idle, conn.idle_since = True, time.monotonic()
+                conn.served, conn.since = False, time.monotonic()
                 wait = self.limits.head_timeout_s if first else self.limits.idle_timeout_s
                 try:
                     line = await asyncio.wait_for(reader.readline(), wait)
@@ -359,8 +412,8 @@ class ExpositionServer:
                     break
                 if not line.strip():
                     continue  # stray line breaks between requests are allowed (RFC 9112 2.2)
-                conn.idle, first = False, False
-                if not await self._one(reader, writer, line):
+                first = False
+                if not await self._one(conn, reader, writer, line, who):
                     break
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError,
                 asyncio.TimeoutError) as exc:
@@ -373,8 +426,8 @@ class ExpositionServer:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                   first_line: bytes) -> bool:
+    async def _one(self, conn: _Conn, reader: asyncio.StreamReader,
+                   writer: asyncio.StreamWriter, first_line: bytes, who: str) -> bool:
         """Serve one request; False when the connection must close afterwards."""
         try:
             head = await asyncio.wait_for(self._read_head(reader, first_line),
@@ -385,21 +438,36 @@ class ExpositionServer:
         except (TimeoutError, asyncio.TimeoutError):
             await self._send(writer, None, 408, b"request head too slow\n", _TEXT, close=True)
             return False
+        conn.served = True
         keep = head.keep_alive()
         method = head.method
         auth = self._auth  # once: a reload may swap it meanwhile
-        if (auth is not None and not self._checked_by_route(head)
-                and not await self._authorized(auth, head)):
-            # Every path, as exporter-toolkit guards them; a body is never read for a stranger.
-            length = head.headers.get("content-length", "0").strip()
-            body_follows = "transfer-encoding" in head.headers or length != "0"
-            await self._send(writer, head, 401, b"unauthorized\n", _TEXT,
-                             {"WWW-Authenticate": 'Basic realm="mrc-agent"'},
-                             close=body_follows or not keep)
-            if body_follows:
+        if auth is not None and not self._checked_by_route(head):
+            verdict = await self._authorized(auth, head, who)
+            if verdict is not True:
+                # Every path, as exporter-toolkit guards them; a body is never read for a
+                # stranger, nor while the checks are too busy to tell.
+                length = head.headers.get("content-length", "0").strip()
+                body_follows = "transfer-encoding" in head.headers or length != "0"
+                if verdict is None:
+                    status, text, extra = 503, b"credential checks busy, retry\n", {
+                        "Retry-After": "1"}
+                else:
+                    status, text, extra = 401, b"unauthorized\n", {
+                        "WWW-Authenticate": 'Basic realm="mrc-agent"'}
+                await self._send(writer, head, status, text, _TEXT, extra,
+                                 close=body_follows or not keep)
+                if body_follows:
+                    await self._linger(reader, writer)
+                    return False
+                return keep
+        if method in _BODILESS:
+            refused = await self._skip_body(reader, head)
+            if refused is not None:
+                await self._send(writer, head, refused.status, refused.body,
+                                 refused.content_type, close=True)
                 await self._linger(reader, writer)
                 return False
-            return keep
         if method in ("GET", "HEAD"):
             status, body, ctype, extra = await self._get(head)
         elif method == "POST" and self._routes is None:
@@ -434,19 +502,29 @@ class ExpositionServer:
         bearer = head.headers.get("authorization", "")[:7].lower() == "bearer "
         return bool(bearer and own is not None and own(head.path))
 
-    async def _authorized(self, auth: Authenticator, head: _Head) -> bool:
+    async def _authorized(self, auth: Authenticator, head: _Head, who: str) -> bool | None:
         """Whether ``head``'s credentials pass ``auth``: at once when the answer is cached,
-        else in the server's credential-check thread (bcrypt must not stall the loop)."""
+        else in the server's credential-check thread (bcrypt must not stall the loop), in
+        ``who``'s turn. None when the check queue has no room for ``who``."""
         header = head.headers.get("authorization")
         try:
             quick = auth.cached(header)
             if quick is not None:
                 return quick
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._auth_pool, auth.check, header)
+            pending = self._checks.submit(who, partial(auth.check, header))
+            if pending is None:
+                return None
+            ok, started = await pending
         except Exception:  # a bug in the check refuses the request, never kills the server
             log.exception("credential check failed")
             return False
+        if not ok:
+            # Wait out the floor here, not in the thread: the next check need not wait.
+            floor = getattr(auth, "failure_floor_s", None)
+            left = started + (floor() if floor is not None else 0.0) - time.monotonic()
+            if left > 0:
+                await asyncio.sleep(left)
+        return ok
 
     async def _read_head(self, reader: asyncio.StreamReader, first_line: bytes) -> _Head:
         try:
@@ -473,6 +551,9 @@ class ExpositionServer:
             text = raw.decode("latin-1").rstrip("\r\n")
             if not text:
                 break
+            if _CONTROL.search(text):
+                # A bare CR could end a header for one reader and not another (RFC 9112 2.2).
+                raise _BadRequest(400, "control character in a header")
             name, sep, value = text.partition(":")
             if not sep or not name or name != name.strip():
                 raise _BadRequest(400, "bad header line")
@@ -504,6 +585,26 @@ class ExpositionServer:
         except (TimeoutError, asyncio.TimeoutError):
             return Response(408, b"request body too slow\n", _TEXT)
 
+    async def _skip_body(self, reader: asyncio.StreamReader, head: _Head) -> Response | None:
+        """Read and drop the body of a request whose method takes none here, so that no byte
+        of it is read as the next request; the refusal when it cannot be skipped safely (the
+        connection then closes)."""
+        if "transfer-encoding" in head.headers:
+            return Response(400, b"a request body is not taken here\n", _TEXT)
+        length = head.headers.get("content-length")
+        if length is None or length == "0":
+            return None
+        if not (length.isascii() and length.isdigit()) or len(length) > 18:
+            return Response(400, b"bad Content-Length\n", _TEXT)
+        n = int(length)
+        if n > self.limits.max_skipped_body_bytes:
+            return Response(413, b"request body too large\n", _TEXT)
+        try:
+            await asyncio.wait_for(reader.readexactly(n), self.limits.body_timeout_s)
+        except (TimeoutError, asyncio.TimeoutError):
+            return Response(408, b"request body too slow\n", _TEXT)
+        return None
+
     async def _linger(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """After an early answer, drain what the client still sends for a short while, so it
         reads the answer instead of a reset."""
@@ -526,8 +627,9 @@ class ExpositionServer:
         path = head.path
         if path == "/metrics":
             gz = wants_gzip(head.headers.get("accept-encoding", ""))
-            body, ctype = self._cache.render(head.headers.get("accept", ""), gz)
-            return 200, body, ctype, {"Content-Encoding": "gzip"} if gz else {}
+            fmt = negotiate(head.headers.get("accept", ""))
+            return (200, self._cache.render(fmt, gz), fmt.content_type,
+                    {"Content-Encoding": "gzip"} if gz else {})
         if path == "/healthz":
             return 200, b"ok\n", _TEXT, {}
         if path == "/readyz":

@@ -10,8 +10,9 @@ Single process: the given registry is rendered. Multiprocess mode (``PROMETHEUS_
 set before the process started): each scrape builds a fresh ``CollectorRegistry`` with a
 ``MultiProcessCollector`` that merges the files of every worker, so whichever worker answers, the
 scrape shows the whole service; the given registry is then not rendered (its values are this
-worker's share only). The format is negotiated with prometheus-client's ``choose_encoder``
-(OpenMetrics when the scraper asks for it) and the body is gzipped when the scraper accepts it.
+worker's share only). The format is negotiated by :mod:`exporters.render`, as the agent's is
+(OpenMetrics when the scraper asks for it, text for an ``Accept`` it cannot read), and the body
+is gzipped when the scraper accepts it.
 Rendering runs in Starlette's thread pool, so reading the workers' files never blocks the event
 loop that serves requests.
 """
