@@ -53,7 +53,7 @@ import tempfile
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,12 +69,21 @@ KINDS = ("crafted-headers", "dense-ocr", "slow-heads", "slow-bodies", "auth-floo
 USER, PASSWORD = "prometheus", "scrape-secret"
 FIRST_LOGINS = 40  # users per agent run that log in once each
 COST = 12
+#: Loopback source addresses: the good clients' and the two hostile clients'. As on a real
+#: network, a server can tell its clients apart by address (127.0.0.0/8 is all loopback).
+GOOD = "127.0.0.2"
+ATTACKERS = ("127.0.0.3", "127.0.0.4")
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _from(src: str, limits: httpx.Limits | None = None) -> httpx.AsyncHTTPTransport:
+    """A transport whose connections leave from ``src`` (a loopback address of its own)."""
+    return httpx.AsyncHTTPTransport(local_address=src, limits=limits or httpx.Limits())
 
 
 def _basic(user: str, password: str) -> str:
@@ -139,8 +148,8 @@ class Attack:
     def note(self, kind: str, outcome: object) -> None:
         self.sent[f"{kind}: {outcome}"] += 1
 
-    async def _uploads(self, kind: str, payloads: list[bytes], name: str) -> None:
-        async with httpx.AsyncClient(timeout=60) as client:
+    async def _uploads(self, kind: str, src: str, payloads: list[bytes], name: str) -> None:
+        async with httpx.AsyncClient(timeout=60, transport=_from(src)) as client:
             i = 0
             while time.monotonic() < self.end:
                 data = payloads[i % len(payloads)]
@@ -155,11 +164,13 @@ class Attack:
                 except httpx.HTTPError as exc:
                     self.note(kind, type(exc).__name__)
 
-    async def _held(self, kind: str, port: int, conns: int, first: bytes, drip: bool) -> None:
+    async def _held(self, kind: str, src: str, port: int, conns: int, first: bytes,
+                    drip: bool) -> None:
         async def one() -> None:
             while time.monotonic() < self.end:
                 try:
-                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                    reader, writer = await asyncio.open_connection(
+                        "127.0.0.1", port, local_addr=(src, 0))
                 except OSError as exc:
                     self.note(kind, type(exc).__name__)
                     await asyncio.sleep(0.5)
@@ -183,12 +194,13 @@ class Attack:
                     writer.close()
         await asyncio.gather(*(one() for _ in range(conns)))
 
-    async def _keepalive(self, kind: str, port: int, conns: int,
+    async def _keepalive(self, kind: str, src: str, port: int, conns: int,
                          make: Callable[[], bytes]) -> None:
         async def one() -> None:
             while time.monotonic() < self.end:
                 try:
-                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                    reader, writer = await asyncio.open_connection(
+                        "127.0.0.1", port, local_addr=(src, 0))
                 except OSError as exc:
                     self.note(kind, type(exc).__name__)
                     await asyncio.sleep(0.2)
@@ -206,34 +218,41 @@ class Attack:
                     writer.close()
         await asyncio.gather(*(one() for _ in range(conns)))
 
-    def clients(self, kind: str) -> list[Coroutine[Any, Any, None]]:
-        """Two hostile clients of ``kind`` (coroutines)."""
+    async def _deep(self, kind: str, src: str, body: bytes) -> None:
+        async with httpx.AsyncClient(timeout=60, transport=_from(src)) as client:
+            while time.monotonic() < self.end:
+                try:
+                    r = await client.post(f"http://127.0.0.1:{self.svc_port}/mrc", content=body,
+                                          headers={"Content-Type": "application/json"})
+                    self.note(kind, r.status_code)
+                except httpx.HTTPError as exc:
+                    self.note(kind, type(exc).__name__)
+
+    def client(self, kind: str, src: str) -> Awaitable[Any]:
+        """One hostile client of ``kind``, its connections from the address ``src``."""
         svc, agent = self.svc_port, self.agent_port
         if kind == "crafted-headers":
             payloads = [_fill_jpeg(19_000_000), _empty_chunk_png(19_000_000)]
-            return [self._uploads(kind, payloads, "x.jpg") for _ in range(2)]
+            return self._uploads(kind, src, payloads, "x.jpg")
         if kind == "dense-ocr":
-            page = _dense_text_png()
-            return [self._uploads(kind, [page], "page.png") for _ in range(2)]
+            return self._uploads(kind, src, [_dense_text_png()], "page.png")
         if kind == "slow-heads":
             line = b"GET /metrics HTTP/1.1\r\n"
-
-            async def both() -> None:
-                await asyncio.gather(self._held(kind, agent, 135, line, False),
-                                     self._held(kind, svc, 135, line, False))
-            return [both(), both()]
+            return asyncio.gather(self._held(kind, src, agent, 135, line, False),
+                                  self._held(kind, src, svc, 135, line, False))
         if kind == "slow-bodies":
             up = (b"POST /mrc/upload HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; "
                   b"boundary=b\r\nContent-Length: 1000000\r\n\r\n--b\r\n")
             post = (b"POST /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: "
                     + _basic(USER, PASSWORD).encode() + b"\r\nContent-Length: 1000000\r\n\r\n")
-            return [self._held(kind, svc, 32, up, True), self._held(kind, agent, 32, post, True)]
+            return asyncio.gather(self._held(kind, src, svc, 16, up, True),
+                                  self._held(kind, src, agent, 16, post, True))
         if kind == "auth-flood":
             def wrong() -> bytes:
                 token = _basic(USER, f"guess-{random.random()}")
                 return (f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: {token}\r\n"
                         "\r\n").encode()
-            return [self._keepalive(kind, agent, 24, wrong) for _ in range(2)]
+            return self._keepalive(kind, src, agent, 24, wrong)
         if kind == "header-floods":
             filler = "".join(f"X-Filler-{i}: {'v' * 130}\r\n" for i in range(90))
             auth = _basic(USER, PASSWORD)
@@ -242,21 +261,10 @@ class Attack:
                 data = (f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\n{filler}"
                         "\r\n").encode()
                 return lambda: data
-            return [self._keepalive(kind, svc, 4, flood("/health")),
-                    self._keepalive(kind, agent, 4, flood("/metrics"))]
+            return asyncio.gather(self._keepalive(kind, src, svc, 2, flood("/health")),
+                                  self._keepalive(kind, src, agent, 2, flood("/metrics")))
         if kind == "deep-json":
-            body = b"[" * 100_000 + b"]" * 100_000
-
-            async def deep() -> None:
-                async with httpx.AsyncClient(timeout=60) as client:
-                    while time.monotonic() < self.end:
-                        try:
-                            r = await client.post(f"http://127.0.0.1:{svc}/mrc", content=body,
-                                                  headers={"Content-Type": "application/json"})
-                            self.note(kind, r.status_code)
-                        except httpx.HTTPError as exc:
-                            self.note(kind, type(exc).__name__)
-            return [deep(), deep()]
+            return self._deep(kind, src, b"[" * 100_000 + b"]" * 100_000)
         raise ValueError(kind)
 
 
@@ -267,7 +275,7 @@ def _attack_main(kind: str, svc_port: int, agent_port: int, duration: float) -> 
 
     async def go() -> None:
         kinds = KINDS if kind == "all" else (kind,)
-        await asyncio.gather(*(c for k in kinds for c in attack.clients(k)),
+        await asyncio.gather(*(attack.client(k, src) for k in kinds for src in ATTACKERS),
                              return_exceptions=True)
     asyncio.run(go())
     print(json.dumps(dict(attack.sent)))
@@ -307,8 +315,8 @@ async def _good(svc: str, agent: str, rate: float, duration: float, photo: bytes
     rng = random.Random(run)
     b64 = base64.b64encode(photo).decode()
     limits = httpx.Limits(max_connections=6, max_keepalive_connections=6)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as svc_client, \
-            httpx.AsyncClient(timeout=10) as scraper:
+    async with httpx.AsyncClient(timeout=60, transport=_from(GOOD, limits)) as svc_client, \
+            httpx.AsyncClient(timeout=10, transport=_from(GOOD)) as scraper:
         tasks: list[asyncio.Task[None]] = []
 
         async def service_stream() -> None:
@@ -335,7 +343,7 @@ async def _good(svc: str, agent: str, rate: float, duration: float, photo: bytes
                 t = time.monotonic()
                 headers = {"Authorization": _basic(USER, PASSWORD)}
                 if fresh:  # a new connection for every scrape, as after any reset
-                    async with httpx.AsyncClient(timeout=10) as once:
+                    async with httpx.AsyncClient(timeout=10, transport=_from(GOOD)) as once:
                         await _timed(once, once.get(agent + "/metrics", headers=headers),
                                      good.scrapes, good.scrape_errors)
                 else:
@@ -348,7 +356,7 @@ async def _good(svc: str, agent: str, rate: float, duration: float, photo: bytes
             while time.monotonic() < end and k < FIRST_LOGINS:
                 t = time.monotonic()
                 # A fresh connection and a user not yet seen: the full bcrypt check.
-                async with httpx.AsyncClient(timeout=10) as fresh:
+                async with httpx.AsyncClient(timeout=10, transport=_from(GOOD)) as fresh:
                     await _timed(fresh, fresh.get(agent + "/metrics", headers={
                         "Authorization": _basic(f"user{k}", f"pw{k}")}), good.logins,
                         good.login_errors)
