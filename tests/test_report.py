@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -422,6 +423,8 @@ def test_unreachable_prometheus_exits_1_with_the_reason(tmp_path: Path) -> None:
     (["--step", "10m", "--range", "5m"], "longer than --range"),
     (["--selector", "job=agent"], "--selector"),
     (["--format", "jpeg"], "invalid choice"),
+    (["--range", "9" * 400 + "d"], "--range"),
+    (["--range", "99999d", "--step", "99999d"], "longer than 3650d"),
 ])
 def test_bad_flags_exit_2_in_one_line(tmp_path: Path, flags: list[str], words: str) -> None:
     r = report("--prometheus", "http://127.0.0.1:9", "--out", str(tmp_path / "r.html"), *flags,
@@ -475,3 +478,124 @@ def test_malformed_range_points_never_end_in_a_traceback() -> None:
     assert points([[1.0, "0.5"], ["x", "1"], [2, "NaN"], [3], "junk", [4, "oops"], [5, "1e3"]]) \
         == [(1.0, 0.5), (2.0, None), (4.0, None), (5.0, 1000.0)]
     assert points(None) == [] and points({"not": "a list"}) == []
+    # Past what an axis can hold: a gap; a denormal is a value, drawn on an axis from 0 to 1.
+    assert points([[1, "1.7e308"], [2, "-1e301"], [3, "5e-324"], [4, True]]) == [
+        (1.0, None), (2.0, None), (3.0, 5e-324), (4.0, None)]
+    assert y_domain([5e-324], None, None) == (0, 1.0, 0.2)
+    assert y_domain([1e300, -1e300], None, None) == (-1e300, 1e300, 5e299)
+
+
+# -- what a server may answer ----------------------------------------------------------------
+# A stand-in for Prometheus on loopback answering each API path with a chosen body: the shapes
+# and numbers a server (or a proxy in front of one) can send. Each ends in a report with a gap
+# or an empty panel where the answer made no sense, never in a traceback.
+
+def _serve_answers(answer: Any) -> Iterator[str]:
+    """An HTTP server on 127.0.0.1 whose ``/api/v1/...`` answers are ``answer(path, params)``
+    (the ``data`` of a success), in a thread; yields its URL."""
+    import json
+    import urllib.parse
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            url = urllib.parse.urlsplit(self.path)
+            params = dict(urllib.parse.parse_qsl(url.query))
+            body = json.dumps({"status": "success", "data": answer(url.path, params)}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            return
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+def _answers(*, value: Any = "0.5", metric: Any = None, result: Any = None,
+             targets: Any = None, version: Any = "2.53.0") -> Any:
+    """Prometheus' answers with one part replaced: every sample ``value``, every ``metric``,
+    every ``result``, the targets' ``data`` or buildinfo's ``version``."""
+    labels = {"resolution": "<1MP", "prompt_length": "0-50", "source": "gpm_activity_proxy",
+              "process": "python3", "pid": "7"} if metric is None else metric
+
+    def answer(path: str, params: dict[str, str]) -> Any:
+        if path.endswith("/status/buildinfo"):
+            return {"version": version}
+        if path.endswith("/targets"):
+            return {"activeTargets": [{"scrapeInterval": "15s"}]} if targets is None \
+                else targets
+        if path.endswith("/query_range"):
+            start, end = float(params["start"]), float(params["end"])
+            rows = [{"metric": labels, "values": [[t, value] for t in (start, (start + end) / 2,
+                                                                       end)]}]
+            return {"resultType": "matrix", "result": rows if result is None else result}
+        rows = [{"metric": labels, "value": [float(params["time"]), value]}]
+        return {"resultType": "vector", "result": rows if result is None else result}
+
+    return answer
+
+
+@pytest.mark.parametrize("answer", [
+    _answers(value="1.7e308"),
+    _answers(value="-1.7e308"),
+    _answers(value="5e-324"),
+    _answers(value="-5e-324"),
+    _answers(value="1e-310"),
+    _answers(value="+Inf"),
+    _answers(value=1.7e308),
+    _answers(value=None),
+    _answers(value=["1"]),
+    _answers(metric=["job", "agent"]),
+    _answers(metric="job=agent"),
+    _answers(metric={"process": 5, "pid": None, "gpu": ["0"], "resolution": {"a": 1},
+                     "prompt_length": 1.5, "source": ["x"], "__name__": 7}),
+    _answers(metric={"resolution": ["<1MP"], "prompt_length": "0-50"}),
+    _answers(result=5),
+    _answers(result=[5, "x", None, [1, 2]]),
+    _answers(result={"metric": {}}),
+    _answers(targets={"activeTargets": 5}),
+    _answers(targets={"activeTargets": [5, "x", None, {"scrapeInterval": 7}]}),
+    _answers(targets={"activeTargets": [{"scrapeInterval": "99999999999999d"}]}),
+    _answers(targets={"activeTargets": [{"scrapeInterval": "9" * 400 + "d"}]}),
+    _answers(targets=[1, 2]),
+    _answers(targets="targets"),
+    _answers(version={"a": 1}),
+    _answers(version=["2"]),
+], ids=["huge", "huge-negative", "denormal", "denormal-negative", "subnormal", "inf",
+        "number-not-text", "null-value", "list-value", "metric-list", "metric-text",
+        "label-values-not-text", "heatmap-label-list", "result-number", "result-items",
+        "result-mapping", "targets-number", "targets-items", "targets-interval-huge",
+        "targets-interval-overflow", "targets-data-list", "targets-data-text",
+        "version-mapping", "version-list"])
+def test_any_answer_a_server_can_send_renders_or_is_one_line(tmp_path: Path, answer: Any,
+                                                             capsys: pytest.CaptureFixture[str]
+                                                             ) -> None:
+    from mrc_agent.agent.cli import main as cli_main
+
+    out = tmp_path / "r.html"
+    for url in _serve_answers(answer):
+        code = cli_main(["report", "--prometheus", url, "--out", str(out), "--range", "5m",
+                         "--step", "15s", "--timeout", "20"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert captured.err == "" and captured.out.startswith(f"wrote {out}:"), captured
+    page = out.read_text()
+    dom = _DomBuilder()
+    dom.feed(page)
+    panels = {n.attrs["data-panel"]: n.attrs["data-status"] for n in dom.root.all("figure")}
+    assert len(panels) == 7 and set(panels.values()) <= {"ok", "no-data", "error"}, panels
+    for svg in dom.root.all("svg", "chart"):
+        for attr in ("data-y-min", "data-y-max"):
+            assert math.isfinite(float(svg.attrs[attr])), svg.attrs
+        assert float(svg.attrs["data-y-max"]) > float(svg.attrs["data-y-min"]), svg.attrs

@@ -16,6 +16,7 @@ from mrc_agent.agent.tools.report.prom import (
     PromClient,
     QueryError,
     _value,
+    labels_of,
     rate_interval,
 )
 from mrc_agent.dashboards.queries import (
@@ -153,8 +154,8 @@ def collect(client: PromClient, opts: ReportOptions, now: float | None = None) -
     source_error = None
     try:
         for r in client.query(expr(q.compute_memory_source), end):
-            labels = r.get("metric", {})
-            pair = (str(labels.get("source", "none")), str(labels.get("reason", "")))
+            labels = labels_of(r)
+            pair = (labels.get("source", "none"), labels.get("reason", ""))
             if pair not in sources:
                 sources.append(pair)
     except QueryError as exc:
@@ -169,8 +170,7 @@ def collect(client: PromClient, opts: ReportOptions, now: float | None = None) -
             except QueryError as exc:
                 data.errors.append(f"{query.legend or query.expr}: {exc}")
                 continue
-            found = [Series(legend_for(query.legend, r.get("metric", {})),
-                            points(r.get("values")))
+            found = [Series(legend_for(query.legend, labels_of(r)), points(r.get("values")))
                      for r in result]
             if not any(s.finite for s in found):
                 data.empty_queries.append(legend_for(query.legend, {}) or query.expr)
@@ -186,8 +186,7 @@ def collect(client: PromClient, opts: ReportOptions, now: float | None = None) -
     heat = HeatmapData()
     try:
         for r in client.query(expr(heatmap_query(opts.cfg)), end):
-            labels = r.get("metric")
-            labels = labels if isinstance(labels, dict) else {}
+            labels = labels_of(r)
             res, prompt = labels.get("resolution", ""), labels.get("prompt_length", "")
             point = points([r.get("value")])
             value = point[0][1] if point else None

@@ -9,13 +9,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mrc_agent.agent.core.config import ConfigError
+from mrc_agent.agent.core.config import ConfigError, clipped
 from mrc_agent.agent.core.units import parse_duration
 from mrc_agent.agent.tools.report.chromium import find_chromium
 from mrc_agent.alerts.config import Config
 
 #: Prometheus refuses a range query that would return more points per series than this.
 MAX_POINTS = 11_000
+#: The longest --range: ten years is past any retention, and the dates of a longer one fall
+#: outside what the report can write (before year 1).
+MAX_RANGE_S = 3650 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -43,12 +46,14 @@ def options_from_args(args: Any) -> ReportOptions:
                           "http://prometheus:9090")
     try:
         range_s = parse_duration(args.range)
-    except ValueError as exc:
-        raise ConfigError(f"--range {exc}") from None
+    except (ValueError, OverflowError) as exc:
+        raise ConfigError(f"--range {clipped(str(exc))}") from None
+    if range_s > MAX_RANGE_S:
+        raise ConfigError(f"--range {clipped(args.range, 40)} is longer than 3650d")
     try:
         step_s = parse_duration(args.step)
-    except ValueError as exc:
-        raise ConfigError(f"--step {exc}") from None
+    except (ValueError, OverflowError) as exc:
+        raise ConfigError(f"--step {clipped(str(exc))}") from None
     if step_s < 0.001:
         raise ConfigError("--step must be at least 1ms")
     if step_s > range_s:

@@ -1,6 +1,12 @@
 """A minimal client of the Prometheus HTTP API (stdlib only, every request bounded), the
 errors it raises (:class:`Unreachable`: nothing that answers like Prometheus; :class:`QueryError`:
 one query refused or aborted) and the parsing of its answers.
+
+The answers are parsed as a stranger's: any JSON shape where a mapping or a list belongs, any
+number where a sample belongs. A result that is not a list is a :class:`QueryError` (the panel
+says its query failed); an item or a label set of the wrong shape, a label value that is not
+text, is left out; a sample that is not a number the charts can place (not finite, or beyond
+:data:`MAX_SAMPLE`) is a gap. A report never ends in a traceback over what a server sent.
 """
 
 from __future__ import annotations
@@ -20,6 +26,12 @@ from mrc_agent.agent.core.units import parse_duration
 MAX_BODY_BYTES = 64 << 20
 #: Grafana's default when it cannot know the scrape interval.
 DEFAULT_SCRAPE_INTERVAL_S = 15.0
+#: Largest sample magnitude drawn. No metric of the report comes near (bytes per second are
+#: around 1e12), and the axes' arithmetic (a span, a rounded step above it) must stay finite
+#: in floats that end at 1.8e308; a sample beyond is a gap.
+MAX_SAMPLE = 1e300
+#: A scrape interval is a few seconds; a target claiming more than a day is not believed.
+MAX_SCRAPE_INTERVAL_S = 86400.0
 
 
 class Unreachable(Exception):
@@ -111,12 +123,18 @@ class PromClient:
             data = self.get("/api/v1/targets", {"state": "active"})
         except QueryError:
             return None
+        targets = data.get("activeTargets") if isinstance(data, dict) else None
         intervals = []
-        for target in (data or {}).get("activeTargets", []) if isinstance(data, dict) else []:
-            try:
-                intervals.append(parse_duration(str(target.get("scrapeInterval", ""))))
-            except ValueError:
+        for target in targets if isinstance(targets, list) else []:
+            text = target.get("scrapeInterval") if isinstance(target, dict) else None
+            if not isinstance(text, str):
                 continue
+            try:
+                seconds = parse_duration(text)
+            except (ValueError, OverflowError):
+                continue
+            if 0 < seconds <= MAX_SCRAPE_INTERVAL_S:
+                intervals.append(seconds)
         return max(intervals) if intervals else None
 
 
@@ -125,7 +143,18 @@ def _result(data: Any, kind: str) -> list[dict[str, Any]]:
         got = data.get("resultType") if isinstance(data, dict) else type(data).__name__
         raise QueryError(f"expected a {kind} result, got {got}")
     result = data.get("result") or []
+    if not isinstance(result, list):
+        raise QueryError(f"expected a list of {kind} series, got {type(result).__name__}")
     return [r for r in result if isinstance(r, dict)]
+
+
+def labels_of(series: dict[str, Any]) -> dict[str, str]:
+    """A result's ``metric``: the label names and values that are text (Prometheus' always
+    are); ``{}`` for anything that is not a mapping."""
+    metric = series.get("metric")
+    if not isinstance(metric, dict):
+        return {}
+    return {k: v for k, v in metric.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def rate_interval(step_s: float, scrape_s: float) -> float:
@@ -134,9 +163,13 @@ def rate_interval(step_s: float, scrape_s: float) -> float:
 
 
 def _value(text: Any) -> float | None:
+    """A sample (or timestamp) as a float; None where it is no number :data:`MAX_SAMPLE` bounds
+    (text that is no number, NaN, infinities, 1.7e308)."""
+    if isinstance(text, bool):
+        return None
     try:
         v = float(text)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
-    return v if math.isfinite(v) else None
+    return v if math.isfinite(v) and abs(v) <= MAX_SAMPLE else None
 

@@ -17,11 +17,13 @@ from mrc_agent.agent.tools.report.data import ChartData, HeatmapData
 from mrc_agent.dashboards.queries import PROMPT_LENGTH_ORDER, RESOLUTION_ORDER
 
 _SI = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
+#: The smallest value span an axis is drawn for; below, the span is taken as empty.
+_MIN_SPAN = 1e-300
 
 
 def _num(v: float, digits: int = 3) -> str:
     text = f"{v:.{digits}g}"
-    if "e" in text:
+    if "e" in text and abs(v) < 1e15:  # 1e+03 reads as 1000; 1e+200 stays short
         text = f"{v:.0f}"
     return text
 
@@ -43,7 +45,8 @@ def format_value(v: float, unit: str) -> str:
 
 
 def format_ms(seconds: float) -> str:
-    return f"{seconds * 1000:,.0f} ms"
+    ms = seconds * 1000
+    return f"{ms:,.0f} ms" if abs(ms) < 1e15 else f"{ms:.3g} ms"
 
 
 def _utc(t: float, fmt: str = "%Y-%m-%d %H:%M:%S UTC") -> str:
@@ -132,10 +135,15 @@ def y_domain(values: Sequence[float], threshold: float | None,
         hi = max(hi, threshold * 1.1)
     if fixed_max is not None:
         hi = max(hi, fixed_max)
-    if hi <= lo:
+    # lo <= 0 <= hi. A span too small for a float to divide into ticks (5e-324, a denormal a
+    # server may send) is drawn as an empty one.
+    if hi - lo <= _MIN_SPAN:
         hi = lo + 1.0
     step = nice_step((hi - lo) / 5)
-    return math.floor(lo / step) * step, math.ceil(hi / step - 1e-9) * step, step
+    low, high = math.floor(lo / step) * step, math.ceil(hi / step - 1e-9) * step
+    if not (math.isfinite(low) and math.isfinite(high) and high > low):
+        return 0.0, 1.0, 0.2  # values past what the axes can hold (prom.MAX_SAMPLE)
+    return low, high, step
 
 
 def _path(axes: _Axes, points: list[tuple[float, float | None]]) -> tuple[str, int]:
