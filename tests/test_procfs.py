@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from mrc_agent.agent.core.hw import procfs
-from mrc_agent.agent.core.hw.procfs import ProcessGone, ProcFS, parse_stat
+from mrc_agent.agent.core.hw.procfs import ProcessGone, ProcFS, is_pid, parse_stat
 
 PAGE = 4096
 
@@ -290,3 +290,12 @@ def test_release_and_close_close_the_descriptors(fs: ProcFS, root: Path) -> None
     kept = fs._fds[f"{root}/5/stat"]
     fs.close()
     assert fs._fds == {} and not is_open(kept) and open_fds() == before
+
+
+@pytest.mark.parametrize(("text", "ok"), [("1", True), ("4194304", True), ("4194305", False),
+                                          ("0", False), ("", False),
+                                          ("9" * 5000, False), ("²", False)])
+def test_is_pid_reads_only_as_many_digits_as_a_pid_has(text: str, ok: bool) -> None:
+    """A PID of 5,000 digits (a replay trace's or a pidfile's) is no PID, not a ValueError
+    from int()'s digit limit."""
+    assert is_pid(text) is ok

@@ -94,3 +94,25 @@ def test_bad_bytes_say_what_would_do() -> None:
     assert str(info.value) == "expected bytes such as 104857600, 100Mi or 1G"
     with pytest.raises(ValueError, match=r"^-1 is not a finite, non-negative number of bytes$"):
         parse_bytes(-1)
+
+
+@pytest.mark.parametrize("value", ["9" * 5000, "9" * 5000 + "s", "1" + "0" * 19 + "ms",
+                                   10**5000, "9" * 400],
+                         ids=["5000-digits", "5000-digit-seconds", "20-digit-ms", "int-10e5000",
+                              "400-digits"])
+def test_huge_durations_are_one_short_value_error(value: object) -> None:
+    """Thousands of digits (a config value, a flag, a Prometheus answer) are refused as a
+    duration in a message of its own size, never an OverflowError or int()'s digit limit."""
+    with pytest.raises(ValueError) as info:
+        parse_duration(value)
+    assert len(str(info.value)) < 160
+    assert "int_max_str_digits" not in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["9" * 5000, "9" * 5000 + "Mi", 10**5000],
+                         ids=["5000-digits", "5000-digit-Mi", "int-10e5000"])
+def test_huge_byte_counts_are_one_short_value_error(value: object) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_bytes(value)
+    assert len(str(info.value)) < 160
+    assert "int_max_str_digits" not in str(info.value)

@@ -11,15 +11,29 @@ from __future__ import annotations
 
 import math
 import re
+import reprlib
 from typing import Any
 
 _UNIT_SECONDS = {"y": 365 * 86400.0, "w": 7 * 86400.0, "d": 86400.0, "h": 3600.0, "m": 60.0,
                  "s": 1.0, "ms": 0.001}
-_PROMETHEUS = re.compile(r"(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?"
-                         r"(?:(\d+)ms)?")
+# At most 18 digits a unit: Prometheus keeps a duration in an int64 of milliseconds, and a
+# longer run of digits would only cost int() its quadratic time (or its 4,300-digit refusal).
+_PROMETHEUS = re.compile(r"(?:(\d{1,18})y)?(?:(\d{1,18})w)?(?:(\d{1,18})d)?(?:(\d{1,18})h)?"
+                         r"(?:(\d{1,18})m)?(?:(\d{1,18})s)?(?:(\d{1,18})ms)?")
 _BYTE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2,
                "gi": 1024**3}
-_BYTES = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmg]i?)?b?\s*", re.IGNORECASE)
+_BYTES = re.compile(r"\s*(\d{1,30}(?:\.\d{1,30})?)\s*([kmg]i?)?b?\s*", re.IGNORECASE)
+#: What an error message quotes of a value: its first characters, however long it is.
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 60
+
+
+def _number(value: int | float) -> float:
+    """``value`` as a float; ValueError (not OverflowError) for an integer too large for one."""
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond a float; repr() of it may be refused too
+        raise ValueError(f"a number of {int(value).bit_length()} bits is too large") from None
 
 
 def _prometheus_seconds(text: str) -> float | None:
@@ -34,7 +48,7 @@ def parse_duration(value: Any) -> float:
     """Seconds in ``value``: a number or a Prometheus duration (``1h30m``). Raises ValueError
     for anything else, or a negative or infinite value."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
+        seconds = _number(value)
     else:
         text = str(value).strip()
         try:
@@ -42,11 +56,11 @@ def parse_duration(value: Any) -> float:
         except ValueError:
             parsed = _prometheus_seconds(text)
             if parsed is None:
-                raise ValueError(f"{text!r} is not a duration such as 3600, 90s, 30m, 1h30m, "
-                                 "7d or 500ms") from None
+                raise ValueError(f"{_SHORT.repr(text)} is not a duration such as 3600, 90s, "
+                                 "30m, 1h30m, 7d or 500ms") from None
             seconds = parsed
     if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"{value!r} is not a finite, non-negative duration")
+        raise ValueError(f"{_SHORT.repr(value)} is not a finite, non-negative duration")
     return seconds
 
 
@@ -76,8 +90,9 @@ def parse_bytes(value: Any) -> int:
     """``104857600``, ``100Mi``, ``100MiB``, ``1G``, ``500k`` -> bytes. Raises ValueError for
     anything else, or a negative or infinite number."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"{value!r} is not a finite, non-negative number of bytes")
+        if not math.isfinite(_number(value)) or value < 0:
+            raise ValueError(f"{_SHORT.repr(value)} is not a finite, non-negative number of "
+                             "bytes")
         return int(value)
     m = _BYTES.fullmatch(str(value))
     if m is None:
