@@ -28,15 +28,18 @@ not_an_image           415     the bytes are no image format the service decodes
 image_truncated        422     the stream ends before the image does (truncated upload, or a
                                JPEG too short for the size its header claims).
 image_corrupt          422     a recognised format whose data cannot be decoded, or whose
-                               header takes longer than ``header_timeout_s`` to parse.
+                               structure holds more segments, chunks or blocks than any real
+                               image (a crafted header, refused before it is parsed).
 invalid_request        422     schema errors: neither/both of ``image``/``image_url``,
-                               ``max_new_tokens`` out of range, wrong types.
+                               ``max_new_tokens`` not an integer or out of range, wrong types.
 overloaded             429     queue full; the app adds ``Retry-After``.
 fetch_failed           502     the ``image_url`` host failed us: DNS failure, connection
                                error, non-2xx answer, too many redirects.
-decode_unavailable     503     too many decodes are stuck past their timeout, or every
-                               header thread is busy; new ones are refused until they drain
-                               (see ``preprocess.DecodePool``).
+decode_unavailable     503     the service's state, not the image's: too many header parses
+                               or decodes are stuck past their timeout (new ones are refused
+                               until they drain, see ``preprocess.DecodePool``), every header
+                               or decode thread stayed busy, or a header was not read within
+                               ``header_timeout_s``. The app adds ``Retry-After``.
 model_not_ready        503     the model is still loading or warming up.
 decode_timeout         504     decoding/preprocessing ran past ``decode_timeout_s``.
 fetch_timeout          504     fetching ``image_url`` ran past ``fetch_timeout_s``.

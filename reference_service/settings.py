@@ -40,8 +40,9 @@ class Settings:
     max_new_tokens_limit: int = 256
     #: A corrupted stream that hangs the decoder is cut after this long (504).
     decode_timeout_s: float = 10.0
-    #: Reading an image's header takes microseconds; one that takes longer than this is a
-    #: crafted stream (19 MB of JPEG fill bytes, a million empty PNG chunks) and gets 422.
+    #: Reading an image's header takes microseconds, and a crafted one (19 MB of JPEG fill
+    #: bytes, a million empty PNG chunks) is refused by count in milliseconds (422). A probe
+    #: not answered within this long waited for a thread or the CPU: 503, a retry may work.
     header_timeout_s: float = 1.0
 
     # --- image_url fetching ---

@@ -210,12 +210,22 @@ def test_pixel_limit_is_ours_below_pillows_threshold(settings: Settings) -> None
         assert "50000000-pixel limit" in e.message
 
 
-@pytest.mark.parametrize("w,h", [(10000, 9000), (20000, 10000)])
-def test_pillows_own_bomb_warning_and_error_are_413(w: int, h: int) -> None:
-    # With our limit set out of the way, Pillow's warning (> MAX_IMAGE_PIXELS) and its error
-    # (> 2x) must still end as a clean 413, not a stray warning or a 500.
+def test_pillows_own_bomb_error_is_413() -> None:
+    # With our limit set out of the way, Pillow's error (> 2x MAX_IMAGE_PIXELS) is the
+    # backstop: a clean 413, not a 500.
     lax = Settings(max_image_pixels=10**12)
-    e = err(lambda: P.probe(png_header_only(w, h), lax))
+    e = err(lambda: P.probe(png_header_only(20000, 10000), lax))
+    assert (e.status, e.code) == (413, "decompression_bomb")
+
+
+def test_pillows_bomb_warning_is_no_second_limit() -> None:
+    """The pixel limit is the service's own: Pillow's warning level (above MAX_IMAGE_PIXELS) is
+    no longer turned into an error through a process-wide warnings filter, which needed a lock
+    around every header parse. Above the service's limit the image never reaches Pillow."""
+    lax = Settings(max_image_pixels=10**12)
+    with pytest.warns(Image.DecompressionBombWarning):
+        assert P.probe(png_header_only(10000, 9000), lax) == ("PNG", 10000, 9000)
+    e = err(lambda: P.probe(png_header_only(10000, 9000), Settings()))
     assert (e.status, e.code) == (413, "decompression_bomb")
 
 
@@ -604,9 +614,31 @@ def test_a_flat_jpeg_of_12_megapixels_is_not_short(settings: Settings,
 # ----------------------------------------------------------------- header probe off the loop
 
 
-def test_a_slow_header_is_refused_as_corrupt_off_the_event_loop() -> None:
+def test_a_crafted_header_is_refused_as_corrupt_off_the_event_loop() -> None:
+    settings = Settings(header_timeout_s=5)
+    data = b"\xff\xd8" + b"\xff" * 3_000_000  # Pillow walked fill bytes one at a time: 1 s
+    pool = P.DecodePool(workers=1, max_stuck=4, name="test-header")
+    try:
+        e = err(lambda: asyncio.run(P.probe_async(pool, data, settings)))
+        assert (e.status, e.code) == (422, "image_corrupt") and "fill" in e.message
+        assert pool.stats()["stuck"] == 0
+    finally:
+        pool.shutdown()
+
+
+def test_a_header_probe_that_overruns_its_budget_is_503_not_the_images_fault(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Header work is bounded by count, so a probe still running at its budget was starved
+    (CPU, GIL): the service's state. It was 422 image_corrupt, blaming a good image."""
     settings = Settings(header_timeout_s=0.05)
-    data = b"\xff\xd8" + b"\xff" * 3_000_000  # Pillow walks fill bytes one at a time
+    release = threading.Event()
+    real = core.probe
+
+    def starved(data: bytes, s: Settings) -> tuple[str, int, int]:
+        release.wait(10)
+        return real(data, s)
+
+    monkeypatch.setattr(core, "probe", starved)
     pool = P.DecodePool(workers=1, max_stuck=4, name="test-header")
 
     async def go() -> tuple[ServiceError, int]:
@@ -621,17 +653,19 @@ def test_a_slow_header_is_refused_as_corrupt_off_the_event_loop() -> None:
         ticker = asyncio.create_task(tick())
         try:
             with pytest.raises(ServiceError) as e:
-                await P.probe_async(pool, data, settings)
+                await P.probe_async(pool, encode(photo(16, 16), "JPEG"), settings)
             await asyncio.sleep(0.05)
         finally:
             ticker.cancel()
         return e.value, ticks
 
-    err, ticks = asyncio.run(go())
     try:
-        assert err.code == "image_corrupt" and "did not parse within 0.05s" in err.message
+        err_, ticks = asyncio.run(go())
+        assert (err_.status, err_.code) == (503, "decode_unavailable")
+        assert "not read within 0.05s" in err_.message
         assert ticks >= 2  # the loop ran while the header was parsed
     finally:
+        release.set()
         pool.shutdown()
 
 

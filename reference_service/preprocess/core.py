@@ -117,31 +117,40 @@ async def preprocess_async(
     wait: DeviceWait = wait_for_queued_work,
 ) -> Preprocessed:
     """:func:`preprocess` on ``pool``, cut after ``timeout`` (default
-    ``settings.decode_timeout_s``) with 504 ``decode_timeout``. The event loop never blocks."""
+    ``settings.decode_timeout_s``): 504 ``decode_timeout`` when the decode itself ran that
+    long, 503 ``decode_unavailable`` when it never got a thread (every decode thread busy: the
+    service's state, a retry may work). The event loop never blocks."""
     limit = settings.decode_timeout_s if timeout is None else timeout
 
     def job() -> Preprocessed:
         return preprocess(data, target_hw, mean, std, device, ocr_max_side, settings,
                           resize_backend=resize_backend, wait=wait)
 
-    return await pool.run(job, timeout=limit)
+    def timed_out(running: bool) -> ServiceError:
+        if running:
+            return ServiceError.of("decode_timeout",
+                                   f"image decoding took longer than {limit:g}s")
+        return ServiceError.of("decode_unavailable", f"no image decode thread came free "
+                               f"within {limit:g}s; try again later")
+
+    return await pool.run(job, timeout=limit, on_timeout=timed_out)
 
 
 async def probe_async(pool: DecodePool, data: bytes, settings: Settings) -> tuple[str, int, int]:
     """:func:`~reference_service.preprocess.header.probe` on ``pool``, never on the event loop.
 
-    A header parses in microseconds, but Pillow walks some structures a byte or a chunk at a
-    time in Python: 19 MB of JPEG fill bytes, 1.7 million empty PNG chunks or 10 million GIF
-    comment blocks take 5-10 s. Past ``settings.header_timeout_s`` the image is refused as
-    corrupt (422); a probe that could not even start (every header thread busy with such
-    streams) is 503 ``decode_unavailable``, a retry may work.
+    The structure walk bounds a header's work by count (a crafted one is refused as corrupt in
+    milliseconds), so a probe that has not answered within ``settings.header_timeout_s`` is the
+    service's state, not the image's: every header thread busy, or the parse starved of CPU.
+    Either way it is 503 ``decode_unavailable`` (``Retry-After``), never a 4xx that would blame
+    a good image.
     """
     limit = settings.header_timeout_s
 
     def timed_out(running: bool) -> ServiceError:
         if running:
-            return ServiceError.of("image_corrupt", f"the image header did not parse within "
-                                   f"{limit:g}s (a crafted or damaged stream)")
+            return ServiceError.of("decode_unavailable", f"the image header was not read within "
+                                   f"{limit:g}s: the service is busy; try again later")
         return ServiceError.of("decode_unavailable", "every header-parsing thread is busy; "
                                "try again later")
 

@@ -2,23 +2,29 @@
 
 :func:`probe` (and :func:`_open`, which the decoder starts from) reads only the header: size in
 bytes, format (a fixed allowlist, so Pillow never hands a stream to Ghostscript or another
-exotic plugin), pixel count (a 50000×50000 PNG is refused here from 33 bytes of IHDR, with no
-allocation), including Pillow's own decompression-bomb check. When Pillow cannot identify the
-bytes, their magic number says whether they are a damaged image (422) or not an image (415).
+exotic plugin) and pixel count (a 50000×50000 PNG is refused here from 33 bytes of IHDR, with no
+allocation). Before Pillow sees a byte, :func:`~reference_service.preprocess.structure.walk`
+bounds the work of its header walk by count (a crafted header is refused in milliseconds) and
+reads the size, so the service's pixel limit applies first; Pillow's own decompression-bomb
+error (at twice ``Image.MAX_IMAGE_PIXELS``) stays as a backstop. No warnings filter and no
+lock: Pillow's DecompressionBombWarning (a size between its threshold and twice it, which only
+a limit set above Pillow's lets through) stays a warning, and every header parses on its own
+thread at once. When Pillow cannot identify the bytes, their magic number says whether they
+are a damaged image (422) or not an image (415).
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import re
 import struct
-import threading
-import warnings
 
 from PIL import Image, UnidentifiedImageError
 
 from mrc_agent.reference_service.errors import ServiceError
+from mrc_agent.reference_service.preprocess.structure import sniff, walk
 from mrc_agent.reference_service.settings import Settings
 
 log = logging.getLogger("mrc_agent.reference_service.preprocess")
@@ -28,31 +34,12 @@ log = logging.getLogger("mrc_agent.reference_service.preprocess")
 #: preview frame come back as format "MPO" through the JPEG opener; they are JPEGs for us.)
 ALLOWED_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 
-#: Magic numbers of the allowed formats: bytes that *look* like an image but that Pillow cannot
-#: open are a damaged image (422), not "not an image" (415).
-_MAGIC: tuple[tuple[bytes, str], ...] = (
-    (b"\xff\xd8\xff", "JPEG"),
-    (b"\x89PNG\r\n\x1a\n", "PNG"),
-    (b"GIF87a", "GIF"),
-    (b"GIF89a", "GIF"),
-    (b"BM", "BMP"),
-    (b"II*\x00", "TIFF"),
-    (b"MM\x00*", "TIFF"),
-)
 
-# Image.open may warn (DecompressionBombWarning) and we want that as an exception. The warnings
-# filter is process-global and catch_warnings is not thread-safe before Python 3.14, so the few
-# microseconds of header parsing under the filter are serialised.
-_OPEN_LOCK = threading.Lock()
-
-
-def _sniff(data: bytes) -> str | None:
-    for magic, fmt in _MAGIC:
-        if data.startswith(magic):
-            return fmt
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "WEBP"
-    return None
+def _check_pixels(width: int, height: int, settings: Settings) -> None:
+    if width * height > settings.max_image_pixels:
+        raise ServiceError.of(
+            "decompression_bomb", f"image is {width}x{height} = {width * height} pixels, over "
+            f"the {settings.max_image_pixels}-pixel limit")
 
 
 def _check_bytes(data: bytes, settings: Settings) -> None:
@@ -67,13 +54,12 @@ def _check_bytes(data: bytes, settings: Settings) -> None:
 def _open(data: bytes, settings: Settings) -> Image.Image:
     """Parse the header only and apply every limit that the header can decide."""
     _check_bytes(data, settings)
+    walk(data, functools.partial(_check_pixels, settings=settings))
     try:
-        with _OPEN_LOCK, warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        # Pillow's own guard fired first; say it in the service's terms, with the limit the
-        # service is configured with (Pillow's is a backstop above it).
+        img = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
+    except Image.DecompressionBombError as e:
+        # Pillow's backstop fired: the service's own limit is set above it. Say it in the
+        # service's terms, with the lower of the two limits (the one that refused).
         m = re.search(r"\((\d+) pixels\)", str(e))
         size = f"image is {m[1]} pixels" if m else "image is too large"
         limit = min(settings.max_image_pixels, int(Image.MAX_IMAGE_PIXELS or 0) or
@@ -81,7 +67,7 @@ def _open(data: bytes, settings: Settings) -> Image.Image:
         raise ServiceError.of("decompression_bomb", f"{size}, over the {limit}-pixel limit "
                               "(refused before decoding)") from e
     except UnidentifiedImageError as e:
-        fmt = _sniff(data)
+        fmt = sniff(data)
         if (fmt == "PNG" and len(data) >= 24 and data[12:16] == b"IHDR"
                 and 0 in struct.unpack(">II", data[16:24])):
             # Pillow refuses a 0-pixel PNG as unidentifiable; say what it really is.
@@ -101,10 +87,7 @@ def _open(data: bytes, settings: Settings) -> Image.Image:
     w, h = img.size
     if w <= 0 or h <= 0:
         raise ServiceError.of("image_empty", f"image has no pixels ({w}x{h})")
-    if w * h > settings.max_image_pixels:
-        raise ServiceError.of(
-            "decompression_bomb",
-            f"image is {w}x{h} = {w * h} pixels, over the {settings.max_image_pixels}-pixel limit")
+    _check_pixels(w, h, settings)
     return img
 
 
