@@ -8,6 +8,7 @@ loads and ``/ready`` says 503 until it is loaded and warmed. Every error leaves 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,10 +23,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mrc_agent.exporters.instrumentation import MRCMetrics, mark_process_dead, metrics_endpoint
 from mrc_agent.reference_service.cache import AnswerCache
 from mrc_agent.reference_service.errors import ServiceError
-from mrc_agent.reference_service.limiter import Admission, Overloaded
+from mrc_agent.reference_service.limiter import Admission, BoundedStep, Overloaded
+from mrc_agent.reference_service.logs import escape
 from mrc_agent.reference_service.middleware import BodyLimit
 from mrc_agent.reference_service.ocr import OCR
-from mrc_agent.reference_service.pipeline import counted
+from mrc_agent.reference_service.pipeline import OCR_WAIT_S, counted
 from mrc_agent.reference_service.preprocess import DecodePool, max_encoded_len
 from mrc_agent.reference_service.routers import health, mrc
 from mrc_agent.reference_service.routers.mrc import MRC_PATHS
@@ -78,17 +80,25 @@ def build_state(settings: Settings) -> ServiceState:
             raise RuntimeError(f"--ocr on, but OCR is unavailable: {candidate.unavailable_reason}")
         else:
             log.warning("OCR step off: %s", candidate.unavailable_reason)
+    metrics = MRCMetrics()
+    # As many OCR threads as model slots: the step's cost per request (a child process of
+    # tesseract) is what it was when OCR ran inside the slot.
+    ocr_pool = ThreadPoolExecutor(settings.max_concurrency, thread_name_prefix="mrc-ocr")
     return ServiceState(
         settings=settings,
-        metrics=MRCMetrics(),
+        metrics=metrics,
         cache=AnswerCache(settings.cache_max_entries, settings.cache_max_bytes,
                           settings.cache_ttl_s),
         admission=Admission(settings.max_concurrency, settings.max_queue,
                             settings.retry_after_s),
-        decode_pool=DecodePool(settings.preprocess_workers),
-        header_pool=DecodePool(settings.preprocess_workers, name="mrc-header"),
+        decode_pool=DecodePool(settings.preprocess_workers, on_abandoned=functools.partial(
+            metrics.abandoned_threads, "decode")),
+        header_pool=DecodePool(settings.preprocess_workers, name="mrc-header",
+                               on_abandoned=functools.partial(metrics.abandoned_threads,
+                                                              "header")),
         model_pool=ThreadPoolExecutor(settings.max_concurrency, thread_name_prefix="mrc-model"),
-        ocr_pool=ThreadPoolExecutor(settings.max_concurrency, thread_name_prefix="mrc-ocr"),
+        ocr_pool=ocr_pool,
+        ocr_step=BoundedStep(ocr_pool, settings.max_concurrency, OCR_WAIT_S),
         ocr=ocr,
     )
 
@@ -184,7 +194,7 @@ def create_app(settings: Settings | None = None, loader: Loader | None = None) -
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         count_refused(request.url.path, 500, exc)
-        log.exception("unhandled error on %s", request.url.path)
+        log.exception("unhandled error on %s", escape(request.url.path))
         # The server closes the connection after an unhandled error: say so, so that a
         # client's next request does not fail on a connection it believes kept alive.
         return JSONResponse({"error": {"code": "internal", "message": "internal error"}},

@@ -2,8 +2,15 @@
 
 Each step is timed into ``mrc_stage_duration_seconds``; an intermediate step that gives nothing
 usable (no image behind the URL, no text found by OCR) is a chain break; the answer cache is
-consulted once the image is known, with a key over the whole prompt (never a prefix); the
-model runs only inside an admission slot, so overload is a fast 429 and not a growing backlog.
+consulted once the image is known, with a key over the whole prompt (never a prefix). A request
+is admitted to the chain before its image is decoded, or refused with a fast 429 (a bounded
+number are in the chain, not a growing backlog); it decodes and reads text on pools of their
+own, and holds a model slot only while the model runs. OCR, which a page of dense text keeps
+busy for its whole timeout, so never delays another request's model work; a request that finds
+every OCR thread taken waits :data:`OCR_WAIT_S` at most and answers without the text.
+
+An answer made with a degraded step (OCR failed, timed out or found no thread free) is not
+cached: it would be served for the cache's whole lifetime to requests made when the step works.
 Every request ends in exactly one structured log line.
 """
 
@@ -16,9 +23,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from PIL import Image
+
 from mrc_agent.reference_service.cache import make_key
 from mrc_agent.reference_service.errors import ServiceError
 from mrc_agent.reference_service.fetch import fetch_image
+from mrc_agent.reference_service.limiter import StepBusy
 from mrc_agent.reference_service.logs import log_request
 from mrc_agent.reference_service.ocr import OCRError
 from mrc_agent.reference_service.preprocess import preprocess_async, probe_async
@@ -30,6 +40,10 @@ MAX_OCR_CHARS = 400
 #: Long side of the image handed to tesseract: text a phone photo shows stays legible, and the
 #: draft-mode decode can still skip most of a 12 MP JPEG.
 OCR_MAX_SIDE = 1600
+#: The longest a request waits for a free OCR thread before it answers without the image's
+#: text: about one ordinary page's OCR, so a burst of real requests still gets its text, while
+#: inputs that keep tesseract busy for its whole 10 s cost other requests this much at most.
+OCR_WAIT_S = 2.0
 
 
 @dataclass
@@ -118,7 +132,7 @@ async def _run(state: ServiceState, req: MRCRequest, r: Any,
         with r.stage("postprocess"):
             return {**hit, "cached": True, "ttft_ms": 0.0, "request_id": req.request_id}
 
-    async with state.admission.slot(waiting=r.queued()):
+    async with state.admission.admit():
         # From its first kernel to its last tensor the request occupies the model's device, so
         # a concurrent request's peak-memory reading counts it as sharing the device.
         with vlm.device_users.occupy() as device_user:
@@ -127,21 +141,18 @@ async def _run(state: ServiceState, req: MRCRequest, r: Any,
                 vlm.device, OCR_MAX_SIDE if state.ocr_on else None, settings)
             r.observe_stage("decode", pre.decode_s)
             r.observe_stage("preprocess", pre.preprocess_s)
-            ocr_text = ""
-            if state.ocr is not None and pre.ocr_image is not None:
-                with r.stage("ocr"):
-                    try:
-                        ocr_text = await asyncio.get_running_loop().run_in_executor(
-                            state.ocr_pool, state.ocr.read, pre.ocr_image)
-                    except OCRError as exc:
-                        fields["ocr_error"] = exc.reason
-                if not ocr_text:
-                    metrics.chain_break("ocr")
-            loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(state.model_pool, functools.partial(
-                vlm.generate, pre.pixel_values, _chain_prompt(req.prompt, ocr_text),
-                req.max_new_tokens, on_first_token=r.first_token, device_user=device_user))
-            del pre  # its pixel values are the request's last tensor on the device
+            pixel_values, ocr_image = pre.pixel_values, pre.ocr_image
+            del pre
+            ocr_text, degraded = "", False
+            if state.ocr is not None and ocr_image is not None:
+                ocr_text, degraded = await _read_text(state, ocr_image, r, fields)
+            del ocr_image
+            async with state.admission.slot(waiting=r.queued()):
+                loop = asyncio.get_running_loop()
+                result = await loop.run_in_executor(state.model_pool, functools.partial(
+                    vlm.generate, pixel_values, _chain_prompt(req.prompt, ocr_text),
+                    req.max_new_tokens, on_first_token=r.first_token, device_user=device_user))
+            del pixel_values  # the request's last tensor on the device
         r.tokens(result.output_tokens, result.input_tokens)
         r.observe_stage("prefill", result.prefill_s)
         r.observe_stage("generate", result.generate_s)
@@ -160,6 +171,26 @@ async def _run(state: ServiceState, req: MRCRequest, r: Any,
             "ocr_text": ocr_text,
             "meaningful": vlm.meaningful,
         }
-        state.cache.put(key, body, len(body["answer"].encode()) + len(ocr_text.encode()) + 128)
+        if not degraded:
+            state.cache.put(key, body,
+                            len(body["answer"].encode()) + len(ocr_text.encode()) + 128)
     return {**body, "cached": False, "ttft_ms": round(result.ttft_s * 1000, 1),
             "request_id": req.request_id}
+
+
+async def _read_text(state: ServiceState, image: Image.Image, r: Any,
+                     fields: dict[str, Any]) -> tuple[str, bool]:
+    """The OCR step on its own threads, outside the model slot: the text found, and whether the
+    step was degraded (failed, timed out, or no thread free within :data:`OCR_WAIT_S`)."""
+    assert state.ocr is not None
+    text, degraded = "", False
+    with r.stage("ocr"):
+        try:
+            text = await state.ocr_step.run(state.ocr.read, image)
+        except OCRError as exc:
+            fields["ocr_error"], degraded = exc.reason, True
+        except StepBusy:
+            fields["ocr_error"], degraded = "busy", True
+    if not text:
+        state.metrics.chain_break("ocr")
+    return text, degraded

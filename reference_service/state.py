@@ -9,7 +9,7 @@ from typing import Any
 
 from mrc_agent.exporters.instrumentation import MRCMetrics
 from mrc_agent.reference_service.cache import AnswerCache
-from mrc_agent.reference_service.limiter import Admission
+from mrc_agent.reference_service.limiter import Admission, BoundedStep
 from mrc_agent.reference_service.ocr import OCR
 from mrc_agent.reference_service.preprocess import DecodePool
 from mrc_agent.reference_service.settings import Settings
@@ -28,7 +28,10 @@ class ServiceState:
     #: Runs generate (the model serialises calls itself) and OCR off the event loop.
     model_pool: ThreadPoolExecutor
     ocr_pool: ThreadPoolExecutor
-    ocr: OCR | None
+    #: The OCR step on ``ocr_pool``'s threads, with a bounded wait for a free one.
+    ocr_step: BoundedStep
+    #: Anything with ``read(image) -> str`` raising ``OCRError``; None: the step is off.
+    ocr: OCR | Any | None
     vlm: Any = None  # reference_service.model.VLM once loaded (imported lazily: torch)
     loading: str = "starting"
     ready: bool = False

@@ -54,7 +54,7 @@ def test_a_single_negative_side_is_refused_even_when_the_area_would_be_zero() ->
 
 def test_every_family_is_declared_once_with_what_its_kind_needs() -> None:
     names = [f.name for f in families.FAMILIES]
-    assert len(names) == len(set(names)) == 15
+    assert len(names) == len(set(names)) == 16
     for f in families.FAMILIES:
         assert f.name.startswith("mrc_") and f.help and f.help.endswith(".")
         assert bool(f.buckets) == (f.kind == "histogram"), f.name
@@ -65,3 +65,4 @@ def test_every_family_is_declared_once_with_what_its_kind_needs() -> None:
         assert by_name[name].labelnames == ("prompt_length", "resolution")
     assert by_name["mrc_model_info"].mp_mode == "livemax"
     assert by_name["mrc_requests_total"].labelnames == ("outcome",)
+    assert by_name["mrc_preprocess_abandoned_threads"].labelnames == ("pool",)

@@ -286,6 +286,19 @@ def test_queued_moves_a_request_out_of_in_flight(m: MRCMetrics) -> None:
     assert value(m, "mrc_requests_queued") == 0 and value(m, "mrc_requests_in_flight") == 0
 
 
+def test_abandoned_preprocess_threads_per_pool(m: MRCMetrics) -> None:
+    for pool in ("header", "decode"):
+        assert value(m, "mrc_preprocess_abandoned_threads", pool=pool) == 0  # from the start
+    m.abandoned_threads("header", +1)
+    m.abandoned_threads("header", +1)
+    m.abandoned_threads("decode", +1)
+    m.abandoned_threads("header", -1)
+    assert value(m, "mrc_preprocess_abandoned_threads", pool="header") == 1
+    assert value(m, "mrc_preprocess_abandoned_threads", pool="decode") == 1
+    with pytest.raises(ValueError, match="unknown preprocess pool 'ocr'"):
+        m.abandoned_threads("ocr", 1)  # type: ignore[arg-type]
+
+
 def test_cache_chain_breaks_and_model_info(m: MRCMetrics) -> None:
     m.cache_lookup(hit=True)
     m.cache_lookup(hit=False)

@@ -188,6 +188,53 @@ def test_async_preprocess_is_cut_at_the_settings_decode_timeout(
         pool.shutdown()
 
 
+def test_an_abandoned_thread_is_reported_until_it_retires() -> None:
+    deltas: list[int] = []
+    release = threading.Event()
+    pool = P.DecodePool(workers=1, max_stuck=2, name="test-units", on_abandoned=deltas.append)
+    try:
+        e = err(lambda: asyncio.run(pool.run(release.wait, 10, timeout=0.05)))
+        assert e.code == "decode_timeout"
+        assert deltas == [1] and pool.stats()["stuck"] == 1
+        release.set()
+        deadline = time.monotonic() + 10
+        while deltas != [1, -1] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert deltas == [1, -1] and pool.stats()["stuck"] == 0
+    finally:
+        release.set()
+        pool.shutdown()
+
+
+def test_the_header_pool_caps_its_abandoned_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A header probe that overruns is abandoned like a decode, up to the same cap: past it new
+    probes get 503 at once and no thread is started."""
+    from mrc_agent.reference_service.main import build_state
+
+    settings = Settings(header_timeout_s=0.05, preprocess_workers=1, ocr="off")
+    state = build_state(settings)
+    release = threading.Event()
+    monkeypatch.setattr(core, "probe", lambda data, s: release.wait(10))
+    pool = state.header_pool
+    try:
+        assert pool.max_stuck == 2
+        for _ in range(2):
+            e = err(lambda: asyncio.run(P.probe_async(pool, jpeg(), settings)))
+            assert (e.status, e.code) == (503, "decode_unavailable")
+        e = err(lambda: asyncio.run(P.probe_async(pool, jpeg(), settings)))
+        assert (e.status, e.code) == (503, "decode_unavailable") and "stuck" in e.message
+        assert pool.stats()["threads"] == 3  # one working, two written off, no more
+        metrics = state.metrics.registry
+        assert metrics.get_sample_value("mrc_preprocess_abandoned_threads",
+                                        {"pool": "header"}) == 2
+    finally:
+        release.set()
+        for p in (state.header_pool, state.decode_pool):
+            p.shutdown()
+        for ex in (state.model_pool, state.ocr_pool):
+            ex.shutdown(wait=False)
+
+
 def test_probe_async_answers_from_the_header(pool: P.DecodePool) -> None:
     assert asyncio.run(P.probe_async(pool, jpeg(40, 30), Settings())) == ("JPEG", 40, 30)
 

@@ -22,6 +22,7 @@ from mrc_agent.exporters.instrumentation import buckets
 Stage = Literal["fetch", "decode", "preprocess", "ocr", "prefill", "generate", "postprocess"]
 Outcome = Literal["ok", "client_error", "overloaded", "timeout", "error"]
 ChainBreakStep = Literal["ocr", "fetch", "preprocess"]
+PreprocessPool = Literal["header", "decode"]
 
 #: The ``stage`` label values, in chain order.
 STAGES: tuple[str, ...] = get_args(Stage)
@@ -31,6 +32,9 @@ OUTCOMES: tuple[str, ...] = get_args(Outcome)
 #: feeds the model — the image could not be fetched, preprocessing gave nothing usable, or OCR
 #: found no text. A step outside this set is a programming error (ValueError), never a new series.
 CHAIN_BREAK_STEPS: tuple[str, ...] = get_args(ChainBreakStep)
+#: The ``pool`` label values of ``mrc_preprocess_abandoned_threads``: the service's thread pools
+#: that parse image headers and decode images under a timeout.
+PREPROCESS_POOLS: tuple[str, ...] = get_args(PreprocessPool)
 #: Label names of ``mrc_model_info``.
 MODEL_INFO_LABELS = ("model_id", "revision", "dtype", "quantization", "device",
                      "attention_backend")
@@ -135,7 +139,14 @@ MODEL_INFO = Family(
     "Always 1; the labels describe the model being served and the attention backend actually "
     "selected.",
     MODEL_INFO_LABELS, mp_mode="livemax")
+PREPROCESS_ABANDONED_THREADS = Family(
+    "mrc_preprocess_abandoned_threads", "gauge",
+    "Image header and decode threads written off because their job overran its timeout and "
+    "still running it, by pool (header, decode); past a fixed number per pool, new images get "
+    "503 until they finish.",
+    ("pool",))
 #: Every metric of the contract, in exposition order.
 FAMILIES = (REQUEST_DURATION, TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, STAGE_DURATION,
             REQUESTS_IN_FLIGHT, REQUESTS_QUEUED, REQUESTS, PEAK_GPU_MEMORY, CACHE_LOOKUPS,
-            CACHE_HITS, CHAIN_BREAKS, MODEL_INFO, QUEUE_TIME, PROMPT_TOKENS, GENERATION_TOKENS)
+            CACHE_HITS, CHAIN_BREAKS, MODEL_INFO, QUEUE_TIME, PROMPT_TOKENS, GENERATION_TOKENS,
+            PREPROCESS_ABANDONED_THREADS)

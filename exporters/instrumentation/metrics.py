@@ -48,6 +48,8 @@ from mrc_agent.exporters.instrumentation.families import (
     LATENCY_OUTCOMES,
     OUTCOMES,
     PEAK_GPU_MEMORY,
+    PREPROCESS_ABANDONED_THREADS,
+    PREPROCESS_POOLS,
     PROMPT_TOKENS,
     QUEUE_TIME,
     REQUEST_DURATION,
@@ -60,6 +62,7 @@ from mrc_agent.exporters.instrumentation.families import (
     TIME_TO_FIRST_TOKEN,
     ChainBreakStep,
     Outcome,
+    PreprocessPool,
     Stage,
     _outcome_for_exception,
     outcome_for_status,
@@ -120,6 +123,8 @@ class MRCMetrics:
         counters += [(PROMPT_TOKENS, ()), (GENERATION_TOKENS, ())]
         gauges: list[_Series] = [(REQUESTS_IN_FLIGHT, ()), (REQUESTS_QUEUED, ())]
         self._in_flight_id, self._queued_id = 0, 1
+        self._abandoned_ids = {p: len(gauges) + i for i, p in enumerate(PREPROCESS_POOLS)}
+        gauges += [(PREPROCESS_ABANDONED_THREADS, (p,)) for p in PREPROCESS_POOLS]
 
         self._store: _Store
         if self.multiprocess:
@@ -184,6 +189,16 @@ class MRCMetrics:
             raise ValueError(f"unknown chain step {step!r}; expected one of "
                              f"{', '.join(CHAIN_BREAK_STEPS)}") from None
         self._store.count(cid)
+
+    def abandoned_threads(self, pool: PreprocessPool, delta: int) -> None:
+        """Add ``delta`` to ``pool``'s threads written off after a timeout: +1 when a job
+        overruns and its thread is abandoned, -1 when that job ends and the thread retires."""
+        try:
+            gid = self._abandoned_ids[pool]
+        except KeyError:
+            raise ValueError(f"unknown preprocess pool {pool!r}; expected one of "
+                             f"{', '.join(PREPROCESS_POOLS)}") from None
+        self._store.gauge_add(gid, float(delta))
 
     def set_model_info(self, *, model_id: str, revision: str = "unknown", dtype: str = "unknown",
                        quantization: str = "none", device: str = "unknown",

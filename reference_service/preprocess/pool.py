@@ -67,15 +67,19 @@ class DecodePool:
     available. When the abandoned job finally returns, its thread exits. At most ``max_stuck``
     threads may be stuck; beyond that :meth:`run` refuses with 503 ``decode_unavailable`` rather
     than growing without bound. Threads are daemons so a stuck one never blocks shutdown.
+    ``on_abandoned(delta)`` hears of each change to the stuck count (+1 when a thread is
+    written off, -1 when it retires): the service exports it as a gauge.
     """
 
     def __init__(self, workers: int, max_stuck: int | None = None,
-                 name: str = "mrc-decode") -> None:
+                 name: str = "mrc-decode",
+                 on_abandoned: Callable[[int], None] | None = None) -> None:
         if workers < 1:
             raise ValueError("workers must be >= 1")
         self.workers = workers
         self.max_stuck = 2 * workers if max_stuck is None else max_stuck
         self._name = name
+        self._on_abandoned = on_abandoned
         self._ids = itertools.count()
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -115,6 +119,7 @@ class DecodePool:
                 if abandoned:
                     self._stuck -= 1
                     self._live -= 1
+                    self._abandoned(-1)  # under the lock: never reported before its +1
             if abandoned:
                 log.warning("abandoned decode finished after its timeout; thread %s retires",
                             threading.current_thread().name)
@@ -151,6 +156,7 @@ class DecodePool:
                 elif job.state is _State.RUNNING:
                     job.abandoned = True
                     self._stuck += 1
+                    self._abandoned(+1)
                     self._spawn()
                     where = "decoding"
                 else:  # finished in the same instant; its result is already discarded
@@ -169,6 +175,11 @@ class DecodePool:
                 if job.state is _State.PENDING:
                     job.state = _State.CANCELLED
             raise
+
+    def _abandoned(self, delta: int) -> None:
+        # Called with self._lock held; the callback must not call back into the pool.
+        if self._on_abandoned is not None:
+            self._on_abandoned(delta)
 
     def stats(self) -> dict[str, int]:
         """Threads alive, stuck (abandoned after a timeout) and jobs queued."""
