@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from mrc_agent.reference_service.logs import EscapeArgs
 from mrc_agent.reference_service.settings import ENV_SETTINGS, Settings, settings_to_json
 
 #: Above an hour a connection deadline is no deadline; a typo (ms for s) more likely.
@@ -118,6 +119,8 @@ def main(argv: Sequence[str] | None = None,
         return 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(EscapeArgs())
     from mrc_agent.reference_service import server
 
     if args.workers > 1:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import httpx
 
 from mrc_agent.reference_service.errors import ServiceError
+from mrc_agent.reference_service.logs import escape
 from mrc_agent.reference_service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -233,7 +234,7 @@ async def _fetch(url: str, settings: Settings, resolver: Resolver) -> bytes:
                                               f"redirect {status} without Location")
                     # Relative to the URL as named, not the pinned IP, so Host stays right.
                     current = target.url.join(location)
-                    log.debug("image_url redirect %d -> %s", status, current)
+                    log.debug("image_url redirect %d -> %s", status, escape(str(current)))
                     continue
                 if not 200 <= status < 300:
                     raise ServiceError.of("fetch_failed", f"image_url answered HTTP {status}")

@@ -1,4 +1,4 @@
-"""One structured log line per request.
+r"""One structured log line per request.
 
 Plain form (grep-friendly, the design's format)::
 
@@ -7,6 +7,12 @@ Plain form (grep-friendly, the design's format)::
 
 With ``--json-logs`` the same fields are one JSON object per line. The prompt appears only as its
 readable prefix (32 UTF-8 bytes cut at a character boundary), never in full.
+
+No field a client chose reaches any log line raw: :func:`escape` writes control and
+line-breaking characters as visible ``\uXXXX``. The request lines escape every field; the other
+modules escape what they log of a request (its path, a redirect's URL); and
+:class:`EscapeArgs`, on the service's log handlers, escapes the string arguments of every record
+besides, so a line added later cannot forget.
 """
 
 from __future__ import annotations
@@ -29,6 +35,16 @@ _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2066-\u2069
 def escape(text: str) -> str:
     r"""``text`` with every unsafe character as a visible ``\uXXXX`` escape."""
     return _UNSAFE.sub(lambda m: f"\\u{ord(m[0]):04x}", text)
+
+
+class EscapeArgs(logging.Filter):
+    """Escapes the string arguments of every record it sees (idempotent: an escaped string has
+    nothing left to escape). On a handler, it covers every logger that writes there."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(escape(a) if isinstance(a, str) else a for a in record.args)
+        return True
 
 
 def _plain(value: Any) -> str:

@@ -20,6 +20,10 @@ the server's body timeout) makes Starlette raise ``ClientDisconnect`` in the han
 to reach the 500 handler and uvicorn, each writing a traceback at ERROR, and was counted as a
 server error. It is the client's doing: one line at INFO here (with the traceback only at
 DEBUG), counted as 499 (``client_error``).
+
+The path in these lines is the client's, percent-decoded: ``%0a`` in it would start a new line
+of its own (a forged ``MRC_SUCCESS`` one). Every client-given field is written through
+:func:`~reference_service.logs.escape`, as the request log lines are.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from collections.abc import Callable
 
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from mrc_agent.reference_service.logs import escape
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +52,11 @@ CLIENT_CLOSED = 499
 
 class BodyTooLarge(Exception):
     pass
+
+
+def _where(scope: Scope) -> tuple[str, str]:
+    """The request's method and path, fit for a log line."""
+    return escape(str(scope.get("method", ""))), escape(str(scope.get("path", "")))
 
 
 class BodyLimit:
@@ -112,7 +123,7 @@ class BodyLimit:
         except ClientDisconnect:
             # One line; the traceback only when someone asked for DEBUG.
             log.info("%s %s: the connection closed before the request body was complete",
-                     scope.get("method", ""), path, exc_info=log.isEnabledFor(logging.DEBUG))
+                     *_where(scope), exc_info=log.isEnabledFor(logging.DEBUG))
             if not started and self.on_refuse is not None:
                 self.on_refuse(path, CLIENT_CLOSED)
 
@@ -134,8 +145,8 @@ class BodyLimit:
             if not message.get("more_body", False):
                 return
         log.info("%s %s: stopped reading a refused body after %d bytes (bounds: %d bytes, "
-                 "%g s): answering and closing", scope.get("method", ""), scope.get("path", ""),
-                 seen, self.drain_max_bytes, self.drain_timeout_s)
+                 "%g s): answering and closing", *_where(scope), seen, self.drain_max_bytes,
+                 self.drain_timeout_s)
 
     async def _send_error(self, send: Send, status: int, code: str, message: str) -> None:
         body = json.dumps({"error": {"code": code, "message": message}}).encode()

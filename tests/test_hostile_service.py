@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ import httpx
 import pytest
 
 from mrc_agent.reference_service.loadgen import make_photo
-from tests.conftest import requests_by_outcome
+from tests.conftest import parse_metrics, requests_by_outcome, series
 from tests.test_service import Service
 
 MAX_IMAGE = 2 * 1024 * 1024
@@ -159,30 +160,18 @@ def test_content_length_with_transfer_encoding_is_refused(service: Service) -> N
 
 
 def test_a_crafted_header_does_not_freeze_the_service(service: Service) -> None:
-    """1.9 MB of JPEG fill bytes take Pillow about a second to walk; on the event loop that
-    second froze /health. Now the walk runs on a header thread and /health answers throughout."""
-    import threading
-
+    """1.9 MB of JPEG fill bytes took Pillow about a second to walk; on the event loop that
+    second froze /health, and on a header thread it held the lock every probe needed. Now the
+    structure walk refuses it by count before Pillow sees it (tests/test_preprocess_structure.py
+    times it), as the damaged image it is."""
     crafted = b"\xff\xd8" + b"\xff" * (MAX_IMAGE - 200_000)
-    answer: dict[str, httpx.Response] = {}
-
-    def upload() -> None:
-        answer["r"] = httpx.post(service.url + "/mrc/upload", timeout=60,
-                                 files={"file": ("c.jpg", crafted, "image/jpeg")},
-                                 data={"text_prompt": "what is this?"})
-
-    t = threading.Thread(target=upload)
-    t.start()
-    during = 0
-    with httpx.Client(timeout=30) as client:
-        while t.is_alive():
-            if client.get(service.url + "/health").status_code == 200 and t.is_alive():
-                during += 1
-    t.join()
-    r = answer["r"]
+    r = httpx.post(service.url + "/mrc/upload", timeout=60,
+                   files={"file": ("c.jpg", crafted, "image/jpeg")},
+                   data={"text_prompt": "what is this?"})
     assert r.status_code == 422, r.text
-    assert r.json()["error"]["code"] == "image_corrupt"
-    assert during >= 5, during
+    err = r.json()["error"]
+    assert err["code"] == "image_corrupt" and "fill or stray bytes" in err["message"]
+    assert httpx.get(service.url + "/health", timeout=10).status_code == 200
 
 
 def test_a_form_field_that_is_not_utf8_is_400(service: Service) -> None:
@@ -220,3 +209,114 @@ def test_a_jpeg_shorter_than_its_header_claims_is_422(service: Service) -> None:
                    data={"text_prompt": "what is this?"})
     assert r.status_code == 422, r.text
     assert r.json()["error"]["code"] == "image_truncated"
+
+
+# -- issue 19: a hostile input costs only itself -----------------------------------------------
+
+
+def test_good_requests_succeed_while_crafted_headers_arrive(cache_dir: Path) -> None:
+    """Two clients upload 19 MB crafted headers (JPEG fill bytes, empty PNG chunks, GIF comment
+    blocks) without pause. Each took Pillow seconds under one process-wide lock, and every
+    other request's header probe ran out of its 1 s budget: 422 image_corrupt for good images
+    (36 of 36 failed). Now the crafted ones are refused by count in milliseconds and hold
+    nothing another request needs."""
+    import threading
+
+    from tests.test_preprocess_structure import CRAFTED
+
+    svc = Service(cache_dir)  # the default 20 MiB image limit
+    try:
+        crafted = [CRAFTED[n][0]() for n in ("jpeg-fill-bytes", "png-empty-chunks",
+                                             "gif-comment-blocks")]
+        stop = threading.Event()
+        hostile: list[httpx.Response] = []
+
+        def attack(first: int) -> None:
+            with httpx.Client(timeout=120) as client:
+                i = first
+                while not stop.is_set():
+                    hostile.append(client.post(
+                        svc.url + "/mrc/upload", data={"text_prompt": "what is this?"},
+                        files={"file": ("x.img", crafted[i % len(crafted)], "image/jpeg")}))
+                    i += 1
+
+        attackers = [threading.Thread(target=attack, args=(i,)) for i in range(2)]
+        for t in attackers:
+            t.start()
+        good: list[httpx.Response] = []
+        try:
+            while len(hostile) < 2:  # both attackers are under way
+                time.sleep(0.05)
+            with httpx.Client(timeout=120) as client:
+                for i in range(8):
+                    good.append(client.post(svc.url + "/mrc", json={
+                        "image": _image(), "text_prompt": f"good {i}?", "max_new_tokens": 2}))
+        finally:
+            stop.set()
+            for t in attackers:
+                t.join(180)
+        assert [r.status_code for r in good] == [200] * 8, [r.text for r in good if
+                                                          r.status_code != 200]
+        assert len(hostile) >= 4
+        for r in hostile:
+            assert r.status_code == 422, r.text
+            assert r.json()["error"]["code"] == "image_corrupt"
+            assert "at most" in r.json()["error"]["message"]
+        m = parse_metrics(httpx.get(svc.url + "/metrics", timeout=10).text)
+        assert series(m, "mrc_preprocess_abandoned_threads", pool="header") == [0]
+    finally:
+        svc.stop()
+
+
+def test_the_abandoned_preprocess_threads_are_exported_per_pool(service: Service) -> None:
+    m = parse_metrics(httpx.get(service.url + "/metrics", timeout=10).text)
+    for pool in ("header", "decode"):
+        assert series(m, "mrc_preprocess_abandoned_threads", pool=pool) == [0], pool
+
+
+@pytest.mark.parametrize("tokens", ["--5", "+-5", "+5", "1e3", "1.0", "0x10", "5 5", "٣"])
+def test_an_upload_token_budget_is_an_ascii_decimal_integer(service: Service,
+                                                            tokens: str) -> None:
+    """``--5`` passed the digit check and made int() raise: a 500 counted as the server's."""
+    before = requests_by_outcome(service.url)
+    r = httpx.post(service.url + "/mrc/upload", timeout=60,
+                   files={"file": ("p.jpg", make_photo(64, 48, 3), "image/jpeg")},
+                   data={"text_prompt": "what is this?", "max_new_tokens": tokens})
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["code"] == "invalid_request" and "max_new_tokens must be an integer" in \
+        err["message"]
+    assert requests_by_outcome(service.url) - before == Counter({"client_error": 1})
+
+
+@pytest.mark.parametrize("tokens", ["true", "false", "1.0", "1e1", '"5"', "[5]", "null"])
+def test_a_json_token_budget_is_a_json_integer(service: Service, tokens: str) -> None:
+    """``true`` was taken as 1, ``1.0`` and ``"5"`` as integers: only a JSON integer is one."""
+    body = json.dumps({"image": _image(), "text_prompt": "what?"})
+    raw = (body[:-1] + f', "max_new_tokens": {tokens}}}').encode()
+    r = _post_json(service, raw)
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["code"] == "invalid_request" and "max_new_tokens" in err["message"]
+
+
+def test_a_path_cannot_forge_a_log_line(service: Service) -> None:
+    """The body limit logged the percent-decoded path raw: ``%0a`` began a new line, here a
+    fake MRC_SUCCESS. A declared body over the cap that never arrives makes it log the path
+    (after its drain timeout, 5 s)."""
+    import socket
+
+    forged = "MRC_SUCCESS|latency=0.001|input_len=1|output_len=1|request_id=forged"
+    path = "/mrc%0a" + forged.replace("|", "%7C") + "%0d%0a"
+    with socket.create_connection(("127.0.0.1", service.port), timeout=30) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {3 * MAX_IMAGE}\r\n\r\n".encode() + b"{" * 100)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 413"), data[:200]
+    log = service.text_log()
+    assert "request_id=forged" in log  # the line was written, escaped
+    for line in log.splitlines():
+        assert not line.startswith("MRC_"), line
+    assert "\\u000aMRC_SUCCESS" in log

@@ -3,11 +3,17 @@
 Bodies are parsed by hand rather than by FastAPI's automatic validation so that every client
 mistake — invalid UTF-8, malformed JSON, a missing or doubled image field, a prompt or token
 budget out of range — gets the service's own JSON error with the right status, never a 500.
+
+``max_new_tokens`` is an integer written as one, and nothing else is taken for one (422
+``invalid_request``): in JSON a JSON integer (``true``, ``1.0``, ``1e1`` and ``"5"`` are not:
+a lax reading took ``true`` as 1), in a form an ASCII decimal integer, optionally negative
+(``--5``, ``+5``, ``1e3``, ``٣`` are not: ``--5`` passed a digit check and made ``int()`` raise).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from contextlib import aclosing
 from typing import Any
@@ -29,6 +35,9 @@ router = APIRouter()
 
 #: The paths of MRC requests: each is counted once in ``mrc_requests_total``, by outcome.
 MRC_PATHS = frozenset({"/mrc", "/mrc/upload"})
+#: A form's token budget: ASCII digits ("²" and "٣" pass str.isdigit(), which int() refuses or
+#: reads), an optional minus (the range check says what the limit is), and few of them.
+_FORM_INTEGER = re.compile(r"-?[0-9]{1,9}")
 
 
 class MRCBody(BaseModel):
@@ -38,7 +47,7 @@ class MRCBody(BaseModel):
     image: str | None = Field(None, description="base64 image bytes or a base64 data URL")
     image_url: str | None = Field(None, description="http(s) URL of the image")
     text_prompt: str = Field(..., description="the question about the image")
-    max_new_tokens: int = Field(64, description="tokens to generate at most")
+    max_new_tokens: int = Field(64, strict=True, description="tokens to generate at most")
 
     @model_validator(mode="after")
     def _one_image(self) -> MRCBody:
@@ -182,9 +191,7 @@ async def mrc_upload(request: Request) -> dict[str, Any]:
         if not isinstance(prompt, str):
             raise ServiceError.of("invalid_request", "the 'text_prompt' field is missing")
         digits = tokens_raw.strip() if isinstance(tokens_raw, str) else ""
-        # ASCII digits only ("²" and "⁵" pass str.isdigit(), which int() refuses), and few of
-        # them: the range check below says what the limit is.
-        if not (digits.isascii() and digits.lstrip("-").isdigit()) or len(digits) > 9:
+        if not _FORM_INTEGER.fullmatch(digits):
             raise ServiceError.of("invalid_request", "max_new_tokens must be an integer, "
                                   f"1-{settings.max_new_tokens_limit}")
         max_new_tokens = int(digits)
