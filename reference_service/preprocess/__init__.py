@@ -5,9 +5,10 @@ costs more than its header.
 
 1. :func:`decode_base64` refuses by the *encoded* length before decoding anything.
 2. :func:`probe` reads only the header: size in bytes, format (a fixed allowlist, so Pillow never
-   hands a stream to Ghostscript or another exotic plugin), pixel count (a 50000×50000 PNG is
-   refused here from 33 bytes of IHDR, with no allocation), including Pillow's own
-   decompression-bomb check.
+   hands a stream to Ghostscript or another exotic plugin), structure within counts no real
+   image exceeds (a crafted header costs milliseconds), pixel count (a 50000×50000 PNG is
+   refused here from 33 bytes of IHDR, with no allocation), with Pillow's own
+   decompression-bomb check as a backstop.
 3. :func:`preprocess` decodes and produces the model input and the OCR image; on the event loop,
    :func:`preprocess_async` runs it on a :class:`DecodePool` under the decode timeout.
 
@@ -15,8 +16,10 @@ The rooms, one concern each (an arrow means "imports"):
 
 * :mod:`~reference_service.preprocess.b64`: base64 and ``data:`` URL decoding, refused by length
   first (:func:`decode_base64`, :func:`max_encoded_len`).
+* :mod:`~reference_service.preprocess.structure`: the bounded walk of a stream's structure
+  before Pillow parses it, and the magic numbers (:func:`~.structure.walk`).
 * :mod:`~reference_service.preprocess.header`: the format allowlist and every limit the header
-  decides (:func:`probe`).
+  decides (:func:`probe`). header → structure.
 * :mod:`~reference_service.preprocess.decoding`: JPEG draft-mode decode, colour modes to RGB,
   EXIF orientation and the geometry both resize paths share. decoding → header.
 * :mod:`~reference_service.preprocess.cpu`: the "pil" resize path (Lanczos with
