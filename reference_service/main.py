@@ -27,7 +27,12 @@ from mrc_agent.reference_service.limiter import Admission, BoundedStep, Overload
 from mrc_agent.reference_service.logs import escape
 from mrc_agent.reference_service.middleware import BodyLimit
 from mrc_agent.reference_service.ocr import OCR
-from mrc_agent.reference_service.pipeline import OCR_WAIT_S, counted
+from mrc_agent.reference_service.pipeline import (
+    OCR_PREEMPT_AFTER_S,
+    OCR_THREADS_PER_SLOT,
+    OCR_WAIT_S,
+    counted,
+)
 from mrc_agent.reference_service.preprocess import DecodePool, max_encoded_len
 from mrc_agent.reference_service.routers import health, mrc
 from mrc_agent.reference_service.routers.mrc import MRC_PATHS
@@ -81,9 +86,8 @@ def build_state(settings: Settings) -> ServiceState:
         else:
             log.warning("OCR step off: %s", candidate.unavailable_reason)
     metrics = MRCMetrics()
-    # As many OCR threads as model slots: the step's cost per request (a child process of
-    # tesseract) is what it was when OCR ran inside the slot.
-    ocr_pool = ThreadPoolExecutor(settings.max_concurrency, thread_name_prefix="mrc-ocr")
+    ocr_threads = OCR_THREADS_PER_SLOT * settings.max_concurrency
+    ocr_pool = ThreadPoolExecutor(ocr_threads, thread_name_prefix="mrc-ocr")
     return ServiceState(
         settings=settings,
         metrics=metrics,
@@ -98,7 +102,8 @@ def build_state(settings: Settings) -> ServiceState:
                                                               "header")),
         model_pool=ThreadPoolExecutor(settings.max_concurrency, thread_name_prefix="mrc-model"),
         ocr_pool=ocr_pool,
-        ocr_step=BoundedStep(ocr_pool, settings.max_concurrency, OCR_WAIT_S),
+        ocr_step=BoundedStep(ocr_pool, ocr_threads, OCR_WAIT_S,
+                             preempt_after_s=OCR_PREEMPT_AFTER_S),
         ocr=ocr,
     )
 

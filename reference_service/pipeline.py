@@ -7,7 +7,8 @@ is admitted to the chain before its image is decoded, or refused with a fast 429
 number are in the chain, not a growing backlog); it decodes and reads text on pools of their
 own, and holds a model slot only while the model runs. OCR, which a page of dense text keeps
 busy for its whole timeout, so never delays another request's model work; a request that finds
-every OCR thread taken waits :data:`OCR_WAIT_S` at most and answers without the text.
+every OCR thread taken takes over the thread of a call past :data:`OCR_PREEMPT_AFTER_S`, waits
+:data:`OCR_WAIT_S` at most, and otherwise answers without the text.
 
 An answer made with a degraded step (OCR failed, timed out or found no thread free) is not
 cached: it would be served for the cache's whole lifetime to requests made when the step works.
@@ -44,6 +45,14 @@ OCR_MAX_SIDE = 1600
 #: text: about one ordinary page's OCR, so a burst of real requests still gets its text, while
 #: inputs that keep tesseract busy for its whole 10 s cost other requests this much at most.
 OCR_WAIT_S = 2.0
+#: A request waiting for an OCR thread takes over the thread of a call that has run this long:
+#: several times a photo label's OCR (0.1-0.3 s on one core), a fraction of the 10 s timeout
+#: that a page of dense text runs into. The call taken over answers without its text.
+OCR_PREEMPT_AFTER_S = 1.0
+#: OCR threads per model slot. A thread mostly waits for its tesseract child, and a call that
+#: runs long is demoted to nice 19 (:mod:`~mrc_agent.reference_service.ocr`), so two long calls
+#: per slot leave a quick one its thread and its CPU.
+OCR_THREADS_PER_SLOT = 2
 
 
 @dataclass
@@ -181,7 +190,8 @@ async def _run(state: ServiceState, req: MRCRequest, r: Any,
 async def _read_text(state: ServiceState, image: Image.Image, r: Any,
                      fields: dict[str, Any]) -> tuple[str, bool]:
     """The OCR step on its own threads, outside the model slot: the text found, and whether the
-    step was degraded (failed, timed out, or no thread free within :data:`OCR_WAIT_S`)."""
+    step was degraded (failed, timed out, taken over by another request, or no thread free
+    within :data:`OCR_WAIT_S`)."""
     assert state.ocr is not None
     text, degraded = "", False
     with r.stage("ocr"):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -99,3 +102,72 @@ def test_clean_text() -> None:
     assert clean_text("\x0c") == ""
     assert clean_text(" ~ | _ \n__") == ""
     assert clean_text("包裹 ２") == "包裹 ２"
+
+
+def dense_page() -> Image.Image:
+    """A page of small dense text: tesseract works on it for many seconds."""
+    img = Image.new("L", (2400, 2400), 255)
+    d = ImageDraw.Draw(img)
+    words = "parcel label fragile track route depot scan seal box return invoice weight"
+    for y in range(0, 2400, 11):
+        d.text((2, y), (words + " ") * 6, fill=0)
+    return img
+
+
+def _children(name: str) -> list[int]:
+    """PIDs of this process's children called ``name``."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        if comm == name and int(fields[1]) == me:
+            found.append(int(entry))
+    return found
+
+
+def _nice(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+@needs_tesseract
+def test_a_long_read_is_demoted_to_nice_19_on_one_thread_and_cancelled_on_request() -> None:
+    """A page of dense text keeps tesseract busy past its demotion point: the child runs with
+    one OpenMP thread and, once demoted, at nice 19; setting ``cancel`` kills it and the call
+    raises ``preempted`` (the request then answers without the text)."""
+    cancel = threading.Event()
+    got: dict[str, BaseException | str] = {}
+
+    def read() -> None:
+        try:
+            got["text"] = OCR(timeout_s=120, demote_after_s=0.2).read(dense_page(), cancel)
+        except OCRError as exc:
+            got["error"] = exc
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    pids: list[int] = []
+    while time.monotonic() < deadline and not pids:
+        pids = _children("tesseract")
+        time.sleep(0.05)
+    assert len(pids) == 1, "tesseract did not start"
+    with open(f"/proc/{pids[0]}/environ", "rb") as f:
+        assert b"OMP_THREAD_LIMIT=1" in f.read().split(b"\0")
+    while time.monotonic() < deadline and _nice(pids[0]) != 19:
+        assert t.is_alive(), got  # the page must outlast the demotion point
+        time.sleep(0.05)
+    assert _nice(pids[0]) == 19
+    cancel.set()
+    t.join(30)
+    assert not t.is_alive()
+    error = got.get("error")
+    assert isinstance(error, OCRError) and error.reason == "preempted", got
+    assert _children("tesseract") == []  # killed and reaped

@@ -80,18 +80,24 @@ def _body(w: int, h: int, prompt: str, seed: int = 1) -> dict[str, Any]:
 
 class GatedOCR:
     """Reads an image at least ``wide`` pixels wide only once released (a page of dense text
-    that takes tesseract its whole timeout); any other image at once."""
+    that takes tesseract its whole timeout), or until its call is cancelled; any other image
+    at once."""
 
     def __init__(self, wide: int = 600) -> None:
         self.wide = wide
         self.release = threading.Event()
         self._started = threading.Semaphore(0)
+        self.cancelled = 0
 
-    def read(self, image: Image.Image) -> str:
+    def read(self, image: Image.Image, cancel: threading.Event | None = None) -> str:
         if image.width < self.wide:
             return "QUICK TEXT"
         self._started.release()
-        self.release.wait(120)
+        deadline = time.monotonic() + 120
+        while not self.release.wait(0.02) and time.monotonic() < deadline:
+            if cancel is not None and cancel.is_set():
+                self.cancelled += 1
+                raise OCRError("preempted", "cancelled")
         return "SLOW TEXT"
 
     def wait_started(self, n: int, timeout: float) -> bool:
@@ -100,10 +106,10 @@ class GatedOCR:
 
 def test_a_slow_ocr_does_not_hold_a_model_slot(service: InProcessService,
                                               state: ServiceState) -> None:
-    """Two requests whose OCR runs its whole course held both model slots (max_concurrency 2):
+    """Two requests whose OCR ran its whole course held both model slots (max_concurrency 2):
     a request that takes 0.1 s waited 9.4-10.1 s behind them. Now OCR runs outside the slot,
-    and a request finds no OCR thread free only for a bounded wait, then answers without the
-    text."""
+    on threads of its own (two per model slot): with two long reads in flight a quick request
+    finds a thread free and reads its text at once."""
     ocr = GatedOCR()
     state.ocr = ocr
     try:
@@ -114,14 +120,42 @@ def test_a_slow_ocr_does_not_hold_a_model_slot(service: InProcessService,
             quick = service.post(_body(64, 48, "quick?"), timeout=30)
             assert not ocr.release.is_set()
             assert quick.status_code == 200, quick.text
+            assert quick.json()["ocr_text"] == "QUICK TEXT"
             ocr.release.set()
             answers = [f.result() for f in slow]
         assert [a.status_code for a in answers] == [200, 200]
         assert [a.json()["ocr_text"] for a in answers] == ["SLOW TEXT"] * 2
-        # It answered without its text (every OCR thread was taken): not an answer to keep.
-        again = service.post(_body(64, 48, "quick?"))
+        assert ocr.cancelled == 0  # a thread was free: nothing was taken over
+    finally:
+        ocr.release.set()
+
+
+def test_a_request_takes_over_the_thread_of_a_long_ocr(service: InProcessService,
+                                                      state: ServiceState) -> None:
+    """With every OCR thread held by a long read (four pages of dense text, two threads per
+    model slot), a new request takes over the thread of the read that has run longest once it
+    has run past the step's preempt_after_s, and reads its own text; the request taken over
+    answers without its text, and that answer is not kept in the cache."""
+    ocr = GatedOCR()
+    state.ocr = ocr
+    threads = 2 * state.settings.max_concurrency
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            slow = [pool.submit(service.post, _body(800, 600, f"page {i}?", seed=i))
+                    for i in range(threads)]
+            assert ocr.wait_started(threads, timeout=120)
+            quick = service.post(_body(64, 48, "quick, with every thread taken?"), timeout=60)
+            assert quick.status_code == 200, quick.text
+            assert quick.json()["ocr_text"] == "QUICK TEXT"
+            assert not ocr.release.is_set()
+            ocr.release.set()
+            answers = [f.result() for f in slow]
+        assert ocr.cancelled == 1
+        assert sorted(a.json()["ocr_text"] for a in answers) == [""] + ["SLOW TEXT"] * (
+            threads - 1)
+        taken = next(i for i, a in enumerate(answers) if a.json()["ocr_text"] == "")
+        again = service.post(_body(800, 600, f"page {taken}?", seed=taken))
         assert again.status_code == 200 and again.json()["cached"] is False
-        assert again.json()["ocr_text"] == "QUICK TEXT"
     finally:
         ocr.release.set()
 
@@ -132,7 +166,7 @@ class FlakyOCR:
     def __init__(self) -> None:
         self.calls = 0
 
-    def read(self, image: Image.Image) -> str:
+    def read(self, image: Image.Image, cancel: threading.Event | None = None) -> str:
         self.calls += 1
         if self.calls == 1:
             raise OCRError("timeout", "tesseract took longer than 10s")
