@@ -23,6 +23,8 @@ from mrc_agent.reference_service.settings import ENV_SETTINGS, Settings, setting
 MAX_TIMEOUT_S = 3600
 #: Far above any one process's useful share of a host's open files.
 MAX_CONNECTIONS = 1_000_000
+#: Requests a second (and at once) per connection: beyond this, pacing is no pacing.
+MAX_PACE = 1_000_000
 
 
 class _Parser(argparse.ArgumentParser):
@@ -70,6 +72,14 @@ def build_parser(prog: str = "python -m mrc_agent.reference_service") -> argpars
     p.add_argument("--max-connections", type=int, metavar="N", default=d.max_connections,
                    help="open connections per process from which new requests get 503 "
                    "(default: %(default)s)")
+    p.add_argument("--pace-rate", dest="http_pace_rate", type=float, metavar="N",
+                   default=d.http_pace_rate,
+                   help="requests a second one connection may send, sustained; past that "
+                   "its next request is read later, never refused (default: %(default)g)")
+    p.add_argument("--pace-burst", dest="http_pace_burst", type=int, metavar="N",
+                   default=d.http_pace_burst,
+                   help="requests one connection may send at once before --pace-rate "
+                   "applies (default: %(default)s)")
     p.add_argument("--json-logs", action="store_true")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
@@ -91,6 +101,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if not 1 <= args.max_connections <= MAX_CONNECTIONS:
         raise ValueError(f"--max-connections {args.max_connections} is out of range "
                          f"(1-{MAX_CONNECTIONS})")
+    if not 0 < args.http_pace_rate <= MAX_PACE:  # also refuses nan and inf
+        raise ValueError(f"--pace-rate {args.http_pace_rate:g} is out of range (above 0, "
+                         f"at most {MAX_PACE})")
+    if not 1 <= args.http_pace_burst <= MAX_PACE:
+        raise ValueError(f"--pace-burst {args.http_pace_burst} is out of range "
+                         f"(1-{MAX_PACE})")
     return Settings(model=args.model, quantize=args.quantize, device=args.device,
                     dtype=args.dtype, trust_remote_code=args.trust_remote_code,
                     cache_dir=args.cache_dir, ocr=args.ocr,
@@ -102,7 +118,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     http_header_timeout_s=args.http_header_timeout_s,
                     http_body_timeout_s=args.http_body_timeout_s,
                     keep_alive_timeout_s=args.keep_alive_timeout_s,
-                    max_connections=args.max_connections)
+                    max_connections=args.max_connections,
+                    http_pace_rate=args.http_pace_rate, http_pace_burst=args.http_pace_burst)
 
 
 def main(argv: Sequence[str] | None = None,

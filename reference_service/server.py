@@ -6,7 +6,7 @@ uvicorn, left to itself, times out one thing: a keep-alive connection idle betwe
 requests, and any byte resets that timer. A fresh connection that never sends a request head,
 or sends it a byte at a time (slowloris), or a request whose body stops arriving, is held for
 ever: 1,500 of them were 1,500 file descriptors and event-loop entries until the clients chose
-to leave. :class:`ServiceH11Protocol` adds the two deadlines uvicorn lacks:
+to leave. :class:`ServiceH11Protocol` adds the two deadlines uvicorn lacks, and a pace:
 
 * **header timeout** — the request head (request line and headers) must be complete within
   ``http_header_timeout_s`` of the connection opening, or of the previous response on a
@@ -18,6 +18,17 @@ to leave. :class:`ServiceH11Protocol` adds the two deadlines uvicorn lacks:
   service itself stops reading — uvicorn's flow control pauses the socket while the
   application has not taken the last 64 KiB — or the client waits for ``100 Continue`` does not
   count: the wait is then the service's, not the client's.
+
+* **pacing** — each connection has a budget of ``http_pace_rate`` requests a second and
+  ``http_pace_burst`` at once (:class:`exporters.pacing.TokenBucket`). When a response
+  completes with the budget spent, the next request is not taken until it allows: the
+  socket is not read meanwhile (uvicorn's own flow control; h11 stays paused between two
+  cycles, so not even a pipelined request already received is started), TCP holds the client
+  back, and it costs one timer, never an error. The header timeout and uvicorn's keep-alive
+  timer start when the wait ends. Per connection, not per address: behind an ingress or load
+  balancer many users share one peer address, but each upstream connection carries one
+  request at a time. So pacing bounds what one connection costs, not a client that opens
+  many (the connection cap bounds those) nor one with many addresses.
 
 The connection cap is uvicorn's ``limit_concurrency``, per process: from ``max_connections``
 open connections (or running requests) on, a new request gets 503 and ``Connection: close``.
@@ -45,6 +56,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from mrc_agent.exporters.pacing import TokenBucket
 from mrc_agent.reference_service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -56,25 +68,32 @@ MAX_HEAD_BYTES = 16 * 1024
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    """The deadlines :class:`ServiceH11Protocol` enforces, in seconds."""
+    """The deadlines :class:`ServiceH11Protocol` enforces, in seconds, and its pace (requests
+    a second, and at once, per connection)."""
 
     header_timeout_s: float
     body_timeout_s: float
+    pace_rate: float
+    pace_burst: int
 
 
 class ServiceH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a header timeout and a body timeout (see the module)."""
+    """uvicorn's h11 protocol with a header timeout, a body timeout and a pace (see the
+    module)."""
 
     def __init__(self, *args: Any, limits: ConnectionLimits, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.limits = limits
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._pace_timer: asyncio.TimerHandle | None = None
+        self._budget = TokenBucket(limits.pace_rate, limits.pace_burst)
 
     # --- uvicorn's hooks ---
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._budget.reserve()  # the first request's token (a fresh bucket: no wait)
         self._arm_head_timer()
 
     def handle_events(self) -> None:
@@ -90,15 +109,34 @@ class ServiceH11Protocol(H11Protocol):
         self._watch_body()
 
     def on_response_complete(self) -> None:
+        # uvicorn's cycle.send calls this last, once the response is written. Until the
+        # original runs, h11 is not restarted for the next cycle: a request already received
+        # waits (handle_events sees PAUSED), and reading stays paused below.
+        pause = self._budget.reserve() if not self.transport.is_closing() else 0.0
+        if not pause:
+            self._next_request()
+            return
+        self.flow.pause_reading()  # also a body the application never read: it waits too
+        self._pace_timer = self.loop.call_later(pause, self._paced, self.cycle)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timers()
+        super().connection_lost(exc)
+
+    # --- the pace ---
+
+    def _paced(self, cycle: Any) -> None:
+        self._pace_timer = None
+        if self.transport.is_closing() or self.cycle is not cycle:
+            return  # closed meanwhile (connection_lost ran), or uvicorn moved on by itself
+        self._next_request()
+
+    def _next_request(self) -> None:
         cycle = self.cycle
         super().on_response_complete()
         # Waiting for the next request head, unless uvicorn just took a pipelined one.
         if not self.transport.is_closing() and self.cycle is cycle:
             self._arm_head_timer()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_timers()
-        super().connection_lost(exc)
 
     # --- the deadlines ---
 
@@ -113,7 +151,8 @@ class ServiceH11Protocol(H11Protocol):
     def _cancel_timers(self) -> None:
         self._cancel(self._head_timer)
         self._cancel(self._body_timer)
-        self._head_timer = self._body_timer = None
+        self._cancel(self._pace_timer)
+        self._head_timer = self._body_timer = self._pace_timer = None
 
     def _arm_head_timer(self) -> None:
         self._cancel(self._head_timer)
@@ -184,7 +223,9 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     multiprocessing's spawn) get the same limits.
     """
     limits = ConnectionLimits(header_timeout_s=settings.http_header_timeout_s,
-                              body_timeout_s=settings.http_body_timeout_s)
+                              body_timeout_s=settings.http_body_timeout_s,
+                              pace_rate=settings.http_pace_rate,
+                              pace_burst=settings.http_pace_burst)
     return {
         "http": functools.partial(ServiceH11Protocol, limits=limits),
         # uvicorn annotates int seconds; it only hands the value to loop.call_later.

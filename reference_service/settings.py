@@ -88,6 +88,15 @@ class Settings:
     #: request gets 503. Far above what max_concurrency + max_queue can serve, so real clients
     #: never meet it; low enough that a flood meets it before the open-file limit.
     max_connections: int = 1024
+    #: Requests a second one connection may send, sustained, and at once (a token bucket);
+    #: past that the service reads its next request only when the budget allows — no error,
+    #: TCP holds the client back. A VLM request takes 0.1-1 s, so a real connection carries a
+    #: few a second (behind a proxy, one request at a time each); only /health, /metrics and
+    #: errors can come faster, and 40 at once covers any client's burst of those. A client
+    #: looping on cheap requests (bench_isolation's header flood: 90,000 valid 13 KB heads
+    #: answered in 20 s) is held to 20 a second per connection.
+    http_pace_rate: float = 20.0
+    http_pace_burst: int = 40
 
     # --- logging ---
     json_logs: bool = False

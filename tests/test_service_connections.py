@@ -16,6 +16,7 @@ import base64
 import http.client
 import json
 import logging
+import re
 import socket
 import time
 import urllib.error
@@ -215,6 +216,7 @@ def test_the_workers_path_has_the_same_deadlines(cache_dir: Path) -> None:
 @pytest.mark.parametrize(("flag", "value"), [
     ("--header-timeout", "0"), ("--body-timeout", "-1"), ("--keep-alive-timeout", "nan"),
     ("--header-timeout", "inf"), ("--body-timeout", "86400"), ("--max-connections", "0"),
+    ("--pace-rate", "0"), ("--pace-rate", "nan"), ("--pace-burst", "0"),
 ])
 def test_out_of_range_connection_flags_are_one_line_and_exit_2(
         flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -229,6 +231,60 @@ def test_a_connection_flag_that_is_not_a_number_exits_2(
         service_main(["--body-timeout", "soon"])
     assert stop.value.code == 2
     assert "--body-timeout" in capsys.readouterr().err
+
+
+def _received_until(sock: socket.socket, deadline: float) -> bytes:
+    """What ``sock`` receives before ``deadline`` (or until the server closes it)."""
+    data = b""
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _statuses(data: bytes) -> list[int]:
+    """The status of every response in ``data`` (no /health body holds a status line)."""
+    return [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", data)]
+
+
+def test_a_connection_looping_on_requests_is_paced_never_refused(cache_dir: Path) -> None:
+    """Per connection: 1 request a second after a burst of 3. The wait between two requests
+    (1 s) is longer than the header timeout (0.5 s): the head clock starts after the wait, so
+    the paced connection is served, not closed. A second connection from the same address
+    has a budget of its own (behind a proxy, one address is many users)."""
+    rate, burst, window = 1.0, 3, 1.5
+    svc = Service(cache_dir, "--pace-rate", str(rate), "--pace-burst", str(burst),
+                  "--header-timeout", "0.5", "--keep-alive-timeout", "0.5")
+    health = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    try:
+        start = time.monotonic()
+        with _connect(svc) as s:
+            s.sendall(health * 8)  # pipelined: as fast as a client can send them
+            got = _received_until(s, start + window)
+            # At most the burst, the rate over the window and one at its edge (+1 slack).
+            assert burst <= len(_statuses(got)) <= burst + rate * window + 2, got
+            with _connect(svc) as other:
+                other.sendall(health * burst)
+                theirs = b""
+                while len(_statuses(theirs)) < burst:
+                    more = _received_until(other, time.monotonic() + WAIT_S)
+                    assert more, theirs
+                    theirs += more
+            assert _statuses(theirs) == [200] * burst
+            got += _received_until(s, time.monotonic() + 0.1)
+            assert len(_statuses(got)) < 8  # the first connection is still waiting its turn
+            deadline = time.monotonic() + WAIT_S
+            while len(_statuses(got)) < 8 and time.monotonic() < deadline:
+                got += _received_until(s, min(deadline, time.monotonic() + 1))
+            assert _statuses(got) == [200] * 8  # every one answered, none refused
+    finally:
+        svc.stop()
 
 
 # --- 2. an oversized body: the client reads the 413 ---

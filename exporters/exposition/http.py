@@ -13,12 +13,19 @@ keep-alive — and a slow reader cannot hold a write forever. HTTP/1.1 connectio
 unless the client says ``close``; HTTP/1.0 ones only when the client asks for ``keep-alive``,
 and the answer says so.
 
-The rendered body is cached per snapshot version, format and gzip, so fifty scrapers of the
-same snapshot cost one render; a scrape never touches hardware. The format is one of the fixed
-set :data:`exporters.render.FORMATS` whatever the ``Accept`` header says, so the cache holds
-at most two bodies per format and the ``Content-Type`` never carries the client's bytes. The
-socket is bound in the constructor so that "address in use" surfaces before the agent starts
-sampling.
+Requests are paced per client address (:mod:`exporters.pacing`; an IPv6 client by its /64, as
+the credential checks count): once a request line arrives, the server reads no further
+until the address's budget allows it, so a client that loops on cheap requests — a 16 KiB
+head, a wrong password, a 503 — is slowed by TCP's flow control at the cost of a timer, never
+refused, and one that reconnects finds the same budget. Idle connections cost nothing; a 503
+from the full check queue costs two requests. Pacing does not help against many addresses
+(each has a budget of its own) and slows everyone behind one address together (a NAT): the
+connection cap and the per-address check queue are what bound those.
+
+The rendered body is cached per snapshot (:mod:`exporters.exposition.render_cache`), so fifty
+scrapers of one snapshot cost one render; a scrape never touches hardware, and the
+``Content-Type`` is one of a fixed set, never the client's bytes. The socket is bound in the
+constructor so that "address in use" surfaces before the agent starts sampling.
 
 No byte of a request body is ever read as a request. Where a method takes no body (all but
 POST to the extra routes), a small declared ``Content-Length`` is read and dropped; a bigger
@@ -63,7 +70,9 @@ from typing import Protocol
 from prometheus_client.registry import CollectorRegistry
 
 from mrc_agent.exporters.exposition.checks import CheckQueue, peer_key
-from mrc_agent.exporters.render import FORMATS, Format, encode, negotiate, wants_gzip
+from mrc_agent.exporters.exposition.render_cache import RenderCache
+from mrc_agent.exporters.pacing import AddressBudgets, TokenBucket
+from mrc_agent.exporters.render import negotiate, wants_gzip
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +97,14 @@ class Limits:
     and a few people behind one address log in at once; sixteen keeps the last in line within
     ~4 s at cost 12 (~0.24 s a check), under Prometheus's 10 s scrape timeout, even when
     sixteen addresses flood at once. Past either: 503 at once.
+    ``pace_rate`` 20/s and ``pace_burst`` 40, per client address (:mod:`exporters.pacing`):
+    once a request line arrives, the rest of the request waits until the address's budget
+    allows it (unread; the connection idle and evictable meanwhile). Prometheus asks each
+    target once per scrape interval (15 s or more; 1 s at the most eager), people and tools a
+    few times a second; a dashboard opening 40 requests at once passes untouched. A client
+    looping on cheap requests (a 16 KiB head, a 503) is held to 20 a second instead of
+    thousands. ``max_paced_addresses`` 1024: addresses remembered without an open connection
+    (a bucket still in debt), a few hundred bytes each.
     """
 
     max_connections: int = 256
@@ -102,6 +119,9 @@ class Limits:
     max_skipped_body_bytes: int = 64 * 1024
     max_checks_per_peer: int = 4
     max_checks: int = 16
+    pace_rate: float = 20.0
+    pace_burst: int = 40
+    max_paced_addresses: int = 1024
 
 
 @dataclass(frozen=True)
@@ -165,36 +185,6 @@ _BODILESS = ("GET", "HEAD", "PUT", "DELETE", "PATCH")
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
-class _RenderCache:
-    """Rendered exposition bodies keyed by (snapshot version, format, gzip). Only the current
-    version's are kept, and the formats are a fixed set: at most ``2 * len(FORMATS)`` bodies,
-    whatever clients send."""
-
-    LIMIT = 2 * len(FORMATS)
-
-    def __init__(self, registry: CollectorRegistry, version: Callable[[], int]) -> None:
-        self._registry = registry
-        self._version = version
-        self._lock = threading.Lock()
-        self._bodies: dict[tuple[int, str, bool], bytes] = {}
-
-    def render(self, fmt: Format, gzipped: bool) -> bytes:
-        version = self._version()
-        key = (version, fmt.content_type, gzipped)
-        body = self._bodies.get(key)
-        if body is None:
-            with self._lock:
-                body = self._bodies.get(key)
-                if body is None:
-                    body = encode(self._registry, fmt, gzipped)
-                    bodies = {k: v for k, v in self._bodies.items() if k[0] == version}
-                    if len(bodies) >= self.LIMIT:  # only if FORMATS and keys ever disagree
-                        bodies.clear()
-                    bodies[key] = body
-                    self._bodies = bodies
-        return body
-
-
 class _BadRequest(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -222,6 +212,8 @@ class _Head:
 @dataclass
 class _Conn:
     writer: asyncio.StreamWriter
+    #: Its client address's request budget, shared with that address's other connections.
+    budget: TokenBucket
     #: Its request head is complete and the answer under way: the one state never evicted.
     served: bool = False
     #: When it began waiting for its current request (idle or reading the head).
@@ -245,7 +237,7 @@ class ExpositionServer:
         auth: Authenticator | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
-        self._cache = _RenderCache(registry, version)
+        self._cache = RenderCache(registry, version)
         self._not_ready = not_ready
         self._routes = routes
         self.limits = limits
@@ -255,6 +247,8 @@ class ExpositionServer:
         # One thread for the slow credential checks, fed in turns by client address and
         # bounded; the loop goes on answering credentials that passed before.
         self._checks = CheckQueue(limits.max_checks_per_peer, limits.max_checks)
+        self._budgets = AddressBudgets(limits.pace_rate, limits.pace_burst,
+                                       limits.max_paced_addresses)
         self._listener: asyncio.Server | None = None
         host = host.strip("[]")  # "[::1]" or "::1": an IPv6 address either way
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -382,7 +376,8 @@ class ExpositionServer:
         if len(self._conns) >= self.limits.max_connections:
             writer.close()  # every connection is busy: refuse this one
             return
-        conn = _Conn(writer)
+        who = peer_key(writer.get_extra_info("peername"))
+        conn = _Conn(writer, self._budgets.opened(who))
         self._conns[id(conn)] = conn
         task = asyncio.current_task()
         if task is not None:
@@ -394,7 +389,6 @@ class ExpositionServer:
                 # for the client's delayed ACK.
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = writer.get_extra_info("peername")
-        who = peer_key(peer)
         try:
             first = True
             while True:
@@ -410,6 +404,14 @@ class ExpositionServer:
                     break
                 if not line:
                     break
+                # A request costs its address a token once it begins (an idle connection
+                # costs none; a stray line break one); when they are spent it waits its turn,
+                # unread and evictable, while TCP holds the client back.
+                pause = conn.budget.reserve()
+                if pause:
+                    await asyncio.sleep(pause)
+                    if writer.is_closing():  # evicted while it waited
+                        break
                 if not line.strip():
                     continue  # stray line breaks between requests are allowed (RFC 9112 2.2)
                 first = False
@@ -420,6 +422,7 @@ class ExpositionServer:
             log.debug("%s: connection ended: %s", peer, exc)
         finally:
             self._conns.pop(id(conn), None)
+            self._budgets.closed(who)
             if task is not None:
                 self._tasks.discard(task)
             writer.close()
@@ -450,6 +453,9 @@ class ExpositionServer:
                 length = head.headers.get("content-length", "0").strip()
                 body_follows = "transfer-encoding" in head.headers or length != "0"
                 if verdict is None:
+                    # Twice the cost: the address already has its checks queued, so more
+                    # requests from it now are waste (and Retry-After asks for a second).
+                    conn.budget.reserve()
                     status, text, extra = 503, b"credential checks busy, retry\n", {
                         "Retry-After": "1"}
                 else:
