@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -149,6 +149,25 @@ def read_http_response(sock: socket.socket, pending: bytes = b""
             break
         rest += chunk
     return status, headers, rest[:n], rest[n:]
+
+
+def socket_closed(sock: socket.socket, within: float = 3.0) -> bool:
+    """Whether the peer closes ``sock`` (an end of stream or a reset) within ``within`` s."""
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, step: float = 0.01) -> None:
+    """Poll ``predicate`` until it holds; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(step)
 
 
 def series(metrics: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str,

@@ -13,7 +13,7 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import bcrypt
 import httpx
@@ -27,7 +27,7 @@ from mrc_agent.agent.core.webconfig import BasicAuth
 from mrc_agent.exporters import render
 from mrc_agent.exporters.exposition.http import Authenticator, ExpositionServer, Limits
 from mrc_agent.exporters.instrumentation.asgi import metrics_app
-from tests.conftest import read_http_response
+from tests.conftest import read_http_response, socket_closed, wait_until
 
 LIMITS = Limits(max_connections=8, idle_timeout_s=5.0, head_timeout_s=5.0, body_timeout_s=1.0,
                 write_timeout_s=2.0, linger_s=0.5)
@@ -96,21 +96,6 @@ def _get(port: int, path: str = "/metrics", headers: str = "",
         return Reader(s).response()
 
 
-def _closed(sock: socket.socket, within: float = 3.0) -> bool:
-    sock.settimeout(within)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
-
-
-def _until(what: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not what():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.01)
 
 
 # -- 1. slow heads -----------------------------------------------------------------------------
@@ -123,11 +108,11 @@ def test_connections_part_way_through_their_head_make_room_for_a_scrape(
     try:
         for s in slow:
             s.sendall(b"GET /metrics HTTP/1.1\r\n")  # the head never ends
-        _until(lambda: server.connections == LIMITS.max_connections)
+        wait_until(lambda: server.connections == LIMITS.max_connections)
         status, _, body = _get(server.port, "/healthz")
         assert (status, body) == (200, b"ok\n")
-        assert _closed(slow[0])  # the oldest went
-        assert not _closed(slow[-1], within=0.2)  # the youngest is still reading its head
+        assert socket_closed(slow[0])  # the oldest went
+        assert not socket_closed(slow[-1], within=0.2)  # the youngest is still reading its head
     finally:
         for s in slow:
             s.close()
@@ -166,14 +151,14 @@ def test_a_connection_being_answered_is_not_evicted_one_reading_its_head_is() ->
     socks: list[socket.socket] = []
     try:
         socks.append(_ask(srv.port, GatedAuth.GOOD))  # head complete: being answered
-        _until(lambda: len(auth.order) == 1)
+        wait_until(lambda: len(auth.order) == 1)
         for _ in range(2):
             socks.append(_connect(srv.port))
             socks[-1].sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
-        _until(lambda: srv.connections == 3)
+        wait_until(lambda: srv.connections == 3)
         status, _, _ = _get(srv.port, "/healthz", f"Authorization: {GatedAuth.CACHED}\r\n")
         assert status == 200
-        assert _closed(socks[1])  # the oldest connection still reading its head
+        assert socket_closed(socks[1])  # the oldest connection still reading its head
         auth.gate.release()
         assert Reader(socks[0]).response()[0] == 200  # the one being answered was kept
     finally:
@@ -193,9 +178,9 @@ def test_a_login_from_another_address_is_checked_before_a_flood_from_one() -> No
     try:
         for i in range(4):  # one after another, so that flood0 is the one running
             flood.append(_ask(srv.port, f"Basic flood{i}"))
-            _until(lambda: srv.credential_checks == len(flood))
+            wait_until(lambda: srv.credential_checks == len(flood))
         legit = _ask(srv.port, GatedAuth.GOOD, source="127.0.0.2")
-        _until(lambda: srv.credential_checks == 5)
+        wait_until(lambda: srv.credential_checks == 5)
         for _ in range(5):
             auth.gate.release()
         assert Reader(legit).response()[0] == 200
@@ -220,13 +205,13 @@ def test_a_full_check_queue_answers_503_with_retry_after_and_cached_logins_pass(
     try:
         for i in range(2):
             socks.append(_ask(srv.port, f"Basic wrong{i}"))
-        _until(lambda: srv.credential_checks == 2)
+        wait_until(lambda: srv.credential_checks == 2)
         # This address has its two checks waiting: a third is refused at once, not queued.
         with _ask(srv.port, "Basic wrong2") as s:
             status, headers, _ = Reader(s).response()
             assert status == 503 and int(headers["retry-after"]) >= 1
         socks.append(_ask(srv.port, "Basic other", source="127.0.0.2"))
-        _until(lambda: srv.credential_checks == 3)
+        wait_until(lambda: srv.credential_checks == 3)
         with _ask(srv.port, "Basic third", source="127.0.0.3") as s:  # the queue is full
             assert Reader(s).response()[0] == 503
         # A credential that already passed never waits for the queue.
@@ -285,7 +270,7 @@ def test_a_first_login_is_answered_quickly_under_a_flood_of_wrong_passwords() ->
     try:
         for s in flood:
             s.sendall(wrong)
-        _until(lambda: auth.started >= 1)
+        wait_until(lambda: auth.started >= 1)
         started = time.monotonic()
         status, _, _ = _get(srv.port, headers=f"Authorization: {right}\r\n", source="127.0.0.2")
         took = time.monotonic() - started
@@ -480,7 +465,7 @@ def test_a_body_that_cannot_be_skipped_is_refused_and_the_connection_closed(
         s.sendall(head)
         got, headers, _ = Reader(s).response()
         assert (got, headers["connection"]) == (status, "close")
-        assert _closed(s)
+        assert socket_closed(s)
 
 
 # -- 6. Accept-Encoding ------------------------------------------------------------------------

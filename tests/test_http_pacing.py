@@ -15,7 +15,8 @@ import socket
 import time
 
 from mrc_agent.exporters.exposition.http import Limits
-from tests.test_hostile_http import GatedAuth, Reader, _ask, _connect, _serve, _until
+from tests.conftest import wait_until
+from tests.test_hostile_http import GatedAuth, Reader, _ask, _connect, _serve
 
 RATE, BURST = 10.0, 5
 PACED = Limits(max_connections=16, idle_timeout_s=10.0, head_timeout_s=10.0,
@@ -96,7 +97,7 @@ def test_a_503_from_the_full_check_queue_costs_twice() -> None:
     srv = _serve(limits=limits, auth=auth)
     held = _ask(srv.port, "Basic held", source="127.0.0.2")
     try:
-        _until(lambda: srv.credential_checks == 1)
+        wait_until(lambda: srv.credential_checks == 1)
         with _connect(srv.port, "127.0.0.2") as s:
             start = time.monotonic()
             s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic again\r\n\r\n"
@@ -109,4 +110,67 @@ def test_a_503_from_the_full_check_queue_costs_twice() -> None:
     finally:
         auth.gate.release()
         held.close()
+        srv.stop()
+
+
+def test_a_connection_evicted_while_it_waits_for_its_budget_ends_at_once() -> None:
+    """A connection whose address owes 20 s of budget waits unread; when the cap closes it,
+    its handler ends then and there. Before, it slept out its debt holding a task and a
+    transport: 114,000 slow heads in 20 s left as many sleeping handlers, and the scrapes
+    beside them waited up to 0.7 s on the garbage collector."""
+    limits = Limits(max_connections=4, head_timeout_s=30.0, idle_timeout_s=30.0,
+                    pace_rate=0.05, pace_burst=1)
+    srv = _serve(limits=limits)
+    held: list[socket.socket] = []
+    try:
+        with _connect(srv.port, "127.0.0.2") as first:
+            first.sendall(HEALTHZ)  # the address's one token
+            assert Reader(first).response()[0] == 200
+        wait_until(lambda: srv.connections == 0)
+        waiting = _connect(srv.port, "127.0.0.2")
+        waiting.sendall(HEALTHZ)  # 20 s of debt: it waits, unread
+        wait_until(lambda: srv.handlers == 1)
+        for _ in range(limits.max_connections):  # idle ones from elsewhere; the last evicts
+            held.append(_connect(srv.port, "127.0.0.3"))
+            time.sleep(0.05)
+        assert _statuses(_received_until(waiting, time.monotonic() + 3)) == []
+        wait_until(lambda: srv.handlers == limits.max_connections, timeout=5)
+        waiting.close()
+    finally:
+        for s in held:
+            s.close()
+        srv.stop()
+
+
+class _Refuses:
+    """Every credential is checked, and none passes."""
+
+    def cached(self, authorization: str | None) -> bool | None:
+        return False if authorization is None else None
+
+    def check(self, authorization: str | None) -> bool:
+        return False
+
+
+def test_a_wrong_password_costs_its_address_more_than_a_request() -> None:
+    """A flood of wrong passwords from one address kept the credential-check thread (a core,
+    at bcrypt cost 12) busy without pause; each wrong password now costs its address
+    failed_login_cost tokens. A request without credentials costs one, as any request."""
+    limits = Limits(head_timeout_s=10.0, idle_timeout_s=10.0, pace_rate=5.0, pace_burst=5,
+                    failed_login_cost=5.0)
+    srv = _serve(limits=limits, auth=_Refuses())
+    wrong = b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic d3Jvbmc6cGFzcw==\r\n\r\n"
+    try:
+        with _connect(srv.port, "127.0.0.2") as s:
+            start = time.monotonic()
+            s.sendall(wrong * 6)
+            statuses = _statuses(_received_until(s, start + WINDOW_S))
+        # 1 + 5 tokens for the first, and the second waits for its debt: 2 or 3 in the window
+        # (without the cost, 6: the burst and one more at 0.2 s).
+        assert statuses and set(statuses) == {401} and len(statuses) <= 3, statuses
+        with _connect(srv.port, "127.0.0.3") as s:
+            start = time.monotonic()
+            s.sendall(HEALTHZ * 5)
+            assert _statuses(_received_until(s, start + 2 * WINDOW_S)) == [401] * 5
+    finally:
         srv.stop()

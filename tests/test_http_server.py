@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.registry import CollectorRegistry
 
 from mrc_agent.exporters.exposition.http import ExpositionServer, Limits, Request, Response
-from tests.conftest import read_http_response
+from tests.conftest import read_http_response, socket_closed
 
 LIMITS = Limits(max_connections=64, idle_timeout_s=1.0, head_timeout_s=0.5,
                 body_timeout_s=0.5, write_timeout_s=2.0, linger_s=2.0, linger_bytes=16 << 20)
@@ -54,15 +54,6 @@ def _read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
     return int(line.split(" ")[1]), headers, body
 
 
-def _closed(sock: socket.socket, within: float = 3.0) -> bool:
-    sock.settimeout(within)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
-
 
 def test_http10_keep_alive_is_honoured_and_said(server: ExpositionServer) -> None:
     with _connect(server) as s:
@@ -78,7 +69,7 @@ def test_http10_without_keep_alive_is_closed_after_the_answer(server: Exposition
         s.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
         status, headers, _ = _read_response(s)
         assert status == 200 and headers["connection"] == "close"
-        assert _closed(s)
+        assert socket_closed(s)
 
 
 def test_http11_keeps_alive_until_close_is_asked(server: ExpositionServer) -> None:
@@ -88,7 +79,7 @@ def test_http11_keeps_alive_until_close_is_asked(server: ExpositionServer) -> No
             assert _read_response(s)[0] == 200
         s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         status, headers, _ = _read_response(s)
-        assert status == 200 and headers["connection"] == "close" and _closed(s)
+        assert status == 200 and headers["connection"] == "close" and socket_closed(s)
 
 
 def test_pipelined_requests_are_answered_in_order(server: ExpositionServer) -> None:
@@ -119,7 +110,7 @@ def test_malformed_requests_get_a_status_and_a_close(server: ExpositionServer, r
         s.sendall(raw)
         got, headers, _ = _read_response(s)
         assert got == status and headers["connection"] == "close"
-        assert _closed(s)
+        assert socket_closed(s)
 
 
 def test_a_slow_head_is_cut(server: ExpositionServer) -> None:
@@ -128,19 +119,19 @@ def test_a_slow_head_is_cut(server: ExpositionServer) -> None:
         started = time.monotonic()
         status, _, _ = _read_response(s)
         assert status == 408 and time.monotonic() - started < 3
-        assert _closed(s)
+        assert socket_closed(s)
 
 
 def test_a_silent_connection_is_closed_after_the_head_timeout(server: ExpositionServer) -> None:
     with _connect(server) as s:
-        assert _closed(s, within=3.0)
+        assert socket_closed(s, within=3.0)
 
 
 def test_an_idle_kept_alive_connection_is_closed(server: ExpositionServer) -> None:
     with _connect(server) as s:
         s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
         assert _read_response(s)[0] == 200
-        assert _closed(s, within=3.0)  # idle_timeout_s is 1 s here
+        assert socket_closed(s, within=3.0)  # idle_timeout_s is 1 s here
 
 
 def test_a_slow_body_is_cut(server: ExpositionServer) -> None:
@@ -221,6 +212,6 @@ def test_stop_closes_every_connection_and_the_port() -> None:
     while srv.connections == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     srv.stop()
-    assert _closed(held)
+    assert socket_closed(held)
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2)

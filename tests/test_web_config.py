@@ -35,7 +35,7 @@ from mrc_agent.agent.cli import main
 from mrc_agent.agent.core.config import load
 from mrc_agent.agent.core.webconfig import BasicAuth, credentials, load_web_config
 from mrc_agent.exporters.exposition.http import ExpositionServer, Limits, Request, Response
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until
 
 LIMITS = Limits(idle_timeout_s=2.0, head_timeout_s=2.0, body_timeout_s=2.0,
                 write_timeout_s=2.0, linger_s=0.5)
@@ -418,12 +418,6 @@ def _peer_der(port: int, tls: ssl.SSLContext) -> bytes:
     return der
 
 
-def _until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.1)
-
 
 def test_the_agent_serves_the_file_and_rereads_it_on_sighup(pki: Pki, tmp_path) -> None:
     web = tmp_path / "web.yml"
@@ -453,7 +447,8 @@ def test_the_agent_serves_the_file_and_rereads_it_on_sighup(pki: Pki, tmp_path) 
         # A new certificate and a new user, as a rotation would bring them.
         web.write_text(_tls(pki, cert="server2") + f"basic_auth_users:\n  bob: {_hash('b')}\n")
         proc.send_signal(signal.SIGHUP)
-        _until(lambda: _get(port, tls=tls, auth=("bob", "b"))[0] == 200)
+        wait_until(lambda: _get(port, tls=tls, auth=("bob", "b"))[0] == 200, timeout=15.0,
+                   step=0.1)
         assert _get(port, tls=tls, auth=("alice", "a"))[0] == 401
         assert _peer_der(port, tls) == pki.der("server2")
         assert "x-content-type-options" not in _get(port, tls=tls, auth=("bob", "b"))[1]

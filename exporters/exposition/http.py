@@ -70,59 +70,12 @@ from typing import Protocol
 from prometheus_client.registry import CollectorRegistry
 
 from mrc_agent.exporters.exposition.checks import CheckQueue, peer_key
+from mrc_agent.exporters.exposition.limits import Limits
 from mrc_agent.exporters.exposition.render_cache import RenderCache
 from mrc_agent.exporters.pacing import AddressBudgets, TokenBucket
 from mrc_agent.exporters.render import negotiate, wants_gzip
 
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class Limits:
-    """What one client may cost, and why these values.
-
-    ``max_connections`` 256: Prometheus holds one kept-alive connection per scraper and a
-    handful of people and tools a few more; each open connection costs a few kilobytes.
-    ``idle_timeout_s`` 120: longer than any sane scrape interval (Prometheus reuses the
-    connection between scrapes), short enough that abandoned connections go.
-    ``head_timeout_s`` 10 and ``max_head_bytes`` 16 KiB: a request line and headers arrive at
-    once from real clients; a slow-loris client is cut. ``body_timeout_s`` 10: a webhook body
-    of at most 1 MiB arrives in well under a second. ``write_timeout_s`` 10: a client that
-    does not read its answer is dropped. ``linger_s``/``linger_bytes``: how long, and how much,
-    of an unread request body is drained after an early error answer.
-    ``max_skipped_body_bytes`` 64 KiB: a body sent with a GET or DELETE means nothing here;
-    one that small is read and dropped (some clients send ``Content-Length`` on everything),
-    a bigger one is refused rather than read.
-    ``max_checks_per_peer`` 4 and ``max_checks`` 16: credential checks waiting or running, per
-    client address and in all (see :mod:`exporters.exposition.checks`). Four lets a scraper
-    and a few people behind one address log in at once; sixteen keeps the last in line within
-    ~4 s at cost 12 (~0.24 s a check), under Prometheus's 10 s scrape timeout, even when
-    sixteen addresses flood at once. Past either: 503 at once.
-    ``pace_rate`` 20/s and ``pace_burst`` 40, per client address (:mod:`exporters.pacing`):
-    once a request line arrives, the rest of the request waits until the address's budget
-    allows it (unread; the connection idle and evictable meanwhile). Prometheus asks each
-    target once per scrape interval (15 s or more; 1 s at the most eager), people and tools a
-    few times a second; a dashboard opening 40 requests at once passes untouched. A client
-    looping on cheap requests (a 16 KiB head, a 503) is held to 20 a second instead of
-    thousands. ``max_paced_addresses`` 1024: addresses remembered without an open connection
-    (a bucket still in debt), a few hundred bytes each.
-    """
-
-    max_connections: int = 256
-    idle_timeout_s: float = 120.0
-    head_timeout_s: float = 10.0
-    body_timeout_s: float = 10.0
-    write_timeout_s: float = 10.0
-    max_head_bytes: int = 16 * 1024
-    max_headers: int = 100
-    linger_s: float = 2.0
-    linger_bytes: int = 16 << 20
-    max_skipped_body_bytes: int = 64 * 1024
-    max_checks_per_peer: int = 4
-    max_checks: int = 16
-    pace_rate: float = 20.0
-    pace_burst: int = 40
-    max_paced_addresses: int = 1024
-
 
 @dataclass(frozen=True)
 class Request:
@@ -218,6 +171,9 @@ class _Conn:
     served: bool = False
     #: When it began waiting for its current request (idle or reading the head).
     since: float = field(default_factory=time.monotonic)
+    #: Set when the cap closes it, so that a connection waiting for its address's budget
+    #: ends at once instead of holding its task and transport until the wait is over.
+    evicted: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class ExpositionServer:
@@ -263,6 +219,7 @@ class ExpositionServer:
             raise
         self._sock = sock
         self._conns: dict[int, _Conn] = {}
+        self._waiting: dict[int, _Conn] = {}  # the connections not being answered, oldest first
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
@@ -277,6 +234,12 @@ class ExpositionServer:
     def connections(self) -> int:
         """Connections open now."""
         return len(self._conns)
+
+    @property
+    def handlers(self) -> int:
+        """Connection handlers still running: the open connections, and closed ones whose
+        handler has not yet returned (for a moment after the close)."""
+        return len(self._tasks)
 
     @property
     def credential_checks(self) -> int:
@@ -365,11 +328,15 @@ class ExpositionServer:
         client that sends request lines alone hold every slot."""
         if len(self._conns) < self.limits.max_connections:
             return
-        waiting = [c for c in self._conns.values() if not c.served]
-        if waiting:
-            oldest = min(waiting, key=lambda c: c.since)
+        # Waiting connections in the order they began to wait (a connection moves to the end
+        # each time it begins again): the first is the oldest, found without a scan, so a
+        # flood of connections costs each accept O(1) here.
+        oldest = next(iter(self._waiting.values()), None)
+        if oldest is not None:
             oldest.writer.close()
+            oldest.evicted.set()
             self._conns.pop(id(oldest), None)
+            self._waiting.pop(id(oldest), None)
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._make_room()
@@ -393,6 +360,8 @@ class ExpositionServer:
             first = True
             while True:
                 conn.served, conn.since = False, time.monotonic()
+                self._waiting.pop(id(conn), None)
+                self._waiting[id(conn)] = conn
                 wait = self.limits.head_timeout_s if first else self.limits.idle_timeout_s
                 try:
                     line = await asyncio.wait_for(reader.readline(), wait)
@@ -409,7 +378,8 @@ class ExpositionServer:
                 # unread and evictable, while TCP holds the client back.
                 pause = conn.budget.reserve()
                 if pause:
-                    await asyncio.sleep(pause)
+                    with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+                        await asyncio.wait_for(conn.evicted.wait(), pause)
                     if writer.is_closing():  # evicted while it waited
                         break
                 if not line.strip():
@@ -422,6 +392,7 @@ class ExpositionServer:
             log.debug("%s: connection ended: %s", peer, exc)
         finally:
             self._conns.pop(id(conn), None)
+            self._waiting.pop(id(conn), None)
             self._budgets.closed(who)
             if task is not None:
                 self._tasks.discard(task)
@@ -442,6 +413,7 @@ class ExpositionServer:
             await self._send(writer, None, 408, b"request head too slow\n", _TEXT, close=True)
             return False
         conn.served = True
+        self._waiting.pop(id(conn), None)
         keep = head.keep_alive()
         method = head.method
         auth = self._auth  # once: a reload may swap it meanwhile
@@ -459,6 +431,10 @@ class ExpositionServer:
                     status, text, extra = 503, b"credential checks busy, retry\n", {
                         "Retry-After": "1"}
                 else:
+                    if head.headers.get("authorization"):
+                        # A wrong password (not a request without one, which a client sends
+                        # first to learn that it needs one): see Limits.failed_login_cost.
+                        conn.budget.reserve(self.limits.failed_login_cost)
                     status, text, extra = 401, b"unauthorized\n", {
                         "WWW-Authenticate": 'Basic realm="mrc-agent"'}
                 await self._send(writer, head, status, text, _TEXT, extra,
