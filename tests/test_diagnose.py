@@ -181,7 +181,8 @@ def test_busy_gpu_with_few_instructions_per_byte_is_memory_bound(tmp_path: Path,
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--pid", "999999999"], "no process with pid 999999999"),
+    (["--pid", "4194303"], "no process with pid 4194303"),
+    (["--pid", "999999999"], "PIDs are at most 4194304"),
     (["--pid", "1", "--duration", "0"], "--duration must be"),
     (["--pid", "1", "--interval", "5", "--duration", "2"], "--interval must be"),
     (["--pid", "1", "--gpu-backend", "cuda"], "is not one of auto, nvml, replay:PATH, none"),
