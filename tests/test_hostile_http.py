@@ -144,6 +144,32 @@ def _ask(port: int, authorization: str, source: str = "127.0.0.1") -> socket.soc
     return s
 
 
+def test_at_the_cap_the_address_with_most_connections_loses_one_not_a_scraper() -> None:
+    """A scraper's kept-alive connection, idle between two scrapes, was the oldest waiting
+    connection within 50 ms of a flood of reconnecting slow heads, and was closed (a failed
+    scrape). The address holding the most connections now gives one up."""
+    limits = Limits(max_connections=4, head_timeout_s=10.0, idle_timeout_s=10.0)
+    srv = _serve(limits=limits)
+    flood: list[socket.socket] = []
+    try:
+        with _connect(srv.port, "127.0.0.2") as scraper:
+            scraper.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            reader = Reader(scraper)
+            assert reader.response()[0] == 200  # now idle, and the oldest connection
+            for _ in range(3 * limits.max_connections):  # slow heads, each newer than it
+                flood.append(_connect(srv.port, "127.0.0.3"))
+                flood[-1].sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+                time.sleep(0.02)
+            wait_until(lambda: sum(socket_closed(s, within=0.01) for s in flood)
+                       >= 2 * limits.max_connections, timeout=10)
+            scraper.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert reader.response()[0] == 200
+    finally:
+        for s in flood:
+            s.close()
+        srv.stop()
+
+
 def test_a_connection_being_answered_is_not_evicted_one_reading_its_head_is() -> None:
     auth = GatedAuth()
     limits = Limits(max_connections=3, head_timeout_s=5.0, idle_timeout_s=5.0)

@@ -4,11 +4,13 @@ optional extra :class:`Routes` (the agent's Alertmanager webhook and captures).
 
 One asyncio event loop in one thread serves every connection: no thread per connection, no
 polling (an idle agent's loop sleeps until a packet or a timer), and a hard cap on connections
-(:class:`Limits`): at the cap the connection that has waited longest for a request to finish
-arriving — idle between requests, or part-way through its request head — is closed to make
-room; only one whose request is being answered is kept. So neither a flood of idle
-connections nor one of slow heads (a request line and nothing more) can exhaust memory or
-lock Prometheus out. Every read is bounded in bytes and time — request head, body, idle
+(:class:`Limits`): at the cap, of the client address holding the most connections, the one
+that has waited longest for a request to finish arriving — idle between requests, or
+part-way through its request head — is closed to make room; only one whose request is being
+answered is kept. So neither a flood of idle connections nor one of slow heads (a request
+line and nothing more) can exhaust memory or lock Prometheus out, and a flood from a few
+addresses that reconnects as fast as it is closed closes its own connections, not a
+scraper's kept-alive one. Every read is bounded in bytes and time — request head, body, idle
 keep-alive — and a slow reader cannot hold a write forever. HTTP/1.1 connections stay open
 unless the client says ``close``; HTTP/1.0 ones only when the client asks for ``keep-alive``,
 and the answer says so.
@@ -167,6 +169,8 @@ class _Conn:
     writer: asyncio.StreamWriter
     #: Its client address's request budget, shared with that address's other connections.
     budget: TokenBucket
+    #: Its client address (:func:`~mrc_agent.exporters.exposition.checks.peer_key`).
+    who: str = ""
     #: Its request head is complete and the answer under way: the one state never evicted.
     served: bool = False
     #: When it began waiting for its current request (idle or reading the head).
@@ -219,7 +223,9 @@ class ExpositionServer:
             raise
         self._sock = sock
         self._conns: dict[int, _Conn] = {}
-        self._waiting: dict[int, _Conn] = {}  # the connections not being answered, oldest first
+        # The connections not being answered, by client address, each address's oldest first.
+        self._waiting: dict[str, dict[int, _Conn]] = {}
+        self._per_address: dict[str, int] = {}  # open connections by client address
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
@@ -321,22 +327,31 @@ class ExpositionServer:
             self._sock.close()
 
     # -- one connection ------------------------------------------------------------------------
+    def _unwait(self, conn: _Conn) -> None:
+        queue = self._waiting.get(conn.who)
+        if queue is not None:
+            queue.pop(id(conn), None)
+            if not queue:
+                del self._waiting[conn.who]
+
     def _make_room(self) -> None:
-        """At the cap, close the connection that has waited longest for its request — idle,
-        or part-way through its head — never one being answered. A head that has not
-        arrived whole costs the server nothing to drop, and protecting it would let a
-        client that sends request lines alone hold every slot."""
-        if len(self._conns) < self.limits.max_connections:
+        """At the cap, close a connection waiting for its request — idle, or part-way through
+        its head — never one being answered: of the client address holding the most
+        connections, the one that has waited longest. A head that has not arrived whole costs
+        the server nothing to drop, and protecting it would let a client that sends request
+        lines alone hold every slot; choosing by address first means a flood from a few
+        addresses that reconnects as fast as it is closed (5,000 a second on loopback) closes
+        its own connections, not a scraper's kept-alive one idle between two scrapes."""
+        if len(self._conns) < self.limits.max_connections or not self._waiting:
             return
-        # Waiting connections in the order they began to wait (a connection moves to the end
-        # each time it begins again): the first is the oldest, found without a scan, so a
-        # flood of connections costs each accept O(1) here.
-        oldest = next(iter(self._waiting.values()), None)
-        if oldest is not None:
-            oldest.writer.close()
-            oldest.evicted.set()
-            self._conns.pop(id(oldest), None)
-            self._waiting.pop(id(oldest), None)
+        # Every address in the table has a waiting connection (empty ones are dropped), each
+        # address's in the order they began to wait: the first is its oldest, without a scan.
+        who = max(self._waiting, key=lambda a: self._per_address.get(a, 0))
+        oldest = next(iter(self._waiting[who].values()))
+        oldest.writer.close()
+        oldest.evicted.set()
+        self._conns.pop(id(oldest), None)
+        self._unwait(oldest)
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._make_room()
@@ -344,7 +359,8 @@ class ExpositionServer:
             writer.close()  # every connection is busy: refuse this one
             return
         who = peer_key(writer.get_extra_info("peername"))
-        conn = _Conn(writer, self._budgets.opened(who))
+        conn = _Conn(writer, self._budgets.opened(who), who)
+        self._per_address[who] = self._per_address.get(who, 0) + 1
         self._conns[id(conn)] = conn
         task = asyncio.current_task()
         if task is not None:
@@ -360,8 +376,8 @@ class ExpositionServer:
             first = True
             while True:
                 conn.served, conn.since = False, time.monotonic()
-                self._waiting.pop(id(conn), None)
-                self._waiting[id(conn)] = conn
+                self._unwait(conn)
+                self._waiting.setdefault(who, {})[id(conn)] = conn
                 wait = self.limits.head_timeout_s if first else self.limits.idle_timeout_s
                 try:
                     line = await asyncio.wait_for(reader.readline(), wait)
@@ -392,7 +408,12 @@ class ExpositionServer:
             log.debug("%s: connection ended: %s", peer, exc)
         finally:
             self._conns.pop(id(conn), None)
-            self._waiting.pop(id(conn), None)
+            self._unwait(conn)
+            left = self._per_address.get(who, 0) - 1
+            if left > 0:
+                self._per_address[who] = left
+            else:
+                self._per_address.pop(who, None)
             self._budgets.closed(who)
             if task is not None:
                 self._tasks.discard(task)
@@ -413,7 +434,7 @@ class ExpositionServer:
             await self._send(writer, None, 408, b"request head too slow\n", _TEXT, close=True)
             return False
         conn.served = True
-        self._waiting.pop(id(conn), None)
+        self._unwait(conn)
         keep = head.keep_alive()
         method = head.method
         auth = self._auth  # once: a reload may swap it meanwhile
