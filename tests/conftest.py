@@ -170,6 +170,27 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, step: float
         time.sleep(step)
 
 
+def received_until(sock: socket.socket, deadline: float) -> bytes:
+    """What ``sock`` receives before the monotonic ``deadline`` (or until the peer closes)."""
+    data = b""
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def response_statuses(data: bytes) -> list[int]:
+    """The status of every HTTP/1.1 response in ``data`` (for bodies that hold no status
+    line, such as /healthz's and /health's)."""
+    return [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", data)]
+
+
 def series(metrics: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str,
            **labels: str) -> list[float]:
     want = set(labels.items())

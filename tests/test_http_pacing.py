@@ -10,12 +10,11 @@ answers fewer, and the bounds are the budget's most plus slack.
 
 from __future__ import annotations
 
-import re
 import socket
 import time
 
 from mrc_agent.exporters.exposition.http import Limits
-from tests.conftest import wait_until
+from tests.conftest import received_until, response_statuses, wait_until
 from tests.test_hostile_http import GatedAuth, Reader, _ask, _connect, _serve
 
 RATE, BURST = 10.0, 5
@@ -28,24 +27,6 @@ MOST = BURST + RATE * WINDOW_S + 1 + 3
 HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
-def _received_until(sock: socket.socket, deadline: float) -> bytes:
-    """What ``sock`` receives before ``deadline`` (or until the server closes it)."""
-    data = b""
-    while (left := deadline - time.monotonic()) > 0:
-        sock.settimeout(left)
-        try:
-            chunk = sock.recv(65536)
-        except TimeoutError:
-            break
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
-def _statuses(data: bytes) -> list[int]:
-    """The status of every response in ``data`` (no body here holds a status line)."""
-    return [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", data)]
 
 
 def test_a_client_looping_on_requests_is_paced_never_refused_and_others_are_not() -> None:
@@ -54,8 +35,8 @@ def test_a_client_looping_on_requests_is_paced_never_refused_and_others_are_not(
         start = time.monotonic()
         with _connect(srv.port, "127.0.0.2") as s:
             s.sendall(HEALTHZ * 30)  # back to back, as a flood sends them
-            early = _received_until(s, start + WINDOW_S)
-            assert BURST <= len(_statuses(early)) <= MOST, early  # without pacing: 30
+            early = received_until(s, start + WINDOW_S)
+            assert BURST <= len(response_statuses(early)) <= MOST, early  # without pacing: 30
             # Another address has a budget of its own: its burst is answered whole.
             with _connect(srv.port, "127.0.0.3") as other:
                 other.sendall(HEALTHZ * BURST)
@@ -64,9 +45,9 @@ def test_a_client_looping_on_requests_is_paced_never_refused_and_others_are_not(
             # Every request of the paced client is answered in the end, none refused.
             got = early
             deadline = time.monotonic() + 30
-            while len(_statuses(got)) < 30 and time.monotonic() < deadline:
-                got += _received_until(s, min(deadline, time.monotonic() + 1))
-            assert _statuses(got) == [200] * 30
+            while len(response_statuses(got)) < 30 and time.monotonic() < deadline:
+                got += received_until(s, min(deadline, time.monotonic() + 1))
+            assert response_statuses(got) == [200] * 30
     finally:
         srv.stop()
 
@@ -79,7 +60,7 @@ def test_a_client_that_reconnects_does_not_get_a_fresh_budget() -> None:
         while answered < 30 and time.monotonic() < start + WINDOW_S:
             with _connect(srv.port, "127.0.0.2") as s:
                 s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                if _statuses(_received_until(s, start + WINDOW_S)) != [200]:
+                if response_statuses(received_until(s, start + WINDOW_S)) != [200]:
                     break  # still waiting for its turn when the window closed
                 answered += 1
         assert answered <= MOST  # without pacing by address: 30
@@ -102,7 +83,7 @@ def test_a_503_from_the_full_check_queue_costs_twice() -> None:
             start = time.monotonic()
             s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic again\r\n\r\n"
                       * 20)
-            statuses = _statuses(_received_until(s, start + WINDOW_S))
+            statuses = response_statuses(received_until(s, start + WINDOW_S))
         assert statuses and set(statuses) == {503}, statuses
         # Two tokens each: at most (burst + rate * window) / 2 and the one at the edge; at one
         # token each it would be about 13, without pacing 20.
@@ -133,7 +114,7 @@ def test_a_connection_evicted_while_it_waits_for_its_budget_ends_at_once() -> No
         for _ in range(limits.max_connections):  # idle ones from elsewhere; the last evicts
             held.append(_connect(srv.port, "127.0.0.3"))
             time.sleep(0.05)
-        assert _statuses(_received_until(waiting, time.monotonic() + 3)) == []
+        assert response_statuses(received_until(waiting, time.monotonic() + 3)) == []
         wait_until(lambda: srv.handlers == limits.max_connections, timeout=5)
         waiting.close()
     finally:
@@ -164,13 +145,13 @@ def test_a_wrong_password_costs_its_address_more_than_a_request() -> None:
         with _connect(srv.port, "127.0.0.2") as s:
             start = time.monotonic()
             s.sendall(wrong * 6)
-            statuses = _statuses(_received_until(s, start + WINDOW_S))
+            statuses = response_statuses(received_until(s, start + WINDOW_S))
         # 1 + 5 tokens for the first, and the second waits for its debt: 2 or 3 in the window
         # (without the cost, 6: the burst and one more at 0.2 s).
         assert statuses and set(statuses) == {401} and len(statuses) <= 3, statuses
         with _connect(srv.port, "127.0.0.3") as s:
             start = time.monotonic()
             s.sendall(HEALTHZ * 5)
-            assert _statuses(_received_until(s, start + 2 * WINDOW_S)) == [401] * 5
+            assert response_statuses(received_until(s, start + 2 * WINDOW_S)) == [401] * 5
     finally:
         srv.stop()

@@ -16,7 +16,6 @@ import base64
 import http.client
 import json
 import logging
-import re
 import socket
 import time
 import urllib.error
@@ -31,7 +30,12 @@ import pytest
 from mrc_agent.reference_service.__main__ import main as service_main
 from mrc_agent.reference_service.loadgen import make_photo
 from mrc_agent.reference_service.middleware import CLIENT_CLOSED, BodyLimit
-from tests.conftest import read_http_response, requests_by_outcome
+from tests.conftest import (
+    read_http_response,
+    received_until,
+    requests_by_outcome,
+    response_statuses,
+)
 from tests.test_service import Service
 
 MAX_IMAGE = 2 * 1024 * 1024
@@ -233,24 +237,6 @@ def test_a_connection_flag_that_is_not_a_number_exits_2(
     assert "--body-timeout" in capsys.readouterr().err
 
 
-def _received_until(sock: socket.socket, deadline: float) -> bytes:
-    """What ``sock`` receives before ``deadline`` (or until the server closes it)."""
-    data = b""
-    while (left := deadline - time.monotonic()) > 0:
-        sock.settimeout(left)
-        try:
-            chunk = sock.recv(65536)
-        except TimeoutError:
-            break
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
-def _statuses(data: bytes) -> list[int]:
-    """The status of every response in ``data`` (no /health body holds a status line)."""
-    return [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", data)]
 
 
 def test_a_connection_looping_on_requests_is_paced_never_refused(cache_dir: Path) -> None:
@@ -266,23 +252,23 @@ def test_a_connection_looping_on_requests_is_paced_never_refused(cache_dir: Path
         start = time.monotonic()
         with _connect(svc) as s:
             s.sendall(health * 8)  # pipelined: as fast as a client can send them
-            got = _received_until(s, start + window)
+            got = received_until(s, start + window)
             # At most the burst, the rate over the window and one at its edge (+1 slack).
-            assert burst <= len(_statuses(got)) <= burst + rate * window + 2, got
+            assert burst <= len(response_statuses(got)) <= burst + rate * window + 2, got
             with _connect(svc) as other:
                 other.sendall(health * burst)
                 theirs = b""
-                while len(_statuses(theirs)) < burst:
-                    more = _received_until(other, time.monotonic() + WAIT_S)
+                while len(response_statuses(theirs)) < burst:
+                    more = received_until(other, time.monotonic() + WAIT_S)
                     assert more, theirs
                     theirs += more
-            assert _statuses(theirs) == [200] * burst
-            got += _received_until(s, time.monotonic() + 0.1)
-            assert len(_statuses(got)) < 8  # the first connection is still waiting its turn
+            assert response_statuses(theirs) == [200] * burst
+            got += received_until(s, time.monotonic() + 0.1)
+            assert len(response_statuses(got)) < 8  # the first connection is still waiting its turn
             deadline = time.monotonic() + WAIT_S
-            while len(_statuses(got)) < 8 and time.monotonic() < deadline:
-                got += _received_until(s, min(deadline, time.monotonic() + 1))
-            assert _statuses(got) == [200] * 8  # every one answered, none refused
+            while len(response_statuses(got)) < 8 and time.monotonic() < deadline:
+                got += received_until(s, min(deadline, time.monotonic() + 1))
+            assert response_statuses(got) == [200] * 8  # every one answered, none refused
     finally:
         svc.stop()
 
