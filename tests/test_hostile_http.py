@@ -170,6 +170,15 @@ def test_at_the_cap_the_address_with_most_connections_loses_one_not_a_scraper() 
         srv.stop()
 
 
+def _release(srv: ExpositionServer, auth: GatedAuth, socks: list[socket.socket]) -> None:
+    """A test's end: let every gated check go, close its sockets, stop its server."""
+    for _ in range(10):
+        auth.gate.release()
+    for s in socks:
+        s.close()
+    srv.stop()
+
+
 def test_a_connection_being_answered_is_not_evicted_one_reading_its_head_is() -> None:
     auth = GatedAuth()
     limits = Limits(max_connections=3, head_timeout_s=5.0, idle_timeout_s=5.0)
@@ -188,11 +197,7 @@ def test_a_connection_being_answered_is_not_evicted_one_reading_its_head_is() ->
         auth.gate.release()
         assert Reader(socks[0]).response()[0] == 200  # the one being answered was kept
     finally:
-        for _ in range(10):
-            auth.gate.release()
-        for s in socks:
-            s.close()
-        srv.stop()
+        _release(srv, auth, socks)
 
 
 # -- 2. credential checks: fairness, a bounded queue, equal timing -----------------------------
@@ -216,11 +221,7 @@ def test_a_login_from_another_address_is_checked_before_a_flood_from_one() -> No
             assert Reader(s).response()[0] == 401
         legit.close()
     finally:
-        for _ in range(10):
-            auth.gate.release()
-        for s in flood:
-            s.close()
-        srv.stop()
+        _release(srv, auth, flood)
 
 
 def test_a_full_check_queue_answers_503_with_retry_after_and_cached_logins_pass() -> None:
@@ -247,11 +248,7 @@ def test_a_full_check_queue_answers_503_with_retry_after_and_cached_logins_pass(
         assert [Reader(s).response()[0] for s in socks] == [401, 401, 401]
         assert srv.credential_checks == 0
     finally:
-        for _ in range(10):
-            auth.gate.release()
-        for s in socks:
-            s.close()
-        srv.stop()
+        _release(srv, auth, socks)
 
 
 def _basic(user: str, password: str) -> str:
