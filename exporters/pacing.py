@@ -92,6 +92,10 @@ class AddressBudgets:
         self._open[key] = self._open.get(key, 0) + 1
         return bucket
 
+    def connections(self, key: str) -> int:
+        """Connections from ``key`` open now."""
+        return self._open.get(key, 0)
+
     def closed(self, key: str) -> None:
         """A connection from ``key`` closed."""
         left = self._open.get(key, 0) - 1

@@ -173,8 +173,6 @@ class _Conn:
     who: str = ""
     #: Its request head is complete and the answer under way: the one state never evicted.
     served: bool = False
-    #: When it began waiting for its current request (idle or reading the head).
-    since: float = field(default_factory=time.monotonic)
     #: Set when the cap closes it, so that a connection waiting for its address's budget
     #: ends at once instead of holding its task and transport until the wait is over.
     evicted: asyncio.Event = field(default_factory=asyncio.Event)
@@ -225,7 +223,6 @@ class ExpositionServer:
         self._conns: dict[int, _Conn] = {}
         # The connections not being answered, by client address, each address's oldest first.
         self._waiting: dict[str, dict[int, _Conn]] = {}
-        self._per_address: dict[str, int] = {}  # open connections by client address
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
@@ -346,7 +343,7 @@ class ExpositionServer:
             return
         # Every address in the table has a waiting connection (empty ones are dropped), each
         # address's in the order they began to wait: the first is its oldest, without a scan.
-        who = max(self._waiting, key=lambda a: self._per_address.get(a, 0))
+        who = max(self._waiting, key=self._budgets.connections)
         oldest = next(iter(self._waiting[who].values()))
         oldest.writer.close()
         oldest.evicted.set()
@@ -360,7 +357,6 @@ class ExpositionServer:
             return
         who = peer_key(writer.get_extra_info("peername"))
         conn = _Conn(writer, self._budgets.opened(who), who)
-        self._per_address[who] = self._per_address.get(who, 0) + 1
         self._conns[id(conn)] = conn
         task = asyncio.current_task()
         if task is not None:
@@ -375,7 +371,7 @@ class ExpositionServer:
         try:
             first = True
             while True:
-                conn.served, conn.since = False, time.monotonic()
+                conn.served = False
                 self._unwait(conn)
                 self._waiting.setdefault(who, {})[id(conn)] = conn
                 wait = self.limits.head_timeout_s if first else self.limits.idle_timeout_s
@@ -409,11 +405,6 @@ class ExpositionServer:
         finally:
             self._conns.pop(id(conn), None)
             self._unwait(conn)
-            left = self._per_address.get(who, 0) - 1
-            if left > 0:
-                self._per_address[who] = left
-            else:
-                self._per_address.pop(who, None)
             self._budgets.closed(who)
             if task is not None:
                 self._tasks.discard(task)
