@@ -112,32 +112,28 @@ class BoundedStep:
     """
 
     def __init__(self, executor: concurrent.futures.Executor, workers: int,
-                 wait_s: float, preempt_after_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 wait_s: float, preempt_after_s: float | None = None) -> None:
         self._executor = executor
         self._free = asyncio.Semaphore(workers)
         self.wait_s = wait_s
         self.preempt_after_s = preempt_after_s
-        self._clock = clock
         self._running: list[_Running] = []
-        self.preempted = 0
 
     def _preempt(self) -> None:
         """Cancel the longest-running call, if it has run long enough and is not cancelled."""
         if self.preempt_after_s is None:
             return
-        now = self._clock()
+        now = time.monotonic()
         live = [r for r in self._running if not r.cancel.is_set()]
         if live:
             oldest = min(live, key=lambda r: r.started)
             if now - oldest.started >= self.preempt_after_s:
                 oldest.cancel.set()
-                self.preempted += 1
 
     async def _acquire(self) -> None:
-        deadline = self._clock() + self.wait_s
+        deadline = time.monotonic() + self.wait_s
         while True:
-            left = deadline - self._clock()
+            left = deadline - time.monotonic()
             if left <= 0:
                 raise StepBusy(f"no thread came free within {self.wait_s:g}s")
             try:
@@ -152,7 +148,7 @@ class BoundedStep:
             self._preempt()
         await self._acquire()
         loop = asyncio.get_running_loop()
-        running = _Running(self._clock())
+        running = _Running(time.monotonic())
         self._running.append(running)
         try:
             job = self._executor.submit(functools.partial(fn, *args, cancel=running.cancel))
