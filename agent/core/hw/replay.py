@@ -195,8 +195,7 @@ def _processes(value: Any, where: str) -> dict[int, float]:
                                 f"{MAX_PROCESSES} \"PID\": bytes entries")
     out: dict[int, float] = {}
     for pid, used in value.items():
-        # A PID has at most 7 digits; a longer key is not one (and too long for int()).
-        if len(pid) > 7 or not is_pid(pid):
+        if not is_pid(pid):  # reads at most a PID's digits: a 5,000-digit key is no PID
             raise ReplayFormatError(f"{where}: 'processes' key {pid[:20]!r} is not a PID")
         if not _number(used) or used < 0:
             raise ReplayFormatError(f"{where}: 'processes' value for {pid} must be a number "

@@ -131,7 +131,7 @@ class PromClient:
                 continue
             try:
                 seconds = parse_duration(text)
-            except (ValueError, OverflowError):
+            except ValueError:
                 continue
             if 0 < seconds <= MAX_SCRAPE_INTERVAL_S:
                 intervals.append(seconds)
