@@ -30,7 +30,8 @@ class ServiceState:
     ocr_pool: ThreadPoolExecutor
     #: The OCR step on ``ocr_pool``'s threads, with a bounded wait for a free one.
     ocr_step: BoundedStep
-    #: Anything with ``read(image) -> str`` raising ``OCRError``; None: the step is off.
+    #: Anything with ``read(image, cancel=None) -> str`` raising ``OCRError`` (``cancel``: a
+    #: ``threading.Event`` that ends the read); None: the step is off.
     ocr: OCR | Any | None
     vlm: Any = None  # reference_service.model.VLM once loaded (imported lazily: torch)
     loading: str = "starting"
