@@ -166,17 +166,25 @@ class Attack:
                 except httpx.HTTPError as exc:
                     self.note(kind, type(exc).__name__)
 
+    async def _connect(self, kind: str, src: str, port: int, backoff: float
+                       ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """A connection to ``port`` from ``src``; None (noted, after ``backoff`` s) when the
+        server refuses it."""
+        try:
+            return await asyncio.open_connection("127.0.0.1", port, local_addr=(src, 0))
+        except OSError as exc:
+            self.note(kind, type(exc).__name__)
+            await asyncio.sleep(backoff)
+            return None
+
     async def _held(self, kind: str, src: str, port: int, conns: int, first: bytes,
                     drip: bool) -> None:
         async def one() -> None:
             while time.monotonic() < self.end:
-                try:
-                    reader, writer = await asyncio.open_connection(
-                        "127.0.0.1", port, local_addr=(src, 0))
-                except OSError as exc:
-                    self.note(kind, type(exc).__name__)
-                    await asyncio.sleep(0.5)
+                conn = await self._connect(kind, src, port, 0.5)
+                if conn is None:
                     continue
+                reader, writer = conn
                 self.note(kind, "connected")
                 try:
                     writer.write(first)
@@ -200,13 +208,10 @@ class Attack:
                          make: Callable[[], bytes]) -> None:
         async def one() -> None:
             while time.monotonic() < self.end:
-                try:
-                    reader, writer = await asyncio.open_connection(
-                        "127.0.0.1", port, local_addr=(src, 0))
-                except OSError as exc:
-                    self.note(kind, type(exc).__name__)
-                    await asyncio.sleep(0.2)
+                conn = await self._connect(kind, src, port, 0.2)
+                if conn is None:
                     continue
+                reader, writer = conn
                 try:
                     while time.monotonic() < self.end:
                         writer.write(make())
