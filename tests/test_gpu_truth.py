@@ -24,7 +24,8 @@ from mrc_agent.agent.core.hw.cuda_driver import CudaDriver
 from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
 from mrc_agent.agent.tools import selfcheck
 from mrc_agent.agent.tools import selfcheck_compare as cmp
-from mrc_agent.agent.tools.selfcheck_dry import DryCupti, DryFaults, DryModel, DryWorkload
+from mrc_agent.agent.tools.selfcheck_dry import DryFaults, DryModel, DryWorkload
+from mrc_agent.agent.tools.selfcheck_dry_cupti import DryCupti
 from mrc_agent.agent.tools.selfcheck_dry_nvml import GPM_METRICS, LINKS, DryNvml
 from mrc_agent.agent.tools.selfcheck_phases import AgentReaders, timestamp_check
 from mrc_agent.agent.tools.selfcheck_workload import WorkDone
@@ -114,7 +115,7 @@ def test_a_sample_stamped_while_the_device_call_ran_is_not_in_the_future() -> No
     for _ in range(3):
         readers.poll()
     assert all(p.devices_returned == p.t + 0.05 for p in readers.polls)
-    check = timestamp_check(readers, 0, 99.0, after=1)
+    check = timestamp_check(readers, "GPU-0", 99.0, after=1)
     assert check.verdict == cmp.PASS, check.note
 
 
@@ -195,9 +196,12 @@ def test_a_lying_dry_device_fails_exactly_the_checks_it_lies_to(tmp_path: Path) 
     notes = {c["name"]: c["note"] for c in result["checks"]}
     from_counters = {name for name in ("pcie.h2d.rx_rate", "pcie.d2h.tx_rate")
                      if "byte_counters" in notes[name]}
+    # The PCIe rows at the agent's cadences count the same halved counters.
+    cadence = {"pcie.h2d_every_1s.rx_counter", "pcie.h2d_every_0.5s.rx_counter",
+               "pcie.h2d_gap_1.5s.rx_counter"}
     assert failed == {"pcie.h2d.rx_counter", "pcie.d2h.tx_counter", "cupti.dram_read_bytes",
-                      "cupti.sm_instructions_2x", "nvml.util_samples_time"} | from_counters, \
-        verdicts
+                      "cupti.sm_instructions_2x", "nvml.util_samples_time"} | from_counters \
+        | cadence, verdicts
     assert verdicts["pcie.h2d.gpm_rx_rate"] == verdicts["gpm.sm_util"] == cmp.PASS
     h2d = next(c for c in result["checks"] if c["name"] == "pcie.h2d.rx_counter")
     assert h2d["ratio"] == pytest.approx(0.53, abs=0.02)  # reported whatever the verdict

@@ -8,14 +8,19 @@ One run, in order (each window ``Plan.window_s`` long, 6 s on a GPU):
 2. idle; pinned host->device copies; device->host copies; device-to-device copies; bf16
    GEMMs; N then 2N GEMMs; a peer copy when a second GPU shares NVLink with the first;
    each window polled (:mod:`.selfcheck_phases`) and compared (:mod:`.selfcheck_compare`);
+   then host->device copies with PCIe read at the agent's cadences and over one long gap,
+   and the throughput call on its own (:mod:`.selfcheck_pcie`);
 3. the readers closed, a trace recorded with ``mrc-agent record``'s recorder from the sources
    ``make_sources`` builds, while a mixed workload runs;
 4. the table printed and written, with a JSON result and the trace, to ``--out``.
 
 The workload (:mod:`.selfcheck_workload`) is torch on a GPU, :class:`~.selfcheck_dry.DryWorkload`
 in a dry run; the readers are the agent's own in both, fed by NVML and CUPTI or by the dry
-run's stand-ins of those libraries. Exit status: 0 when nothing failed, 1 when a check
-failed; cli.py turns :class:`~agent.core.config.ConfigError` (bad flags, no GPU) into 2.
+run's stand-ins of those libraries. On a GPU the CUPTI sampler runs in a process of its own
+that does no CUDA work (:mod:`.selfcheck_sampler`), as in the sidecar. On Hopper or newer a
+metric the agent reports nothing for is a FAIL, not a SKIP (``selfcheck_compare.require``).
+Exit status: 0 when nothing failed, 1 when a check failed; cli.py turns
+:class:`~agent.core.config.ConfigError` (bad flags, no GPU) into 2.
 """
 
 from __future__ import annotations
@@ -38,7 +43,10 @@ from mrc_agent.agent.core.hw.sources import Sources
 from mrc_agent.agent.tools import selfcheck_compare as cmp
 from mrc_agent.agent.tools import selfcheck_phases as ph
 from mrc_agent.agent.tools.selfcheck_compare import TruthCheck
-from mrc_agent.agent.tools.selfcheck_dry import DryCupti, DryModel, DryWorkload
+from mrc_agent.agent.tools.selfcheck_dry import DryModel, DryWorkload
+from mrc_agent.agent.tools.selfcheck_dry_cupti import DryCupti
+from mrc_agent.agent.tools.selfcheck_pcie import pcie_cadence_checks
+from mrc_agent.agent.tools.selfcheck_sampler import LocalSampler, SamplerProcess, SamplerServer
 from mrc_agent.agent.tools.selfcheck_workload import CudaUnavailable, Workload, run_mixed
 
 log = logging.getLogger(__name__)
@@ -66,6 +74,9 @@ class Plan:
     #: How far into a window PCIe rates / NVML utilisation rates are the window's own.
     pcie_settle_s: float = ph.PCIE_RATE_SETTLE_S
     util_settle_s: float = ph.GPU_UTIL_SETTLE_S
+    #: The longest gap between two PCIe reads checked: 5 s of copies wrap a 32-bit byte
+    #: counter ~60 times; a dry run keeps to its window (it wraps ~20 times in 1.5 s).
+    pcie_gap_s: float = 5.0
 
     @classmethod
     def for_mode(cls, dry: bool, duration: float | None = None) -> Plan:
@@ -76,7 +87,8 @@ class Plan:
             # (AgentReaders.gpm_settle), so 1.5 s leaves room for three or four GPM readings
             # even when a busy machine delays the polls. The simulated PCIe thread and
             # utilisation need no more than 0.3 s to settle.
-            return cls(min(6.0, max(1.5, 0.3 * trace)), trace, 0.2, 0.05, 0.3, 0.3, 0.3)
+            window = min(6.0, max(1.5, 0.3 * trace))
+            return cls(window, trace, 0.2, 0.05, 0.3, 0.3, 0.3, window)
         return cls(min(6.0, max(4.0, 0.3 * trace)), trace, 1.0, 0.1, 0.5)
 
 
@@ -92,6 +104,11 @@ class Rig:
     trace_sources: Callable[[], Sources]
     info: dict[str, Any]
     closers: list[Callable[[], None]] = field(default_factory=list)
+    #: A fresh NVML library object for a second reader (a dry device's stand-in is one per
+    #: reader; the real pynvml is shared, NVML counts its inits).
+    nvml_lib: Callable[[], Any] | None = None
+    #: The CUPTI sampler under test, in its own process on a GPU (its report goes in the JSON).
+    sampler: Any = None
 
     def close_readers(self) -> None:
         for close in self.closers:
@@ -125,8 +142,9 @@ def _sources(nvml_lib: Any | None, cupti_lib: Any | None) -> Sources:
     return Sources(base.device, base.gpm, prof, (*base.owned, prof))
 
 
-def _readers(plan: Plan, nvml_lib: Any | None, cupti_lib: Any | None,
-             work: Workload) -> tuple[ph.AgentReaders, list[Callable[[], None]], dict[str, Any]]:
+def _readers(plan: Plan, nvml_lib: Any | None, cupti_lib: Any | None, work: Workload,
+             log_dir: Path | None = None) -> tuple[ph.AgentReaders, list[Callable[[], None]],
+                                                   dict[str, Any], Any]:
     from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
 
     backend = nvml_backend(nvml_lib, plan.gpm_interval)
@@ -138,28 +156,67 @@ def _readers(plan: Plan, nvml_lib: Any | None, cupti_lib: Any | None,
     uuids = work.uuids()
     under_test = [s.gpu for s in devices if uuids and s.gpu.uuid == uuids[0]] or [devices[0].gpu]
     # Only the GPU under test: PM sampling on every GPU of a node costs them all.
-    sampler = CuptiPmSampler(under_test, lib=cupti_lib, interval_s=PROFILING_INTERVAL_S)
+    sampler: LocalSampler | SamplerProcess
+    if cupti_lib is None:
+        # The sidecar's situation: a process with no CUDA work of its own.
+        sampler = SamplerProcess(under_test[0], PROFILING_INTERVAL_S,
+                                 log_path=log_dir / "sampler.log" if log_dir else None)
+    else:
+        inner = CuptiPmSampler(under_test, lib=cupti_lib, interval_s=PROFILING_INTERVAL_S)
+        sampler = LocalSampler(SamplerServer(inner, under_test[0], lib=cupti_lib))
     readers = ph.AgentReaders(backend, backend, sampler, plan.gpm_interval, plan.poll_s,
                               pcie_settle=plan.pcie_settle_s, util_settle=plan.util_settle_s)
-    return readers, [sampler.close, backend.close], backend.info()
+    return readers, [sampler.close, backend.close], backend.info(), sampler
 
 
-def gpu_rig(plan: Plan) -> Rig:
+#: NVML_DEVICE_ARCH_* names (nvml.h), looked up by name: a stand-in module forwards them.
+_ARCHITECTURES = ("KEPLER", "MAXWELL", "PASCAL", "VOLTA", "TURING", "AMPERE", "ADA", "HOPPER",
+                  "BLACKWELL", "RUBIN", "DLA", "DLA2", "NPU3")
+
+
+def part_of(lib: Any, uuid: str, capability: tuple[int, int] | None) -> dict[str, Any]:
+    """The GPU's generation: CUDA's compute capability and NVML's architecture name."""
+    arch: str | None = None
+    try:
+        lib.nvmlInit()
+        try:
+            code = lib.nvmlDeviceGetArchitecture(lib.nvmlDeviceGetHandleByUUID(uuid))
+            names = [n for n in _ARCHITECTURES
+                     if getattr(lib, f"NVML_DEVICE_ARCH_{n}", None) == code]
+            arch = names[0] if names else str(code)
+            if capability is None:
+                capability = tuple(lib.nvmlDeviceGetCudaComputeCapability(
+                    lib.nvmlDeviceGetHandleByUUID(uuid)))  # type: ignore[assignment]
+        finally:
+            lib.nvmlShutdown()
+    except (lib.NVMLError, AttributeError) as exc:
+        log.info("NVML architecture of %s unknown: %s", uuid, exc)
+    return {"compute_capability": list(capability) if capability else None,
+            "architecture": arch, "hopper_or_newer": cmp.hopper_or_newer(capability, arch)}
+
+
+def gpu_rig(plan: Plan, out_dir: Path | None = None) -> Rig:
     """The real thing: torch on CUDA device 0, NVML and CUPTI. Raises CudaUnavailable."""
     # CUPTI and torch number devices as CUDA does; PCI order makes that NVML's order.
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    import pynvml
+
     from mrc_agent.agent.tools.selfcheck_workload import TorchWorkload
 
     work = TorchWorkload()
     try:
-        readers, closers, info = _readers(plan, None, None, work)
+        readers, closers, info, sampler = _readers(plan, None, None, work, out_dir)
     except BaseException:
         work.close()
         raise
     torch = work.torch
     info["torch"] = {"version": torch.__version__, "cuda": torch.version.cuda,
                      "device": torch.cuda.get_device_name(0)}
-    return Rig("gpu", work, readers, lambda: _sources(None, None), info, closers)
+    uuids = work.uuids()
+    info["part"] = part_of(pynvml, uuids[0] if uuids else "",
+                           tuple(torch.cuda.get_device_capability(0)))
+    return Rig("gpu", work, readers, lambda: _sources(None, None), info, closers,
+               nvml_lib=lambda: pynvml, sampler=sampler)
 
 
 def dry_rig(plan: Plan, model: DryModel | None = None) -> Rig:
@@ -168,10 +225,11 @@ def dry_rig(plan: Plan, model: DryModel | None = None) -> Rig:
 
     model = model or DryModel()
     work = DryWorkload(model)
-    readers, closers, info = _readers(plan, DryNvml(model), DryCupti(model), work)
+    readers, closers, info, sampler = _readers(plan, DryNvml(model), DryCupti(model), work)
     info["faults"] = asdict(model.faults)
+    info["part"] = part_of(DryNvml(model), model.uuid(0), None)
     return Rig("dry", work, readers, lambda: _sources(DryNvml(model), DryCupti(model)), info,
-               closers)
+               closers, nvml_lib=lambda: DryNvml(model), sampler=sampler)
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -183,15 +241,15 @@ def measure(rig: Rig, plan: Plan, say: Callable[[str], None]) -> tuple[list[Trut
     primed = r.poll()
     uuids = work.uuids()
 
-    def nvml_index(cuda: int) -> int | None:
+    def nvml_uuid(cuda: int) -> str | None:
+        """The NVML row of a CUDA device, matched by UUID (never by index)."""
         if cuda >= len(uuids):
             return None
-        match = [i for i, s in primed.devices.items() if s.gpu.uuid == uuids[cuda]]
-        return match[0] if match else None
+        return uuids[cuda] if uuids[cuda] in primed.devices else None
 
-    gpu = nvml_index(0)
+    gpu = nvml_uuid(0)
     if gpu is None:
-        gpu = min(primed.devices) if primed.devices else 0
+        gpu = next(iter(primed.devices), "")
         say(f"CUDA device 0's UUID is not among NVML's GPUs; checking NVML GPU {gpu}")
     time.sleep(plan.settle_s)
     start, first = r.clock(), len(r.polls)
@@ -217,7 +275,7 @@ def measure(rig: Rig, plan: Plan, say: Callable[[str], None]) -> tuple[list[Trut
     checks += ph.dram_checks(d2d, idle, gpu, r)
     checks += ph.gemm_checks(gemm, idle, gpu, r)
     checks.append(ph.doubling_check(single, double, gpu, r))
-    peer = ph.nvlink_peer(primed, gpu, work, nvml_index)
+    peer = ph.nvlink_peer(primed, gpu, work, nvml_uuid)
     if peer is None:
         checks.append(cmp.skip("nvlink.peer", "unverifiable on one GPU: no second GPU with "
                                "NVLink peer access to the GPU under test", "B"))
@@ -228,7 +286,23 @@ def measure(rig: Rig, plan: Plan, say: Callable[[str], None]) -> tuple[list[Trut
         phases.append(copy)
         checks += ph.nvlink_checks(copy, gpu, nvml_peer)
     checks.append(ph.timestamp_check(r, gpu, start, first))
+    if rig.nvml_lib is not None:
+        nvml_lib = rig.nvml_lib
+        cadence, copy_work = pcie_cadence_checks(
+            work, lambda: nvml_backend(nvml_lib(), plan.gpm_interval), nvml_lib, gpu, w,
+            plan.pcie_gap_s, plan.settle_s, plan.pcie_settle_s, say)
+        checks += cadence
+        phases.append(ph.Phase("pcie_cadence", copy_work, primed, primed, [], copy_work.start,
+                               copy_work.end))
+    if rig.sampler is not None:
+        rig.info["cupti_process"] = rig.sampler.report()
+        checks.append(ph.sampler_check(rig.info["cupti_process"], r))
     rig.info["gpu_under_test"] = gpu
+    part = rig.info.get("part") or {}
+    if part.get("hopper_or_newer"):
+        cc = part.get("compute_capability")
+        what = f"compute capability {cc[0]}.{cc[1]}" if cc else part.get("architecture")
+        checks = cmp.require(checks, f"this Hopper+ GPU ({what})")
     return checks, phases
 
 
@@ -300,16 +374,17 @@ def run_rig(rig: Rig, plan: Plan, out_dir: Path, stdout: TextIO | None = None,
     finally:
         rig.close_readers()
     gpus = rig.info.get("gpus") or [{}]
-    under = rig.info.get("gpu_under_test", 0)
-    described = next((g for g in gpus if g.get("index") == under), gpus[0])
+    under = rig.info.get("gpu_under_test", "")
+    described = next((g for g in gpus if g.get("uuid") == under), gpus[0])
     trace = out_dir / trace_name(rig.mode, str(described.get("name", "gpu")))
     say(f"recording a {plan.trace_s:g} s trace under a mixed workload to {trace}")
     try:
         checks.append(record_trace(rig, plan, trace))
     finally:
         rig.work.close()
-    header = (f"mrc-agent selfcheck ({rig.mode}): GPU {under} {described.get('name', '?')} "
-              f"{described.get('uuid', '')}, driver {rig.info.get('driver_version')}; "
+    header = (f"mrc-agent selfcheck ({rig.mode}): GPU {described.get('index', '?')} "
+              f"{described.get('name', '?')} {described.get('uuid', '')}, "
+              f"driver {rig.info.get('driver_version')}; "
               f"windows {plan.window_s:g} s, trace {plan.trace_s:g} s\n")
     table = header + cmp.format_table(checks)
     code = cmp.exit_code(checks)
@@ -349,7 +424,7 @@ def run_selfcheck_command(args: Any) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     plan = Plan.for_mode(args.dry, args.duration)
     try:
-        rig = dry_rig(plan) if args.dry else gpu_rig(plan)
+        rig = dry_rig(plan) if args.dry else gpu_rig(plan, out)
     except CudaUnavailable as exc:
         if created:
             out.rmdir()  # made a moment ago, still empty: leave nothing behind

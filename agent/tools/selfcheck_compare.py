@@ -82,6 +82,9 @@ class TruthCheck:
     extra: dict[str, Any] = field(default_factory=dict)
     #: How the band reads in the table where "low-high" would mislead (thresholds, bounds).
     band_text: str = ""
+    #: SKIP because the agent reported nothing (not because the reference was unusable):
+    #: what :func:`require` turns into a FAIL on a part that has the metric.
+    missing: bool = False
 
     def as_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -120,7 +123,8 @@ def ratio_check(name: str, measured: float | None, reference: float | None,
     """PASS when ``measured / reference`` lies in ``band`` (inclusive)."""
     if measured is None:
         return TruthCheck(name, SKIP, None, reference, None, band, unit,
-                          "the agent reports no value" + (f"; {why}" if why else ""))
+                          "the agent reports no value" + (f"; {why}" if why else ""),
+                          missing=True)
     if reference is None or not reference > 0:
         return TruthCheck(name, SKIP, measured, reference, None, band, unit,
                           "no usable reference (the workload measured nothing)")
@@ -137,7 +141,8 @@ def direction_check(name: str, wanted: float | None, other: float | None,
     """
     band = (0.0, max_share)
     if wanted is None or other is None:
-        return TruthCheck(name, SKIP, other, wanted, None, band, "B", "the agent reports no value")
+        return TruthCheck(name, SKIP, other, wanted, None, band, "B", "the agent reports no value",
+                          missing=True)
     if not wanted > 0:
         return TruthCheck(name, FAIL, other, wanted, None, band, "B",
                           f"no traffic at all in the copy's direction{what}")
@@ -162,7 +167,8 @@ def busy_idle_check(name: str, busy: float | None, idle: float | None, busy_min:
     if busy is None or idle is None:
         return TruthCheck(name, SKIP, busy, duty, None, band, "ratio",
                           "the agent reports no value " + ("under load" if busy is None
-                                                           else "when idle"), extra, text)
+                                                           else "when idle"), extra, text,
+                          missing=True)
     if duty is None or duty < min_duty:
         return TruthCheck(name, SKIP, busy, duty, None, band, "ratio",
                           f"the workload kept the GPU busy only {_fmt_ratio(duty)} of the "
@@ -203,7 +209,8 @@ def timestamps_check(name: str, calls: Sequence[tuple[float, Sequence[tuple[floa
     band = (-slack, 0.0)
     if not points:
         return TruthCheck(name, SKIP, None, None, None, band, "s",
-                          "the agent returned no utilisation samples (GetSamples unsupported?)")
+                          "the agent returned no utilisation samples (GetSamples unsupported?)",
+                          missing=True)
     too_old = [t for _, t in points if t < start - slack]
     future = [t for called, t in points if t > called]
     unordered = sum(1 for _, pts in calls
@@ -227,12 +234,41 @@ def timestamps_check(name: str, calls: Sequence[tuple[float, Sequence[tuple[floa
                       f"start-{slack:g}s..call")
 
 
-def skip(name: str, why: str, unit: str = "") -> TruthCheck:
-    return TruthCheck(name, SKIP, unit=unit, note=why)
+def skip(name: str, why: str, unit: str = "", missing: bool = False) -> TruthCheck:
+    return TruthCheck(name, SKIP, unit=unit, note=why, missing=missing)
+
+
+# --- what a part must report ----------------------------------------------------------------
+
+#: Checks a single Hopper+ GPU cannot be asked for: NVLink needs a peer GPU.
+NOT_REQUIRED_PREFIXES = ("nvlink.",)
+
+
+def hopper_or_newer(capability: tuple[int, int] | None, architecture: str | None) -> bool:
+    """Hopper (compute capability 9.0) or newer, by the capability CUDA reports, else by
+    NVML's architecture name (``HOPPER``, ``BLACKWELL``, ``RUBIN``; NVML's DLA and NPU
+    numbers are higher but are no GPUs)."""
+    if capability is not None:
+        return tuple(capability) >= (9, 0)
+    return architecture in ("HOPPER", "BLACKWELL", "RUBIN")
+
+
+def require(checks: Iterable[TruthCheck], part: str) -> list[TruthCheck]:
+    """On a part that has every metric checked (``part`` says which, e.g. "Hopper+ (compute
+    capability 9.0)"), a SKIP because the agent reported nothing becomes a FAIL: the agent
+    missing a metric the hardware has is the failure the check exists to find."""
+    out = []
+    for c in checks:
+        if c.verdict == SKIP and c.missing and not c.name.startswith(NOT_REQUIRED_PREFIXES):
+            c.verdict = FAIL
+            c.note = f"{part} has this metric: {c.note}"
+        out.append(c)
+    return out
 
 
 def exit_code(checks: Iterable[TruthCheck]) -> int:
-    """0 when nothing failed, 1 when anything did (SKIPs do not fail a run)."""
+    """0 when nothing failed, 1 when anything did (a SKIP does not; on Hopper+ a metric the
+    agent did not report is a FAIL, :func:`require`)."""
     return 1 if any(c.verdict == FAIL for c in checks) else 0
 
 

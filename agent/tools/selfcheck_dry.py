@@ -6,7 +6,7 @@ size over a monotonic time window, work spread evenly over it) from which every 
 integrated at the moment it is asked for: PCIe and NVLink byte counters, 20 ms throughputs, GPM
 ratios over any two sample times, utilisation samples on NVML's grid, CUPTI intervals. So the
 agent's real readers (``NvmlBackend`` and ``CuptiPmSampler``, fed through
-:mod:`.selfcheck_dry_nvml` and :class:`DryCupti`) see numbers that agree with what
+:mod:`.selfcheck_dry_nvml` and :mod:`.selfcheck_dry_cupti`) see numbers that agree with what
 :class:`DryWorkload` says it did, in real time. :class:`DryFaults` makes the device lie in one
 way (half the PCIe bytes, TX and RX swapped, ...) so a test can prove the checks catch it.
 
@@ -17,13 +17,10 @@ fakes (``tests/fakes/fake_pynvml.py``, ``fake_cupti.py``).
 
 from __future__ import annotations
 
-import enum
-import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 from mrc_agent.agent.tools.selfcheck_workload import COPY_BYTES, D2D_BYTES, GEMM_N, WorkDone
 
@@ -56,6 +53,8 @@ class DryFaults:
     gemm_instruction_offset: float = 0.0  # instructions added once per GEMM run, any length
     util_timestamp_offset_s: float = 0.0  # utilisation samples stamped this much too early
     gpm_scale: float = 1.0  # every GPM activity ratio
+    pcie_counters_absent: bool = False  # the PCIe byte-count fields answer NOT_SUPPORTED
+    cupti_refused: bool = False  # PM sampling cannot be enabled (no profiling permission)
 
 
 @dataclass(frozen=True)
@@ -85,6 +84,11 @@ class DryModel:
     gpus: int = 2
     faults: DryFaults = field(default_factory=DryFaults)
     name: str = "NVIDIA H200 (selfcheck dry run)"
+    #: Width of the PCIe byte counters NVML hands out (an unsigned int wraps at 2^32, about
+    #: every 80 ms of host->device copies); 64 for a driver with 64-bit counters.
+    pcie_counter_bits: int = 32
+    #: What the part reports as its compute capability: 9.0 is Hopper.
+    compute_capability: tuple[int, int] = (9, 0)
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
 
@@ -238,111 +242,3 @@ class DryWorkload:
 
     def close(self) -> None:
         pass
-
-
-# --- a CUPTI PM sampling stand-in over the model -------------------------------------------------
-
-SM_METRIC = "sm__inst_executed_realtime.sum"
-DRAM_METRIC = "dram__bytes_read.sum"
-
-
-class _Result(enum.IntEnum):
-    """The CUptiResult codes the sampler names (values from cupti_result.h)."""
-
-    SUCCESS = 0
-    ERROR_INVALID_DEVICE = 2
-    ERROR_UNKNOWN = 999
-
-
-class _CuptiError(Exception):
-    def __init__(self, status: int) -> None:
-        self.status = status
-        super().__init__(f"{_Result(status).name} ({int(status)})")
-
-
-class _TriggerMode(enum.IntEnum):
-    GPU_SYSCLK_INTERVAL = 0
-    GPU_TIME_INTERVAL = 1
-
-
-@dataclass(frozen=True)
-class _PmSample:
-    metric_values: list[float]
-
-
-@dataclass
-class _CounterData:
-    metrics: list[str]
-    samples: list[_PmSample]
-
-    def __iter__(self) -> Iterator[_PmSample]:
-        return iter(self.samples)
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-
-class _DryCollector:
-    """``cupti.pm_sampling.Collector`` over the model: intervals complete on the clock."""
-
-    def __init__(self, model: DryModel, device_index: int) -> None:
-        if not 0 <= device_index < model.gpus:
-            raise ValueError(f"Invalid device_index: {device_index}")
-        self._model = model
-        self._gpu = device_index
-        self._metrics: list[str] = []
-        self._interval = 0.1
-        self._start: float | None = None
-        self._next = 0
-
-    def enable(self) -> None:
-        pass
-
-    def configure(self, *, metrics: list[str], hardware_buffer_size: int,
-                  sampling_interval: int, trigger_mode: int) -> None:
-        unknown = [m for m in metrics if m not in (SM_METRIC, DRAM_METRIC)]
-        if unknown:
-            raise ValueError(f"Invalid metrics {unknown}")
-        self._metrics = list(metrics)
-        self._interval = sampling_interval / 1e9
-
-    def start(self) -> None:
-        self._start = self._model.clock()
-        self._next = 0
-
-    def decode(self, max_samples: int = 10000) -> _CounterData:
-        if self._start is None:
-            raise RuntimeError("PM Sampling collection has not started")
-        completed = math.floor((self._model.clock() - self._start) / self._interval)
-        upto = min(completed, self._next + max_samples)
-        samples = []
-        for k in range(self._next, upto):
-            t0 = self._start + k * self._interval
-            t1 = t0 + self._interval
-            values = {
-                SM_METRIC: self._model.instructions(self._gpu, t1)
-                - self._model.instructions(self._gpu, t0),
-                DRAM_METRIC: self._model.dram_read_bytes(self._gpu, t1)
-                - self._model.dram_read_bytes(self._gpu, t0),
-            }
-            samples.append(_PmSample([values[m] for m in self._metrics]))
-        self._next = max(self._next, upto)
-        return _CounterData(list(self._metrics), samples)
-
-    def stop(self) -> None:
-        self._start = None
-
-    def disable(self) -> None:
-        pass
-
-
-class DryCupti:
-    """Stands in for the ``cupti`` package (``.pm_sampling`` and ``.cupti``) over a model."""
-
-    def __init__(self, model: DryModel) -> None:
-        def collector(device_index: int = 0) -> _DryCollector:
-            return _DryCollector(model, device_index)
-
-        self.pm_sampling = SimpleNamespace(Collector=collector, TriggerMode=_TriggerMode)
-        self.cupti = SimpleNamespace(cuptiError=_CuptiError, Result=_Result)
-

@@ -177,10 +177,13 @@ class DryNvml:
             out.fieldId, out.scopeId = field_id, scope
             out.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
             out.nvmlReturn = pynvml.NVML_SUCCESS
-            if field_id == pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES:
-                out.value.ullVal = int(pcie_tx)
-            elif field_id == pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES:
-                out.value.ullVal = int(pcie_rx)
+            pcie_fields = (pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES,
+                           pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES)
+            if field_id in pcie_fields and self.model.faults.pcie_counters_absent:
+                out.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+            elif field_id in pcie_fields:
+                total = pcie_tx if field_id == pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES else pcie_rx
+                self._pcie_counter(out, total)
             elif linked and field_id == pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT:
                 out.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
                 out.value.uiVal = LINKS
@@ -195,6 +198,34 @@ class DryNvml:
             else:
                 out.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
         return values
+
+    def _pcie_counter(self, out: Any, total: float) -> None:
+        """A PCIe byte counter of the model's width: NVML "can be wrapped" (nvml.h), and an
+        unsigned int does wrap at 2^32."""
+        bits = self.model.pcie_counter_bits
+        raw = int(total) % (1 << bits)
+        if bits <= 32:
+            out.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+            out.value.uiVal = raw
+        else:
+            out.value.ullVal = raw
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: _Handle) -> tuple[int, int]:
+        self._gpu(handle)
+        return self.model.compute_capability
+
+    def nvmlDeviceGetArchitecture(self, handle: _Handle) -> int:
+        self._gpu(handle)
+        major = self.model.compute_capability[0]
+        name = {9: "HOPPER", 10: "BLACKWELL", 8: "AMPERE"}.get(major, "UNKNOWN")
+        return int(getattr(pynvml, f"NVML_DEVICE_ARCH_{name}"))
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> _Handle:
+        text = uuid.decode() if isinstance(uuid, bytes) else uuid
+        for index in range(self.model.gpus):
+            if self.model.uuid(index) == text:
+                return _Handle(index)
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
 
     # --- GPM -----------------------------------------------------------------------------
 

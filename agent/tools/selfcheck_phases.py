@@ -42,13 +42,14 @@ class Poll:
     """One reading of every source at monotonic time ``t``; ``gpm`` is None when GPM was not
     due. Sources that failed are missing (their error is kept by :class:`AgentReaders`).
     ``devices_returned`` is when the device call returned: its utilisation samples may be
-    as new as that, not only as ``t``."""
+    as new as that, not only as ``t``. Rows are keyed by UUID: a MIG device shares its
+    parent's index and would otherwise overwrite the parent's row."""
 
     t: float
     devices_returned: float = 0.0
-    devices: dict[int, DeviceSample] = field(default_factory=dict)
-    gpm: dict[int, GpmSample] | None = None
-    profiling: dict[int, ProfilingSample] = field(default_factory=dict)
+    devices: dict[str, DeviceSample] = field(default_factory=dict)
+    gpm: dict[str, GpmSample] | None = None
+    profiling: dict[str, ProfilingSample] = field(default_factory=dict)
 
 
 class AgentReaders:
@@ -98,15 +99,15 @@ class AgentReaders:
         now = self.clock()
         p = Poll(now)
         got = self._call("device", self.device.sample_devices)
-        p.devices = {s.gpu.index: s for s in got or ()}
+        p.devices = {s.gpu.uuid: s for s in got or ()}
         p.devices_returned = self.clock()
         if self.gpm_source is not None and now >= self._next_gpm:
             self._next_gpm = now + self._gpm_every
             gpm = self._call("gpm", self.gpm_source.sample_gpm)
-            p.gpm = {s.gpu.index: s for s in gpm} if gpm is not None else None
+            p.gpm = {s.gpu.uuid: s for s in gpm} if gpm is not None else None
         if self.profiling is not None:
             prof = self._call("profiling", self.profiling.sample_profiling)
-            p.profiling = {s.gpu.index: s for s in prof or ()}
+            p.profiling = {s.gpu.uuid: s for s in prof or ()}
         self.polls.append(p)
         return p
 
@@ -164,16 +165,16 @@ def observe(readers: AgentReaders, name: str, action: Callable[[], WorkDone | No
 
 # --- picking readings ------------------------------------------------------------------------
 
-def device_value(poll: Poll, gpu: int, attr: str) -> float | None:
+def device_value(poll: Poll, gpu: str, attr: str) -> float | None:
     s = poll.devices.get(gpu)
     return getattr(s, attr, None) if s is not None else None
 
 
-def device_series(phase: Phase, gpu: int, attr: str) -> list[tuple[float, float | None]]:
+def device_series(phase: Phase, gpu: str, attr: str) -> list[tuple[float, float | None]]:
     return [(p.t, device_value(p, gpu, attr)) for p in phase.polls]
 
 
-def gpm_series(phase: Phase, gpu: int, attr: str) -> list[tuple[float, float | None]]:
+def gpm_series(phase: Phase, gpu: str, attr: str) -> list[tuple[float, float | None]]:
     out: list[tuple[float, float | None]] = []
     for p in phase.polls:
         if p.gpm is not None and gpu in p.gpm:
@@ -181,7 +182,7 @@ def gpm_series(phase: Phase, gpu: int, attr: str) -> list[tuple[float, float | N
     return out
 
 
-def counter_delta(phase: Phase, gpu: int, attr: str, kind: str = "device") -> float | None:
+def counter_delta(phase: Phase, gpu: str, attr: str, kind: str = "device") -> float | None:
     """Growth of a cumulative counter from just before the phase to after it settled."""
     if kind == "device":
         return cmp.delta(device_value(phase.before, gpu, attr), device_value(phase.after, gpu,
@@ -198,7 +199,7 @@ def steady(phase: Phase, series: list[tuple[float, float | None]],
 
 # --- the checks --------------------------------------------------------------------------------
 
-def pcie_checks(phase: Phase, gpu: int, readers: AgentReaders) -> list[TruthCheck]:
+def pcie_checks(phase: Phase, gpu: str, readers: AgentReaders) -> list[TruthCheck]:
     """A one-way copy against the GPU's PCIe counters and rates. Host->device arrives on the
     GPU's RX; device->host leaves on its TX."""
     assert phase.work is not None
@@ -237,7 +238,7 @@ def pcie_checks(phase: Phase, gpu: int, readers: AgentReaders) -> list[TruthChec
     return out
 
 
-def dram_checks(d2d: Phase, idle: Phase, gpu: int, readers: AgentReaders) -> list[TruthCheck]:
+def dram_checks(d2d: Phase, idle: Phase, gpu: str, readers: AgentReaders) -> list[TruthCheck]:
     """A device-to-device copy against CUPTI's DRAM read bytes and GPM's DRAM bandwidth."""
     assert d2d.work is not None
     out = []
@@ -263,11 +264,11 @@ def dram_checks(d2d: Phase, idle: Phase, gpu: int, readers: AgentReaders) -> lis
     return out
 
 
-def _prof_series(phase: Phase, gpu: int, attr: str) -> list[tuple[float, float | None]]:
+def _prof_series(phase: Phase, gpu: str, attr: str) -> list[tuple[float, float | None]]:
     return [(p.t, getattr(p.profiling.get(gpu), attr, None)) for p in phase.polls]
 
 
-def _busy_idle(name: str, busy: Phase, idle: Phase, gpu: int, readers: AgentReaders,
+def _busy_idle(name: str, busy: Phase, idle: Phase, gpu: str, readers: AgentReaders,
                busy_min: float, idle_max: float) -> TruthCheck:
     assert busy.work is not None
     attr = name.split(".", 1)[1]
@@ -286,7 +287,7 @@ def _busy_idle(name: str, busy: Phase, idle: Phase, gpu: int, readers: AgentRead
     return check
 
 
-def gemm_checks(gemm: Phase, idle: Phase, gpu: int, readers: AgentReaders) -> list[TruthCheck]:
+def gemm_checks(gemm: Phase, idle: Phase, gpu: str, readers: AgentReaders) -> list[TruthCheck]:
     """Back-to-back bf16 GEMMs against GPM sm_util and tensor_util and NVML gpu_util."""
     return [
         _busy_idle("gpm.sm_util", gemm, idle, gpu, readers, cmp.GPM_SM_BUSY_MIN,
@@ -298,7 +299,7 @@ def gemm_checks(gemm: Phase, idle: Phase, gpu: int, readers: AgentReaders) -> li
     ]
 
 
-def doubling_check(single: Phase, double: Phase, gpu: int, readers: AgentReaders) -> TruthCheck:
+def doubling_check(single: Phase, double: Phase, gpu: str, readers: AgentReaders) -> TruthCheck:
     """SM instructions over N GEMMs and over 2N."""
     attr = "sm_instructions_executed_total"
     check = cmp.doubling_check("cupti.sm_instructions_2x",
@@ -309,7 +310,7 @@ def doubling_check(single: Phase, double: Phase, gpu: int, readers: AgentReaders
     return check
 
 
-def timestamp_check(readers: AgentReaders, gpu: int, start: float,
+def timestamp_check(readers: AgentReaders, gpu: str, start: float,
                     after: int) -> TruthCheck:
     """Utilisation samples of every poll after the ``after``-th against the monotonic clock."""
     calls = []
@@ -323,7 +324,7 @@ def timestamp_check(readers: AgentReaders, gpu: int, start: float,
     return check
 
 
-def nvlink_checks(peer: Phase, src: int, dst: int) -> list[TruthCheck]:
+def nvlink_checks(peer: Phase, src: str, dst: str) -> list[TruthCheck]:
     """A peer copy against the source GPU's NVLink TX and the destination's RX counters."""
     assert peer.work is not None
     ref = float(peer.work.bytes)
@@ -335,18 +336,58 @@ def nvlink_checks(peer: Phase, src: int, dst: int) -> list[TruthCheck]:
     ]
 
 
-def nvlink_peer(poll: Poll, gpu: int, work: Workload,
-                nvml_index: Callable[[int], int | None]) -> tuple[int, int] | None:
+def nvlink_peer(poll: Poll, gpu: str, work: Workload,
+                nvml_uuid: Callable[[int], str | None]) -> tuple[int, str] | None:
     """A CUDA peer of device 0 whose GPU, like the one under test, has active NVLink links;
-    ``(cuda index, NVML index)``, or None."""
+    ``(cuda index, NVML UUID)``, or None."""
     here = poll.devices.get(gpu)
     if here is None or not here.nvlink_links:
         return None
     for a, b in work.peers():
         if a != 0:
             continue
-        idx = nvml_index(b)
-        there = poll.devices.get(idx) if idx is not None else None
-        if idx is not None and there is not None and there.nvlink_links:
-            return b, idx
+        uuid = nvml_uuid(b)
+        there = poll.devices.get(uuid) if uuid is not None else None
+        if uuid is not None and there is not None and there.nvlink_links:
+            return b, uuid
     return None
+
+
+def _mib(memory: dict[str, Any] | None) -> str:
+    if not memory:
+        return "unknown"
+    if "error" in memory:
+        return f"unknown ({memory['error']})"
+    return f"{memory.get('bytes', 0) / 2**20:.0f} MiB" + ("" if memory.get("listed") else
+                                                         " (not listed by NVML)")
+
+
+def sampler_check(report: dict[str, Any], readers: AgentReaders) -> TruthCheck:
+    """The CUPTI sampler's own process: PM sampling started in it, without torch, and what
+    the process holds on the GPU before and after (the retained primary context's cost)."""
+    name = "cupti.sampler_process"
+    if "error" in report:
+        return cmp.skip(name, f"the sampler process gave no report: {report['error']}",
+                        missing=True)
+    before, after = report.get("memory_before"), report.get("memory_started")
+    libs = (report.get("libcupti") or {}).get("mapped") or []
+    where = "its own process" if report.get("own_process") else "this process (dry run)"
+    note = (f"sampler in {where}, pid {report.get('pid')}; GPU memory before "
+            f"{_mib(before)}, after PM sampling started {_mib(after)}; retained primary "
+            f"contexts {report.get('retained_contexts')}; libcupti "
+            f"{', '.join(libs) if libs else 'not mapped'}")
+    measured = float(after["bytes"]) if after and "bytes" in after else None
+    reference = float(before["bytes"]) if before and "bytes" in before else None
+    if report.get("own_process") and report.get("torch_imported"):
+        return TruthCheck(name, cmp.FAIL, measured, reference, None, None, "B",
+                          "torch was imported in the sampler's process; " + note)
+    if not report.get("started"):
+        statuses = report.get("statuses") or []
+        last = statuses[-1] if statuses else ("not_started", "")
+        why = readers.note("profiling") or f"status {last[0]}: {last[1]}"
+        return TruthCheck(name, cmp.SKIP, measured, reference, None, None, "B",
+                          f"the agent reports no value: PM sampling never started ({why}); "
+                          + note, missing=True)
+    metrics = ", ".join(report.get("metrics") or [])
+    return TruthCheck(name, cmp.PASS, measured, reference, None, None, "B",
+                      f"started with {metrics} (set {report.get('metric_set')}); " + note)
