@@ -3,8 +3,10 @@ as ``mrc-agent selfcheck``, runnable from a checkout without installing the pack
 
 Pinned host<->device copies, device-to-device copies and bf16 GEMMs of known size, timed with
 CUDA events, against the agent's PCIe counters and rates, GPM, CUPTI PM sampling, NVML
-utilisation and its sample timestamps (and NVLink with two linked GPUs); then a 20 s trace
-under a mixed workload for ``tests/data/``. About 1.5 minutes on one H200 (docs/gpu-truth.md).
+utilisation and its sample timestamps (and NVLink with two linked GPUs), PCIe counters at
+the agent's cadences and over one long gap, and the CUPTI sampler in a CUDA-free process of
+its own; then a 20 s trace under a mixed workload for ``tests/data/``. About 2 minutes on one
+H200 (docs/gpu-truth.md); on Hopper+ a metric the agent reports nothing for is a FAIL.
 
     python3 benchmarks/gpu_truth.py [--out DIR] [--duration SECONDS]   # the GPU check
     python3 benchmarks/gpu_truth.py --dry [--out DIR]                  # simulated, anywhere
