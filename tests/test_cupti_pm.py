@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from mrc_agent.agent.core.hw import cupti_pm
+from mrc_agent.agent.core.hw import cupti_pm, cupti_reasons
 from mrc_agent.agent.core.hw.base import (
     GPUIdentity,
     HardwareError,
@@ -36,13 +36,16 @@ from tests.fakes.fake_cupti import (
     TriggerMode,
     cuptiError,
     error,
+    fake_uuid,
 )
 
 SM, DRAM = PROFILING_METRICS
 PCT = "dramc__read_throughput.avg.pct_of_peak_sustained_elapsed"
-GPU0 = GPUIdentity(0, "GPU-00000000-0000-0000-0000-000000000000", "NVIDIA H200")
-GPU1 = GPUIdentity(1, "GPU-11111111-1111-1111-1111-111111111111", "NVIDIA H200")
+GPU0 = GPUIdentity(0, fake_uuid(0), "NVIDIA H200")
+GPU1 = GPUIdentity(1, fake_uuid(1), "NVIDIA H200")
 LOGGER = "mrc_agent.agent.core.hw.cupti_pm"
+#: What the driver is asked first: cuInit, then each CUDA device's UUID (one device here).
+MAPPED = ["cuInit", "cuDeviceGetCount", "cuDeviceGet", "cuDeviceGetUuid"]
 
 
 def rec(sm: float, dram: float) -> dict[str, float]:
@@ -63,7 +66,7 @@ def sampler_for(
     lib: FakeCupti | None = None,
 ) -> tuple[CuptiPmSampler, FakeCupti]:
     lib = lib or FakeCupti({i: d for i, d in enumerate(devices)})
-    gpus = [GPUIdentity(i, f"GPU-{i}", "NVIDIA H200") for i in range(len(devices))]
+    gpus = [GPUIdentity(i, fake_uuid(i), "NVIDIA H200") for i in range(len(devices))]
     sampler = CuptiPmSampler(gpus, lib=lib, interval_s=interval_s, clock=clock or Clock(),
                              cuda=CudaDriver(lib.driver))
     return sampler, lib
@@ -113,7 +116,7 @@ def test_counters_accumulate_monotonically_over_decoded_records() -> None:
     }
     assert sampler.status() == ("ok", "")
     # cuInit once, enabled and started once, not per sample; no primary context needed.
-    assert lib.driver.calls == ["cuInit"]
+    assert lib.driver.calls == MAPPED
     assert lib.count(0, "enable") == 1 and lib.count(0, "start") == 1
 
 
@@ -282,7 +285,7 @@ def test_a_stand_in_library_without_a_driver_gets_no_cuinit_and_is_refused() -> 
     lib = FakeCupti({0: FakeDevice()})
     sampler = CuptiPmSampler([GPU0], lib=lib)  # what the agent did before cuInit was added
 
-    assert unavailable(sampler).reason == "no_gpu"
+    assert unavailable(sampler).reason == "cupti_not_initialized"
     assert lib.driver.calls == []
 
 
@@ -291,7 +294,8 @@ def test_cuinit_runs_before_the_first_enable() -> None:
 
     sampler.sample_profiling()
 
-    assert lib.driver.calls == ["cuInit"]  # once per process, not per GPU
+    # cuInit and the UUIDs once per process, not per GPU.
+    assert lib.driver.calls == [*MAPPED, "cuDeviceGet", "cuDeviceGetUuid"]
     assert sampler.status() == ("ok", "")
 
 
@@ -314,7 +318,7 @@ def test_primary_context_is_released_when_the_retry_does_not_help() -> None:
 
     exc = unavailable(sampler)
 
-    assert exc.reason == "no_gpu" and "NOT_INITIALIZED" in exc.detail
+    assert exc.reason == "cupti_not_initialized" and "NOT_INITIALIZED" in exc.detail
     assert lib.count(0, "enable") == 2
     assert "cuDevicePrimaryCtxRelease" in lib.driver.calls and lib.driver.retained == {}
 
@@ -360,7 +364,7 @@ def test_a_transient_cuinit_failure_is_retried_after_the_backoff() -> None:
     assert not isinstance(caught.value, SourceUnavailable)
     clock.now += cupti_pm.BACKOFF_INITIAL_S
     assert totals(sampler) == [(5.0, 5.0)]
-    assert lib.driver.calls == ["cuInit", "cuInit"]
+    assert lib.driver.calls == ["cuInit", *MAPPED]
 
 
 # -- reasons ----------------------------------------------------------------------------------
@@ -465,13 +469,14 @@ def test_pm_sampling_not_supported_is_unsupported_device(
     assert all(not c.enabled for c in lib.collectors)
 
 
-@pytest.mark.parametrize("exc", [error("ERROR_INVALID_DEVICE"), None])
-def test_no_such_device_is_no_gpu(exc: BaseException | None) -> None:
-    # None: the fake knows no device 0, so enable() raises ValueError("Invalid device_index").
+@pytest.mark.parametrize(("exc", "reason"), [(error("ERROR_INVALID_DEVICE"), "no_gpu"),
+                                             (None, "no_cuda_device")])
+def test_no_such_device_is_no_gpu(exc: BaseException | None, reason: str) -> None:
+    # None: CUDA knows no device at all, so none has the GPU's UUID.
     lib = FakeCupti({0: FakeDevice(errors={"enable": [exc]})} if exc is not None else {})
     sampler = CuptiPmSampler([GPU0], lib=lib, cuda=CudaDriver(lib.driver))
 
-    assert unavailable(sampler).reason == "no_gpu"
+    assert unavailable(sampler).reason == reason
 
 
 def test_nvperf_libraries_missing_is_cupti_missing() -> None:
@@ -757,7 +762,7 @@ def test_fake_matches_the_real_library_where_installed() -> None:
     assert {m.name: m.value for m in fake_cupti.Result} == {
         m.name: getattr(real, m.name).value for m in fake_cupti.Result
     }
-    assert set(cupti_pm._REASON_BY_RESULT) <= set(real.__members__)
+    assert set(cupti_reasons.REASON_BY_RESULT) <= set(real.__members__)
     for mode in fake_cupti.TriggerMode:
         assert getattr(cupti.pm_sampling.TriggerMode, mode.name).value == mode.value
     configure = inspect.signature(cupti.pm_sampling.Collector.configure).parameters
@@ -773,42 +778,6 @@ def test_fake_matches_the_real_library_where_installed() -> None:
 
 
 # -- what the messages say ----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("gpus", "order", "visible", "expected"),
-    [
-        (2, None, None, ["order"]),
-        (1, None, None, []),
-        (2, "PCI_BUS_ID", None, []),
-        (1, "PCI_BUS_ID", "0", ["visible"]),
-    ],
-)
-def test_a_cuda_numbering_that_may_differ_from_nvml_is_warned_about_once(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-    gpus: int, order: str | None, visible: str | None, expected: list[str],
-) -> None:
-    for name, value in (("CUDA_DEVICE_ORDER", order), ("CUDA_VISIBLE_DEVICES", visible)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-    sampler, _ = sampler_for(*(FakeDevice() for _ in range(gpus)))
-
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        sampler.sample_profiling()
-        sampler.sample_profiling()
-
-    said = []
-    for message in (r.getMessage() for r in caplog.records):
-        if "CUDA_DEVICE_ORDER is not PCI_BUS_ID" in message:
-            assert "used by CUPTI may not match NVML's, so profiling counters could carry " \
-                   "another GPU's labels" in message
-            said.append("order")
-        elif "CUDA_VISIBLE_DEVICES is set" in message:
-            assert "CUPTI device indices are renumbered and may not match NVML's" in message
-            said.append("visible")
-    assert said == expected
 
 
 def test_without_gpus_the_source_says_so_in_the_error_and_the_status() -> None:
@@ -875,7 +844,8 @@ def test_the_primary_context_retry_is_logged_with_its_memory_cost(
 
     [message] = [r.getMessage() for r in caplog.records if "primary context" in r.getMessage()]
     assert message.startswith(
-        "CUPTI PM sampling on GPU 1: enable() answered cuptiError: ERROR_NOT_INITIALIZED (15) "
+        "CUPTI PM sampling on CUDA device 1: enable() answered cuptiError: "
+        "ERROR_NOT_INITIALIZED (15) "
         "after cuInit; retrying")
     assert message.endswith("with the device's primary context (it holds device memory)")
 
@@ -927,7 +897,7 @@ def test_without_arguments_the_sampler_imports_cupti_and_the_cuda_driver(
     sampler = CuptiPmSampler([GPU0])
 
     assert totals(sampler) == [(4.0, 8.0)]
-    assert lib.driver.calls == ["cuInit"]
+    assert lib.driver.calls == MAPPED
     # The default interval is 0.1 s.
     assert lib.collectors[0].config["sampling_interval"] == 100_000_000
 

@@ -120,14 +120,16 @@ def test_real_libraries_on_this_host_answer_or_say_why() -> None:
     from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
 
     nvml = NvmlBackend(pcie_thread=False)
+    gpu = GPUIdentity(0, "GPU-0", "any")
     try:
         samples = nvml.sample_devices()
         assert samples and all(s.gpu.uuid for s in samples)
+        gpu = samples[0].gpu  # CUPTI finds its CUDA device by the UUID NVML reports
     except SourceUnavailable as exc:
         assert exc.reason in REASONS, exc
     finally:
         nvml.close()
-    sampler = CuptiPmSampler([GPUIdentity(0, "GPU-0", "any")])
+    sampler = CuptiPmSampler([gpu])
     try:
         sampler.sample_profiling()
         assert sampler.status()[0] == "ok"

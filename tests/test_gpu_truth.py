@@ -265,7 +265,7 @@ def test_the_checks_pass_on_the_projects_own_nvml_and_cupti_fakes(tmp_path: Path
     fake = FakeNvml([gpu(index=i, uuid=model.uuid(i), name=model.name, gpm={},
                          nvlink={link: nvlink() for link in range(LINKS)})
                      for i in range(2)])
-    cupti = FakeCupti({0: FakeDevice()})
+    cupti = FakeCupti({0: FakeDevice(uuid=model.uuid(0))})  # CUDA finds NVML's GPU 0 by UUID
     plan = selfcheck.Plan.for_mode(True, 1.0)
     backend = selfcheck.nvml_backend(fake, plan.gpm_interval)
     sampler = CuptiPmSampler([GPUIdentity(0, model.uuid(0), model.name)], lib=cupti,

@@ -22,7 +22,7 @@ from mrc_agent.agent.core.hw.cuda_driver import CudaDriver
 from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
 from mrc_agent.agent.core.sample import Snapshot
 from mrc_agent.exporters.exposition.snapshot import SnapshotCollector
-from tests.fakes.fake_cupti import FakeCupti, FakeDevice
+from tests.fakes.fake_cupti import FakeCupti, FakeDevice, fake_uuid
 
 SM = "sm__inst_executed_realtime.sum"
 PCT = "dramc__read_throughput.avg.pct_of_peak_sustained_elapsed"
@@ -31,8 +31,10 @@ BYTES = "dram__bytes_read.sum"
 
 def _exposition(*devices: FakeDevice) -> dict[str, list[tuple[dict[str, str], float]]]:
     lib = FakeCupti(dict(enumerate(devices)))
-    gpus = [GPUIdentity(i, f"GPU-{i}", "NVIDIA H200") for i in range(len(devices))]
-    collector = ProfilingCollector(CuptiPmSampler(gpus, lib=lib, cuda=CudaDriver(lib.driver)))
+    gpus = [GPUIdentity(i, fake_uuid(i), "NVIDIA H200") for i in range(len(devices))]
+    # No targets: the attribution is undecided, so several GPUs need the opt-in.
+    collector = ProfilingCollector(CuptiPmSampler(gpus, lib=lib, cuda=CudaDriver(lib.driver),
+                                                  profile_undecided=True))
     samples = collector.update(SampleContext(now=1.0, wall=1.0, targets=[]))
     registry = CollectorRegistry()
     registry.register(SnapshotCollector(CATALOG, lambda: Snapshot(1, 1.0, tuple(samples))))
@@ -58,7 +60,7 @@ def test_a_throughput_only_chip_exports_a_ratio_and_names_its_metrics_never_byte
     [(info, one)] = series[PROFILING_METRICS_INFO.name]
     assert one == 1.0
     assert (info["sm_metric"], info["dram_metric"], info["metric_set"]) == (SM, PCT, "PmSampling")
-    assert info["uuid"] == "GPU-0" and info["gpu_model"] == "NVIDIA H200"
+    assert info["uuid"] == fake_uuid(0) and info["gpu_model"] == "NVIDIA H200"
 
 
 def test_a_byte_counter_chip_exports_bytes_no_ratio_and_says_no_set_was_used() -> None:
@@ -75,7 +77,7 @@ def test_a_byte_counter_chip_exports_bytes_no_ratio_and_says_no_set_was_used() -
 
 def _collector(*devices: FakeDevice) -> ProfilingCollector:
     lib = FakeCupti(dict(enumerate(devices)))
-    gpus = [GPUIdentity(i, f"GPU-{i}", "NVIDIA H200") for i in range(len(devices))]
+    gpus = [GPUIdentity(i, fake_uuid(i), "NVIDIA H200") for i in range(len(devices))]
     return ProfilingCollector(CuptiPmSampler(gpus, lib=lib, cuda=CudaDriver(lib.driver)))
 
 
@@ -103,7 +105,7 @@ def test_a_working_source_is_ok_with_no_detail_in_the_pass() -> None:
 def test_only_watched_gpus_are_exported() -> None:
     collector = _collector(FakeDevice(decodes=[[{SM: 1.0, BYTES: 2.0}]]),
                            FakeDevice(decodes=[[{SM: 3.0, BYTES: 4.0}]]))
-    watched = GPUIdentity(1, "GPU-1", "NVIDIA H200")
+    watched = GPUIdentity(1, fake_uuid(1), "NVIDIA H200")
     ctx = SampleContext(now=1.0, wall=1.0, targets=[],
                         attribution=Attribution(mode="test", gpus={watched: frozenset()}))
 

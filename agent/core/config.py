@@ -224,6 +224,16 @@ def _switch(value: Any, name: object) -> bool:
     raise ConfigError(f"collector {shown(name)}: {shown(value)} is not true or false")
 
 
+def _flag(value: Any, _cfg: Any) -> bool:
+    """A yes/no setting: a YAML boolean, or one of true/false, yes/no, on/off, 1/0."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE | _FALSE:
+        return text in _TRUE
+    raise ValueError("expected true or false")
+
+
 def _unknown_collector(name: object) -> ConfigError:
     return ConfigError(f"unknown collector {shown(name)} (known: {', '.join(COLLECTOR_NAMES)})")
 
@@ -346,6 +356,14 @@ class AgentConfig:
         metavar="|".join(GPU_MODES),
         help="GPUs to report: targets (those the target processes can use; every GPU while "
              "none says which) or all")
+    #: CUPTI PM sampling holds a GPU's performance monitors, shutting every other profiler
+    #: (a neighbour pod's agent, DCGM profiling, Nsight) out of it; so while no target says
+    #: which GPUs are its own (attribution "unknown") a node of several GPUs is not profiled
+    #: unless this allows it (agent/core/hw/cupti_pm.py, docs/attribution.md).
+    profile_unattributed: bool = setting(
+        False, parse=_flag, commands=(RUN, DOCTOR), metavar="true|false", default_text="false",
+        help="let the profiling collector profile every GPU of the node while no target says "
+             "which GPUs it uses (it holds their performance monitors)")
     #: GPM's own window: NVML wants more than 100 ms between two GPM samples, and a second
     #: averages out a decode loop's bursts; the sampler reuses the last window in between.
     gpm_interval: float = setting(

@@ -51,7 +51,8 @@ def open_gpu_backend(backend: str, nvml_lib: Any | None = None, *,
 def make_sources(cfg: AgentConfig, nvml_lib: Any | None = None, *, profiling: bool = True,
                  profiling_interval_s: float = PROFILING_INTERVAL_S) -> Sources:
     """The GPU sources for ``cfg.gpu_backend``. Under NVML the profiling source is CUPTI PM
-    sampling built on first use (``profiling=False`` leaves it out)."""
+    sampling built on first use, profiling only the pod's GPUs (``cfg.profile_unattributed``
+    says whether every GPU while that is undecided); ``profiling=False`` leaves it out."""
     from mrc_agent.agent.core.hw.replay import ReplayBackend
 
     backend = open_gpu_backend(cfg.gpu_backend, nvml_lib, gpm_interval=cfg.gpm_interval)
@@ -59,7 +60,8 @@ def make_sources(cfg: AgentConfig, nvml_lib: Any | None = None, *, profiling: bo
         return Sources()
     if isinstance(backend, ReplayBackend):
         return Sources(backend, backend, backend, (backend,))
-    lazy = LazyProfiling(backend, profiling_interval_s) if profiling else None
+    lazy = (LazyProfiling(backend, profiling_interval_s,
+                          profile_undecided=cfg.profile_unattributed) if profiling else None)
     owned: tuple[Closable, ...] = (backend,) if lazy is None else (backend, lazy)
     return Sources(backend, backend, lazy, owned)
 

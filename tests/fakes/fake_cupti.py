@@ -24,10 +24,17 @@ It mirrors the real libraries' shape and the behaviour their sources show (cupti
   ``set_api=False``, as in cupti-python before 13.4).
 - ``lib.pm_sampling.TriggerMode``, ``lib.cupti.cuptiError`` (carries ``.status``) and
   ``lib.cupti.Result`` with the values of ``CUpti_PmSampling_TriggerMode`` / ``cupti_result.h``.
-- ``lib.driver``: ``cuInit / cuDeviceGet / cuDevicePrimaryCtxRetain / cuDevicePrimaryCtxRelease
-  / cuCtxSetCurrent`` returning ``(CUresult, value...)`` tuples, raising cuda-pathfinder's
-  ``DynamicLibNotFoundError`` when ``library_missing`` (no libcuda.so.1); ``errors`` injects a
-  result or an exception per call.
+- ``lib.driver``: ``cuInit / cuDeviceGetCount / cuDeviceGet / cuDeviceGetUuid /
+  cuDevicePrimaryCtxRetain / cuDevicePrimaryCtxRelease / cuCtxSetCurrent`` returning
+  ``(CUresult, value...)`` tuples, raising cuda-pathfinder's ``DynamicLibNotFoundError`` when
+  ``library_missing`` (no libcuda.so.1); ``errors`` injects a result or an exception per call.
+  The keys of ``FakeCupti.devices`` are CUDA ordinals (what ``Collector(device_index)`` and
+  ``cuDeviceGet`` take); ``cuDeviceGetUuid`` answers a ``CUuuid`` whose ``bytes`` are the 16
+  raw bytes of the device's ``uuid`` (by default :func:`fake_uuid` of its ordinal), so a test
+  gives NVML's GPUs other indices than CUDA's to model ``CUDA_VISIBLE_DEVICES`` or a GPU CUDA
+  skips.
+- ``FakeCupti(counted=False)`` models the other reading of CUPTI's process-wide profiler: any
+  ``profiler_deinitialize`` tears it down for every collector, however many enabled it.
 
 A device is described by data: which metrics, sets and trigger modes it accepts, the samples
 its hardware produces (one list per decode call) and the errors to raise per call. An injected
@@ -53,6 +60,7 @@ class Result(enum.IntEnum):
     ERROR_INVALID_OPERATION = 7
     ERROR_OUT_OF_MEMORY = 8
     ERROR_HARDWARE = 9
+    ERROR_NOT_COMPATIBLE = 14
     ERROR_NOT_INITIALIZED = 15
     ERROR_INVALID_METRIC_NAME = 17
     ERROR_DISABLED = 23
@@ -108,6 +116,18 @@ def error(name: str) -> cuptiError:
     return cuptiError(Result[name])
 
 
+def fake_uuid(ordinal: int) -> str:
+    """The UUID a :class:`FakeDevice` without one reports for CUDA ordinal ``ordinal``."""
+    return f"GPU-{ordinal:08x}-0000-4000-8000-{ordinal:012x}"
+
+
+class CUuuid:
+    """Like ``cuda.bindings.driver.CUuuid``: the 16 raw bytes in ``bytes``."""
+
+    def __init__(self, raw: bytes) -> None:
+        self.bytes = raw
+
+
 def base_name(metric: str) -> str:
     return metric.split(".", 1)[0]
 
@@ -130,6 +150,8 @@ class FakeDevice:
         {"sm__inst_executed_realtime.sum", "sm__inst_executed.sum", "dram__bytes_read.sum"}
     )
     chip_name: str = "GH100"
+    #: The UUID CUDA reports for the device, in NVML's form; "" for :func:`fake_uuid`.
+    uuid: str = ""
     single_pass_sets: dict[str, list[str]] = field(default_factory=dict)
     needs_primary_context: bool = False
     supports_time_interval: bool = True
@@ -207,6 +229,27 @@ class FakeCudaDriver:
             self.initialised = True
         return (result,)
 
+    def cuDeviceGetCount(self) -> tuple[_Result, int]:
+        injected = self._enter("cuDeviceGetCount")
+        if injected is not None:
+            return (injected, 0)
+        if not self.initialised:
+            return (_Result.CUDA_ERROR_NOT_INITIALIZED, 0)
+        # Ordinals are 0..count-1, as CUDA numbers them.
+        return (_Result.CUDA_SUCCESS, max(self._lib.devices, default=-1) + 1)
+
+    def cuDeviceGetUuid(self, dev: int) -> tuple[_Result, CUuuid | None]:
+        injected = self._enter("cuDeviceGetUuid")
+        if injected is not None:
+            return (injected, None)
+        if not self.initialised:
+            return (_Result.CUDA_ERROR_NOT_INITIALIZED, None)
+        device = self._lib.devices.get(dev)
+        if device is None:
+            return (_Result.CUDA_ERROR_INVALID_DEVICE, None)
+        text = device.uuid or fake_uuid(dev)
+        return (_Result.CUDA_SUCCESS, CUuuid(bytes.fromhex(text.split("-", 1)[1].replace("-", ""))))
+
     def cuDeviceGet(self, ordinal: int) -> tuple[_Result, int | None]:
         injected = self._enter("cuDeviceGet")
         if injected is not None:
@@ -250,8 +293,11 @@ class FakeCupti:
     plus ``.driver`` for the CUDA driver that cupti-python's cuda-bindings reach."""
 
     def __init__(self, devices: dict[int, FakeDevice] | None = None, *,
-                 set_api: bool = True) -> None:
+                 set_api: bool = True, counted: bool = True) -> None:
         self.devices: dict[int, FakeDevice] = devices if devices is not None else {}
+        #: Whether profiler_initialize / profiler_deinitialize calls are counted (module
+        #: docstring); uncounted, one deinitialise tears the profiler down for all.
+        self.counted = counted
         self.collectors: list[Collector] = []
         self.calls: list[tuple[int, str]] = []
         self.profiler_refs = 0
@@ -284,11 +330,15 @@ class FakeCupti:
 
     def profiler_initialize(self, index: int) -> None:
         self.calls.append((index, "profiler_initialize"))
-        self.profiler_refs += 1
+        self.profiler_refs = self.profiler_refs + 1 if self.counted else 1
 
     def profiler_deinitialize(self, index: int) -> None:
         self.calls.append((index, "profiler_deinitialize"))
-        self.profiler_refs = max(0, self.profiler_refs - 1)
+        self.profiler_refs = max(0, self.profiler_refs - 1) if self.counted else 0
+
+    def enabled(self) -> list[int]:
+        """The device indices whose collector is enabled now."""
+        return [c.device_index for c in self.collectors if c.enabled]
 
     # -- cupti.profiler_host --------------------------------------------------------------------
 

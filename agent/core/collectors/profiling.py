@@ -8,7 +8,9 @@ activity quotient off as an instruction count.
 
 from __future__ import annotations
 
-from mrc_agent.agent.core.attribution import MODE_TARGETS
+from collections.abc import Sequence
+
+from mrc_agent.agent.core.attribution import MODE_TARGETS, MODE_UNKNOWN
 from mrc_agent.agent.core.collectors.base import (
     GPU,
     BuildContext,
@@ -17,7 +19,14 @@ from mrc_agent.agent.core.collectors.base import (
     field_samples,
     require,
 )
-from mrc_agent.agent.core.hw.base import ProfilingSample, ProfilingSource, SourceUnavailable
+from mrc_agent.agent.core.hw.base import (
+    GPUIdentity,
+    ProfilingSample,
+    ProfilingScope,
+    ProfilingSource,
+    ScopedProfilingSource,
+    SourceUnavailable,
+)
 from mrc_agent.agent.core.sample import Sample, counter, gauge, info
 
 NAME = "profiling"
@@ -67,8 +76,19 @@ class ProfilingCollector:
         self.status: tuple[str, str] = ("not_requested", "")
 
     def update(self, ctx: SampleContext) -> list[Sample]:
+        def scope_of(gpus: Sequence[GPUIdentity]) -> ProfilingScope:
+            # This pass's decision (the gpu collector's, or made here from ``gpus``): a source
+            # that holds hardware per GPU takes only the pod's GPUs (agent.core.attribution).
+            att = ctx.decide_gpus(self._gpus, gpus)
+            return ProfilingScope(frozenset(g for g in gpus if att.watches(g)),
+                                  undecided=att.mode == MODE_UNKNOWN)
+
         try:
-            samples = require(self._source).sample_profiling()
+            source = require(self._source)
+            if isinstance(source, ScopedProfilingSource):
+                samples = source.sample_profiling_for(scope_of)
+            else:  # a recorded trace holds nothing: filtered below
+                samples = source.sample_profiling()
         except SourceUnavailable as exc:
             self.status = (exc.reason, exc.detail)
             raise

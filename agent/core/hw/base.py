@@ -10,8 +10,9 @@ the collectors turn into an absent series, never into a zero.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 def finite(value: float | None) -> float | None:
@@ -164,4 +165,29 @@ class ProfilingSource(Protocol):
     def sample_profiling(self) -> list[ProfilingSample]:
         """One sample per GPU. Raises SourceUnavailable (with the driver's reason) or
         HardwareError."""
+        ...
+
+
+@dataclass(frozen=True)
+class ProfilingScope:
+    """The GPUs a profiling source may hold this pass: the pod's (the attribution decision).
+    ``undecided``: no target said which GPUs are its own, so ``gpus`` is every GPU."""
+
+    gpus: frozenset[GPUIdentity]
+    undecided: bool = False
+
+
+#: Given the GPUs a profiling source could profile, the scope it is to profile this pass.
+ScopeOf = Callable[[Sequence[GPUIdentity]], ProfilingScope]
+
+
+@runtime_checkable
+class ScopedProfilingSource(ProfilingSource, Protocol):
+    """A profiling source that holds hardware per GPU (CUPTI PM sampling holds the GPU's
+    performance monitors): it profiles only the GPUs of the scope, so a pod's agent never takes
+    its neighbours' counters. A recorded trace holds nothing and is only a ProfilingSource."""
+
+    def sample_profiling_for(self, scope_of: ScopeOf) -> list[ProfilingSample]:
+        """One sample per GPU of ``scope_of``'s answer; GPUs that left it are released.
+        Raises SourceUnavailable or HardwareError as :meth:`sample_profiling` does."""
         ...

@@ -12,6 +12,14 @@ modules), taken from the service the agent watches. The exact cost on an H200 is
 on the hardware check. The agent therefore takes one only when ``enable()`` still refuses with
 "not initialised" after ``cuInit``, keeps it while that GPU samples and releases it at close.
 
+CUPTI numbers devices as CUDA does (the ordinal of ``cuDeviceGet``), and that is NVML's index
+only by luck: NVML counts every GPU in PCI order, while CUDA skips GPUs it cannot use, orders
+them fastest-first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, renumbers them under
+``CUDA_VISIBLE_DEVICES`` and, in MIG mode, enumerates MIG compute instances instead.
+:meth:`CudaDriver.ordinals` therefore maps each CUDA device to NVML's name for it, its UUID
+(``cuDeviceGetUuid``: 16 bytes, written as NVML writes them, ``GPU-`` and 8-4-4-4-12 lower-case
+hex digits). In MIG mode the driver answers the MIG instance's UUID, which matches no GPU's.
+
 The calls go through ``cuda.bindings.driver`` (cuda-bindings, a dependency of cupti-python),
 imported on first use; tests pass a hand-written fake module of the same shape. Its functions
 return ``(CUresult, value...)`` tuples and raise cuda-pathfinder's ``DynamicLibNotFoundError``
@@ -67,6 +75,8 @@ class CudaDriver:
         self._initialised = False
         #: CUDA device index -> the CUdevice whose primary context this object retained.
         self._retained: dict[int, Any] = {}
+        #: NVML-style UUID -> CUDA ordinal, read once: CUDA enumerates devices at cuInit.
+        self._ordinals: dict[str, int] | None = None
 
     @property
     def retained(self) -> tuple[int, ...]:
@@ -80,6 +90,28 @@ class CudaDriver:
         driver = self._driver()
         self._check(driver, "cuInit", self._call(driver.cuInit, 0))
         self._initialised = True
+
+    def ordinals(self) -> dict[str, int]:
+        """The CUDA ordinal of every device this process's CUDA enumerates, keyed by its UUID
+        in NVML's form (:func:`format_uuid`). Read once, after ``cuInit``.
+
+        ``cuDeviceGetUuid_v2`` where the bindings have it (cuda-bindings 12.x; in 13.x plain
+        ``cuDeviceGetUuid`` is that call): in MIG mode it answers the MIG instance's UUID, so
+        a MIG instance is never taken for its parent GPU.
+        """
+        if self._ordinals is None:
+            driver = self._driver()
+            self.init()
+            count = self._check(driver, "cuDeviceGetCount", self._call(driver.cuDeviceGetCount))
+            get_uuid = getattr(driver, "cuDeviceGetUuid_v2", None) or driver.cuDeviceGetUuid
+            found: dict[str, int] = {}
+            for ordinal in range(int(count)):
+                device = self._check(driver, "cuDeviceGet", self._call(driver.cuDeviceGet, ordinal))
+                uuid = self._check(driver, "cuDeviceGetUuid", self._call(get_uuid, device))
+                found.setdefault(format_uuid(_uuid_bytes(uuid)), ordinal)
+            self._ordinals = found
+            log.debug("CUDA devices by UUID: %s", found)
+        return dict(self._ordinals)
 
     def retain_primary_context(self, index: int) -> None:
         """Retain device ``index``'s primary context and make it current on this thread.
@@ -171,3 +203,21 @@ def _result_name(driver: Any, result: Any) -> str:
         return str(driver.CUresult(int(result)).name)
     except (AttributeError, TypeError, ValueError):
         return str(result)
+
+
+def format_uuid(raw: bytes) -> str:
+    """16 UUID bytes as NVML writes a GPU's UUID: ``GPU-`` and 8-4-4-4-12 lower-case hex digits,
+    byte by byte in order (as ``nvidia-smi -L`` shows them)."""
+    if len(raw) != 16:
+        raise HardwareError(f"cuDeviceGetUuid answered {len(raw)} bytes, not 16")
+    text = raw.hex()
+    return f"GPU-{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
+
+
+def _uuid_bytes(uuid: Any) -> bytes:
+    """The 16 bytes of a ``CUuuid`` (its ``bytes`` attribute). A ``str`` (a ``char[16]`` some
+    bindings hand over as text) is taken one character per byte."""
+    raw = getattr(uuid, "bytes", uuid)
+    if isinstance(raw, str):
+        return raw.encode("latin-1")
+    return bytes(raw)

@@ -21,27 +21,39 @@ GPUs, to be measured on the hardware check) and is held only where it was needed
 
 Profiler lifetime is per process, not per collector: ``Collector.disable()`` ends in
 ``cuptiProfilerDeInitialize``, which is process-wide, and so does ``enable()``'s rollback when
-it fails after its own ``cuptiProfilerInitialize``. Whether CUPTI counts initialise/deinitialise
-calls is not stated in cupti-python's sources or CUPTI's API reference. If it counts, each
-enabled collector holds its own reference and nothing below drops another GPU's; if it does
-not, any deinitialise tears down every GPU. So the sampler never disables a collector before
-:meth:`close`: a GPU that fails at run time is stopped and restarted with ``configure() +
-start()`` on the same enabled collector; a GPU whose setup fails keeps its collector enabled.
-Enables run before any start in a pass, so on the first pass a failing ``enable()`` cannot
-interrupt a GPU already sampling. A later retry of a failed ``enable()`` (another profiler held
-that GPU) does run beside sampling GPUs; that it leaves them sampling is to be checked on a
-multi-GPU host. An extra process-wide ``cuptiProfilerInitialize`` would not help under either
-answer (redundant if counted, ineffective if not), so none is taken.
+it fails after its own ``cuptiProfilerInitialize`` (and so does dropping an enabled Collector:
+its finalizer disables it). Whether CUPTI counts initialise/deinitialise calls is not stated in
+cupti-python's sources or CUPTI's API reference. If it counts, each enabled collector holds its
+own reference; if it does not, any deinitialise tears down every GPU. So no collector is ever
+disabled beside another that stays enabled. A GPU that fails at run time is stopped and
+restarted with ``configure() + start()`` on the same enabled collector. A collector that is no
+longer needed (its GPU left the pod's scope, or its metrics never configure, or its start was
+refused for a reason that does not change) is released by a *cycle*
+(:meth:`CuptiPmSampler._cycle`): every running GPU is decoded and stopped, every collector
+disabled, the unneeded GPUs' primary contexts released, and the GPUs still wanted enabled and
+started again in the same pass, their totals carrying on. That is right under either answer, at
+the cost of the few intervals between the last decode and the restart. Enables run before any
+start in a pass, so on the first pass a failing ``enable()`` cannot interrupt a GPU already
+sampling. A later retry of a failed ``enable()`` (another profiler held that GPU) does run
+beside sampling GPUs; that it leaves them sampling is to be checked on a multi-GPU host.
+
+**Which GPUs.** CUPTI PM sampling holds a GPU's performance monitors, so while one agent
+samples a GPU every other profiler on it (another pod's agent, DCGM profiling, Nsight) is
+refused. The sampler therefore profiles only the pod's GPUs: :meth:`~CuptiPmSampler.
+sample_profiling_for` asks the attribution decision every pass and starts the GPUs that join it
+and releases the ones that leave. While no target says which GPUs are its own (attribution
+``unknown``) a node of several GPUs is not profiled at all (``attribution_unknown``) unless the
+``profile_unattributed`` setting allows it; a node of one GPU is (it can only be the pod's).
+CUPTI numbers GPUs as CUDA does, which is NVML's order only by luck (``CUDA_VISIBLE_DEVICES``, a
+GPU CUDA skips, MIG, fastest-first ordering), so each GPU's CUDA ordinal is found by its UUID
+(:meth:`CudaDriver.ordinals`); a GPU this process's CUDA does not see is not profiled
+(``no_cuda_device``).
 
 Failures before sampling runs become :class:`SourceUnavailable` with a bounded reason
-(:data:`_REASON_CODES`). Failures after a successful start, and starts that may work later,
-become :class:`HardwareError`; the GPU is then retried with an exponential backoff
+(``cupti_reasons.REASON_CODES``). Failures after a successful start, and starts that may work
+later, become :class:`HardwareError`; the GPU is then retried with an exponential backoff
 (:data:`BACKOFF_INITIAL_S` doubling to :data:`BACKOFF_MAX_S`, reset by a good decode) and its
 totals carry on from where they were. A busy GPU is retried after :data:`BUSY_RETRY_S`.
-
-``GPUIdentity.index`` is used as the CUDA device index CUPTI expects. CUDA numbers devices
-fastest-first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, and ``CUDA_VISIBLE_DEVICES`` renumbers
-them, while NVML uses PCI order; the sampler warns once when those can disagree.
 """
 
 from __future__ import annotations
@@ -49,7 +61,6 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -60,6 +71,8 @@ from mrc_agent.agent.core.hw.base import (
     GPUIdentity,
     HardwareError,
     ProfilingSample,
+    ProfilingScope,
+    ScopeOf,
     SourceUnavailable,
     finite,
     ratio_of_percent,
@@ -75,6 +88,10 @@ from mrc_agent.agent.core.hw.cupti_metrics import (
     fallback_choices,
     query_sets,
 )
+from mrc_agent.agent.core.hw.cupti_reasons import REASON_CODES as _REASON_CODES
+from mrc_agent.agent.core.hw.cupti_reasons import classify as _classify
+from mrc_agent.agent.core.hw.cupti_reasons import describe as _describe
+from mrc_agent.agent.core.hw.cupti_reasons import not_initialised as _not_initialised
 
 __all__ = [
     "BACKOFF_INITIAL_S",
@@ -113,50 +130,6 @@ _DECODE_WINDOW_S = 30.0
 #: When a decode comes back full, records are still waiting; decode again, at most this often.
 _MAX_DECODE_ROUNDS = 8
 
-#: The bounded reasons a SourceUnavailable from this source carries.
-_REASON_CODES = frozenset(
-    {
-        "cupti_missing",
-        "cuda_missing",
-        "no_gpu",
-        "no_permission",
-        "profiler_busy",
-        "unsupported_device",
-    }
-)
-
-#: CUPTI result codes (names of ``cupti.cupti.Result``, meanings from ``cupti_result.h``) that
-#: mean this source cannot run here, and the bounded reason each becomes.
-_REASON_BY_RESULT: dict[str, str] = {
-    "ERROR_INSUFFICIENT_PRIVILEGES": "no_permission",
-    "ERROR_VIRTUALIZED_DEVICE_INSUFFICIENT_PRIVILEGES": "no_permission",
-    # "performance monitoring hardware is in use by other client"
-    "ERROR_HARDWARE_BUSY": "profiler_busy",
-    # also what CUPTI answers under Nsight Systems / Nsight Compute / cuda-gdb
-    "ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED": "profiler_busy",
-    # "CUPTI is disabled due to conflicts with other enabled profilers"
-    "ERROR_DISABLED": "profiler_busy",
-    "ERROR_OLD_PROFILER_API_INITIALIZED": "profiler_busy",
-    "ERROR_NOT_SUPPORTED": "unsupported_device",
-    "ERROR_VIRTUALIZED_DEVICE_NOT_SUPPORTED": "unsupported_device",
-    "ERROR_CONFIDENTIAL_COMPUTING_NOT_SUPPORTED": "unsupported_device",
-    "ERROR_CMP_DEVICE_NOT_SUPPORTED": "unsupported_device",
-    "ERROR_MIG_DEVICE_NOT_SUPPORTED": "unsupported_device",
-    "ERROR_SLI_DEVICE_NOT_SUPPORTED": "unsupported_device",
-    "ERROR_WSL_DEVICE_NOT_SUPPORTED": "unsupported_device",
-    "ERROR_INVALID_CHIP_NAME": "unsupported_device",
-    "ERROR_INVALID_DEVICE": "no_gpu",
-    # "unable to initialize its connection to the CUDA driver": only reached after cuInit
-    # and, where that did not help, with the primary context retained
-    "ERROR_NOT_INITIALIZED": "no_gpu",
-}
-
-#: cupti-python / cuda-pathfinder exception classes (all RuntimeError subclasses) raised when
-#: libcupti.so or one of its functions cannot be loaded.
-_MISSING_LIBRARY_ERRORS = frozenset(
-    {"DynamicLibNotFoundError", "DynamicLibNotAvailableError", "FunctionNotFoundError"}
-)
-
 #: States a device can be in besides the reasons above.
 _NOT_STARTED = "not_started"
 _OK = "ok"
@@ -168,7 +141,9 @@ class _Device:
     """Per-GPU sampling state. Totals stay ``None`` until a metric for them is configured."""
 
     gpu: GPUIdentity
-    #: The enabled Collector, kept until close(): disabling it would deinitialise the profiler.
+    #: The CUDA ordinal CUPTI numbers this GPU by (found by UUID); None until enabled once.
+    ordinal: int | None = None
+    #: The enabled Collector; disabled only as :meth:`CuptiPmSampler._cycle` says.
     collector: Any = None
     running: bool = False
     choice: MetricChoice | None = None
@@ -177,6 +152,8 @@ class _Device:
     sm_total: float | None = None
     dram_total: float | None = None
     dram_ratio: float | None = None
+    #: The throughput ratio decoded just before a cycle restarted this GPU, kept for the pass.
+    cycled_ratio: float | None = None
     state: str = _NOT_STARTED
     detail: str = ""
     retry_at: float | None = None
@@ -187,11 +164,14 @@ class _Device:
 class CuptiPmSampler:
     """Cumulative SM-instruction and DRAM-read counters per GPU from CUPTI PM sampling.
 
-    ``lib`` is the ``cupti`` package (imported on first use when ``None``); tests pass a fake.
-    ``cuda`` is the CUDA driver boundary (:class:`CudaDriver`); when ``None`` it is the real one
-    if ``lib`` is ``None`` too, and no driver calls at all when only a stand-in ``lib`` is
-    given. ``interval_s`` is the hardware sampling interval. Nothing touches CUDA or CUPTI until
-    the first :meth:`sample_profiling`.
+    ``devices`` are the GPUs it may profile (physical GPUs, NVML's identities). ``lib`` is the
+    ``cupti`` package (imported on first use when ``None``); tests pass a fake. ``cuda`` is the
+    CUDA driver boundary (:class:`CudaDriver`); when ``None`` it is the real one if ``lib`` is
+    ``None`` too, and no driver calls at all when only a stand-in ``lib`` is given (then CUDA's
+    ordinal is taken to be NVML's index: the stand-in numbers devices that way).
+    ``interval_s`` is the hardware sampling interval. ``profile_undecided`` lets
+    :meth:`sample_profiling_for` profile every GPU while the attribution is undecided on a node
+    of several. Nothing touches CUDA or CUPTI until the first sample.
     """
 
     def __init__(
@@ -202,6 +182,7 @@ class CuptiPmSampler:
         *,
         clock: Callable[[], float] = time.monotonic,
         cuda: CudaDriver | None = None,
+        profile_undecided: bool = False,
     ) -> None:
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
@@ -212,66 +193,41 @@ class CuptiPmSampler:
         self._interval_s = interval_s
         self._clock = clock
         self._devices = [_Device(gpu) for gpu in devices]
+        #: The GPUs profiled now: every one until a scope says otherwise.
+        self._watched = list(self._devices)
+        #: Why no GPU is profiled under the current scope (attribution_unknown, no_gpu).
+        self._scope_error: SourceUnavailable | None = None
+        self._profile_undecided = profile_undecided
         self._max_samples = max(64, math.ceil(_DECODE_WINDOW_S / interval_s))
         self._lock = threading.Lock()
         self._closed = False
-        self._order_checked = False
 
     # -- public API -------------------------------------------------------------------------
 
     def sample_profiling(self) -> list[ProfilingSample]:
-        """One sample per GPU with counters summed since the source started.
+        """One sample per watched GPU (every GPU given, unless a scope narrowed them) with
+        counters summed since the source started.
 
         GPUs where PM sampling is not running get a sample with ``None`` fields (absent
         series). Raises SourceUnavailable when it runs on no GPU for good, HardwareError when a
         GPU failed this call or every GPU that could run is waiting to be retried.
         """
         with self._lock:
-            if self._closed:
-                raise HardwareError("CUPTI PM sampling is closed")
-            lib = self._require_lib()
-            if not self._devices:
-                raise SourceUnavailable("no_gpu", "no GPUs were given to the profiling source")
-            self._warn_if_cuda_order_differs()
-            errors = self._runtime_errors(lib)
-            now = self._clock()
-            failures: list[str] = []
-            # Every enable first, then the starts: a failing enable() deinitialises the
-            # profiler process-wide (module docstring), so it must not come between a GPU's
-            # start and its sampling on the first pass.
-            for dev in self._devices:
-                if dev.collector is None and self._due(dev, now):
-                    failures.append(self._try_enable(lib, dev, errors, now))
-            for dev in self._devices:
-                if dev.collector is not None and not dev.running and self._due(dev, now):
-                    failures.append(self._try_start(lib, dev, errors, now))
-            failures = [f for f in failures if f]
-            running = [dev for dev in self._devices if dev.running]
-            if not running and not failures:
-                waiting = [dev for dev in self._devices if dev.state == _HARDWARE_ERROR]
-                if waiting:
-                    raise HardwareError(
-                        "CUPTI PM sampling waits to retry: "
-                        + "; ".join(dev.detail for dev in waiting)
-                    )
-                first = self._devices[0]
-                raise SourceUnavailable(first.state, first.detail)
-            for dev in running:
-                try:
-                    self._collect(dev)
-                except errors as exc:
-                    failures.append(self._fail_run(dev, f"decode failed: {_describe(exc)}", now))
-                else:
-                    # "ok" only once a decode worked, so a GPU that starts but cannot decode
-                    # does not flap between states (and log lines) on every call.
-                    dev.failures = 0
-                    self._set_state(dev, _OK, dev.choice.describe() if dev.choice else "")
-            if failures:
-                raise HardwareError("CUPTI PM sampling failed: " + "; ".join(failures))
-            return [self._sample(dev) for dev in self._devices]
+            return self._sample_pass()
+
+    def sample_profiling_for(self, scope_of: ScopeOf) -> list[ProfilingSample]:
+        """As :meth:`sample_profiling`, for the GPUs of ``scope_of``'s answer (the pod's): a GPU
+        that joins is started, one that leaves is stopped and released. An undecided scope
+        over several GPUs profiles none (``attribution_unknown``) unless ``profile_undecided``;
+        over one GPU it is that GPU, which can only be the pod's."""
+        with self._lock:
+            if not self._closed:
+                self._rescope(scope_of([dev.gpu for dev in self._devices]))
+            return self._sample_pass()
 
     def status(self) -> tuple[str, str]:
-        """``("ok", "")`` when every GPU is sampling, else the first GPU's ``(reason, detail)``.
+        """``("ok", "")`` when every watched GPU is sampling, else the scope's reason or the
+        first GPU's ``(reason, detail)``.
 
         Besides the SourceUnavailable reasons the state can be ``not_started`` (before the
         first sample) or ``hardware_error`` (failed; retried after a backoff).
@@ -279,9 +235,11 @@ class CuptiPmSampler:
         with self._lock:
             if self._lib_error is not None:
                 return (self._lib_error.reason, self._lib_error.detail)
+            if self._scope_error is not None:
+                return (self._scope_error.reason, self._scope_error.detail)
             if not self._devices:
                 return ("no_gpu", "no GPUs were given to the profiling source")
-            for dev in self._devices:
+            for dev in self._watched:
                 if dev.state != _OK:
                     return (dev.state, dev.detail)
             return (_OK, "")
@@ -292,19 +250,148 @@ class CuptiPmSampler:
             if self._closed:
                 return
             self._closed = True
-            # Stop them all before the first disable() deinitialises the profiler, so no GPU
-            # is left sampling under a torn-down profiler.
+            self._cycle(keep=False)
             for dev in self._devices:
-                if dev.running:
-                    self._cupti_stop(dev.collector)
-                    dev.running = False
-            for dev in self._devices:
-                if dev.collector is not None:
-                    self._cupti_disable(dev.collector)
-                    dev.collector = None
-                    dev.state, dev.detail = _NOT_STARTED, "closed"
+                dev.state, dev.detail = _NOT_STARTED, "closed"
             if self._cuda is not None:
                 self._cuda.close()
+
+    # -- scope and release ------------------------------------------------------------------
+
+    def _rescope(self, scope: ProfilingScope) -> None:
+        """Watch the GPUs of ``scope``; the ones that left are released by the next pass."""
+        if scope.undecided and len(self._devices) > 1 and not self._profile_undecided:
+            watched: list[_Device] = []
+            error = SourceUnavailable(
+                "attribution_unknown",
+                f"no target says which of the {len(self._devices)} GPUs it uses; PM sampling "
+                "on all of them would hold the neighbours' performance monitors (the "
+                "profile_unattributed setting allows it)")
+        else:
+            watched = [dev for dev in self._devices if dev.gpu in scope.gpus]
+            error = None if watched else SourceUnavailable(
+                "no_gpu", "the targets use none of the GPUs PM sampling can profile here")
+        before = self._scope_error.reason if self._scope_error else ""
+        if [d.gpu for d in watched] != [d.gpu for d in self._watched] or (
+                (error.reason if error else "") != before):
+            shown = ", ".join(str(d.gpu.index) for d in watched) or "none"
+            log.info("CUPTI PM sampling profiles GPU(s) %s%s", shown,
+                     f" ({error.reason}: {error.detail})" if error else "")
+        self._watched, self._scope_error = watched, error
+
+    def _unneeded(self, dev: _Device) -> bool:
+        """Holds a collector it will not use: not watched, or stuck for good (metrics that
+        never configure, a start refused for a reason that does not change)."""
+        if dev.collector is None:
+            return False
+        stuck = dev.state in _REASON_CODES and dev.state != "profiler_busy"
+        return stuck or dev not in self._watched
+
+    def _cycle(self, keep: bool = True) -> None:
+        """Release every collector in the one order that is safe whether or not CUPTI counts
+        profiler initialisations (module docstring): decode and stop every running GPU, then
+        disable every collector, then release the primary contexts of the GPUs not kept. With
+        ``keep`` the watched GPUs that were running or enabled are due again at once, so the
+        same pass re-enables and restarts them, their totals carrying on."""
+        restart, was_running = [], []
+        for dev in self._devices:
+            if dev.running:
+                was_running.append(dev)
+                try:
+                    self._collect(dev)  # what it counted so far is kept
+                    dev.cycled_ratio = dev.dram_ratio
+                except Exception as exc:  # a GPU that cannot decode loses only this window
+                    log.debug("CUPTI PM sampling decode before a release: %s", _describe(exc))
+                self._cupti_stop(dev.collector)
+                dev.running = False
+        for dev in self._devices:
+            if dev.collector is None:
+                continue
+            if keep and not self._unneeded(dev):
+                restart.append(dev)
+            self._cupti_disable(dev.collector)
+            dev.collector = None
+        for dev in self._devices:
+            if self._cuda is not None and dev.ordinal is not None and dev not in restart:
+                self._cuda.release_primary_context(dev.ordinal)
+        for dev in restart:
+            if dev in was_running:  # a GPU waiting out a backoff keeps waiting
+                dev.retry_at = None
+        if restart:
+            log.info("CUPTI PM sampling restarted GPU(s) %s after releasing another GPU",
+                     ", ".join(str(d.gpu.index) for d in restart))
+
+    # -- one pass ---------------------------------------------------------------------------
+
+    def _sample_pass(self) -> list[ProfilingSample]:
+        if self._closed:
+            raise HardwareError("CUPTI PM sampling is closed")
+        lib = self._require_lib()
+        if not self._devices:
+            raise SourceUnavailable("no_gpu", "no GPUs were given to the profiling source")
+        errors = self._runtime_errors(lib)
+        now = self._clock()
+        if any(self._unneeded(dev) for dev in self._devices):
+            self._cycle()  # GPUs that left the scope: before any start of this pass
+        if self._scope_error is not None:
+            raise SourceUnavailable(self._scope_error.reason, self._scope_error.detail)
+        failures = self._bring_up(lib, errors, now)
+        if any(self._unneeded(dev) for dev in self._devices):
+            self._cycle()  # GPUs whose start failed for good (N9 in issue 22)
+            failures += self._bring_up(lib, errors, now)
+        failures = [f for f in failures if f]
+        running = [dev for dev in self._watched if dev.running]
+        if not running and not failures:
+            waiting = [dev for dev in self._watched if dev.state == _HARDWARE_ERROR]
+            if waiting:
+                raise HardwareError(
+                    "CUPTI PM sampling waits to retry: " + "; ".join(dev.detail for dev in waiting)
+                )
+            first = self._watched[0]
+            raise SourceUnavailable(first.state, first.detail)
+        for dev in running:
+            try:
+                self._collect(dev)
+            except errors as exc:
+                failures.append(self._fail_run(dev, f"decode failed: {_describe(exc)}", now))
+            else:
+                # "ok" only once a decode worked, so a GPU that starts but cannot decode
+                # does not flap between states (and log lines) on every call.
+                dev.failures = 0
+                self._set_state(dev, _OK, dev.choice.describe() if dev.choice else "")
+            if dev.dram_ratio is None:
+                dev.dram_ratio = dev.cycled_ratio
+            dev.cycled_ratio = None
+        if failures:
+            raise HardwareError("CUPTI PM sampling failed: " + "; ".join(failures))
+        return [self._sample(dev) for dev in self._watched]
+
+    def _bring_up(
+        self, lib: Any, errors: tuple[type[BaseException], ...], now: float
+    ) -> list[str]:
+        """Every due enable first, then the starts: a failing enable() deinitialises the
+        profiler process-wide (module docstring), so it must not come between a GPU's start
+        and its sampling on the first pass."""
+        failures = []
+        for dev in self._watched:
+            if dev.collector is None and self._due(dev, now):
+                failures.append(self._try_enable(lib, dev, errors, now))
+        for dev in self._watched:
+            if dev.collector is not None and not dev.running and self._due(dev, now):
+                failures.append(self._try_start(lib, dev, errors, now))
+        return failures
+
+    def _ordinal(self, dev: _Device) -> int | None:
+        """The CUDA ordinal of ``dev``'s GPU: the device whose UUID is its UUID (None: CUDA
+        in this process has no such device). Raises as :meth:`CudaDriver.ordinals` does."""
+        if self._cuda is None:
+            return dev.gpu.index  # a stand-in library numbers its devices as NVML does
+        by_uuid = {uuid.lower(): ordinal for uuid, ordinal in self._cuda.ordinals().items()}
+        ordinal = by_uuid.get(dev.gpu.uuid.lower())
+        if ordinal is not None and ordinal != dev.gpu.index and dev.ordinal is None:
+            log.info("GPU %d (%s) is CUDA device %d for CUPTI", dev.gpu.index, dev.gpu.uuid,
+                     ordinal)
+        return ordinal
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -359,7 +446,15 @@ class CuptiPmSampler:
         """Enable PM sampling on one GPU. Returns a failure message for a transient error."""
         try:
             self._require_cuda()
-            dev.collector = self._cupti_enable(lib, dev.gpu.index, errors)
+            ordinal = self._ordinal(dev)
+            if ordinal is None:
+                self._unavailable(
+                    dev, "no_cuda_device",
+                    f"no CUDA device of this process has UUID {dev.gpu.uuid} (hidden by "
+                    "CUDA_VISIBLE_DEVICES, or in MIG mode)", now)
+                return ""
+            dev.ordinal = ordinal
+            dev.collector = self._cupti_enable(lib, ordinal, errors)
         except SourceUnavailable as exc:
             self._unavailable(dev, exc.reason, exc.detail, now)
         except HardwareError as exc:
@@ -479,21 +574,6 @@ class CuptiPmSampler:
         # does. Anything else is a bug here and should surface as one.
         return (lib.cupti.cuptiError, MemoryError, RuntimeError, ValueError, OSError)
 
-    def _warn_if_cuda_order_differs(self) -> None:
-        if self._order_checked:
-            return
-        self._order_checked = True
-        if len(self._devices) > 1 and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
-            log.warning(
-                "CUDA_DEVICE_ORDER is not PCI_BUS_ID: CUDA device indices used by CUPTI may not "
-                "match NVML's, so profiling counters could carry another GPU's labels"
-            )
-        if os.environ.get("CUDA_VISIBLE_DEVICES"):
-            log.warning(
-                "CUDA_VISIBLE_DEVICES is set: CUPTI device indices are renumbered and may not "
-                "match NVML's"
-            )
-
     # -- the CUPTI boundary: the only methods that call the library -----------------------------
 
     def _cupti_enable(self, lib: Any, index: int, errors: tuple[type[BaseException], ...]) -> Any:
@@ -506,7 +586,7 @@ class CuptiPmSampler:
             if self._cuda is None or not _not_initialised(lib, exc):
                 raise
             log.info(
-                "CUPTI PM sampling on GPU %d: enable() answered %s after cuInit; retrying "
+                "CUPTI PM sampling on CUDA device %d: enable() answered %s after cuInit; retrying "
                 "with the device's primary context (it holds device memory)",
                 index, _describe(exc),
             )
@@ -607,55 +687,15 @@ class CuptiPmSampler:
             log.debug("CUPTI PM sampling stop() after a failure: %s", _describe(exc))
 
     def _cupti_disable(self, collector: Any) -> None:
-        """Disable at close; a failure is logged, it must not keep the others enabled."""
+        """Disable (in a cycle or at close); a failure is logged, it must not keep the others
+        enabled."""
         try:
             collector.disable()
         except Exception as exc:  # teardown must reach every collector
-            log.debug("CUPTI PM sampling disable() during close: %s", _describe(exc))
-
-
-def _classify(lib: Any, exc: BaseException) -> str | None:
-    """The bounded reason a start-up error means, or ``None`` when it may be transient."""
-    if isinstance(exc, lib.cupti.cuptiError):
-        return _REASON_BY_RESULT.get(_result_name(lib, getattr(exc, "status", None)))
-    # cupti.pm_sampling translates some codes into builtin exceptions (Collector.enable):
-    # INSUFFICIENT_PRIVILEGES -> PermissionError, INVALID_PARAMETER on the device index ->
-    # ValueError, INVALID_OPERATION ("already enabled") and nvperf load failures -> RuntimeError.
-    if isinstance(exc, PermissionError):
-        return "no_permission"
-    if isinstance(exc, ValueError):
-        return "no_gpu"
-    if isinstance(exc, RuntimeError):
-        name, text = type(exc).__name__, str(exc)
-        if name in _MISSING_LIBRARY_ERRORS or "nvperf" in text:
-            return "cupti_missing"
-        if name == "NotSupportedError":  # cupti-python: "CUDA driver is not found (...)"
-            return "cuda_missing" if "not found" in text else "unsupported_device"
-        if "already enabled" in text:  # someone else in this process holds PM sampling
-            return "profiler_busy"
-    return None
-
-
-def _not_initialised(lib: Any, exc: BaseException) -> bool:
-    """CUPTI's ``ERROR_NOT_INITIALIZED`` from enable(), raw or as cupti-python translates it
-    when profiler_initialize answers it (a RuntimeError about the nvperf libraries)."""
-    if isinstance(exc, lib.cupti.cuptiError):
-        return _result_name(lib, getattr(exc, "status", None)) == "ERROR_NOT_INITIALIZED"
-    return type(exc) is RuntimeError and "nvperf" in str(exc)
-
-
-def _result_name(lib: Any, status: Any) -> str:
-    try:
-        return str(lib.cupti.Result(status).name)
-    except (TypeError, ValueError):
-        return str(status)
+            log.debug("CUPTI PM sampling disable(): %s", _describe(exc))
 
 
 def _count(value: float | None) -> float:
     """A per-interval count as a non-negative finite number, so totals never go down."""
     number = finite(value)
     return number if number is not None and number > 0 else 0.0
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
