@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from mrc_agent.agent.core.hw.base import HardwareError, SourceUnavailable
-from mrc_agent.agent.core.hw.cuda_driver import CudaDriver
-from tests.fakes.fake_cupti import CUresult, FakeCupti, FakeDevice
+from mrc_agent.agent.core.hw.cuda_driver import CudaDriver, format_uuid
+from tests.fakes.fake_cupti import CUresult, CUuuid, FakeCupti, FakeDevice, fake_uuid
 
 LOGGER = "mrc_agent.agent.core.hw.cuda_driver"
 
@@ -203,3 +203,51 @@ def test_without_a_module_cuda_bindings_driver_is_imported(
     CudaDriver().init()
 
     assert lib.driver.calls == ["cuInit"] and lib.driver.initialised
+
+
+# -- CUDA ordinals by UUID ----------------------------------------------------------------------
+
+
+def test_format_uuid_writes_the_16_bytes_as_nvml_writes_a_gpu_uuid() -> None:
+    raw = bytes.fromhex("5e1c8f2a0b3d4e6f8091a2b3c4d5e6f7")
+
+    assert format_uuid(raw) == "GPU-5e1c8f2a-0b3d-4e6f-8091-a2b3c4d5e6f7"
+    with pytest.raises(HardwareError):
+        format_uuid(raw[:15])
+
+
+def test_ordinals_map_each_cuda_device_by_its_uuid_once() -> None:
+    lib = FakeCupti({0: FakeDevice(uuid=fake_uuid(5)), 1: FakeDevice()})
+    cuda = CudaDriver(lib.driver)
+
+    assert cuda.ordinals() == {fake_uuid(5): 0, fake_uuid(1): 1}
+    assert cuda.ordinals() == {fake_uuid(5): 0, fake_uuid(1): 1}
+    assert lib.driver.calls == ["cuInit", "cuDeviceGetCount", "cuDeviceGet", "cuDeviceGetUuid",
+                                "cuDeviceGet", "cuDeviceGetUuid"]
+
+
+def test_ordinals_prefer_cudevicegetuuid_v2_which_names_mig_instances() -> None:
+    lib = FakeCupti({0: FakeDevice()})
+    mig = "MIG-8c7d1f2e-3a4b-5c6d-7e8f-90a1b2c3d4e5"
+
+    def v2(dev: int) -> tuple[CUresult, CUuuid]:
+        lib.driver.calls.append("cuDeviceGetUuid_v2")
+        return (CUresult.CUDA_SUCCESS, CUuuid(bytes.fromhex(mig[4:].replace("-", ""))))
+
+    lib.driver.cuDeviceGetUuid_v2 = v2  # type: ignore[attr-defined]  # cuda-bindings 12.x
+
+    assert list(CudaDriver(lib.driver).ordinals()) == ["GPU-" + mig[4:]]
+    assert "cuDeviceGetUuid_v2" in lib.driver.calls and "cuDeviceGetUuid" not in lib.driver.calls
+
+
+def test_a_failing_uuid_query_is_a_hardware_error_tried_again_later() -> None:
+    lib = FakeCupti({0: FakeDevice()})
+    lib.driver.errors["cuDeviceGetUuid"] = [CUresult.CUDA_ERROR_UNKNOWN]
+    cuda = CudaDriver(lib.driver)
+
+    with pytest.raises(HardwareError) as caught:
+        cuda.ordinals()
+
+    assert not isinstance(caught.value, SourceUnavailable)
+    assert "cuDeviceGetUuid failed: CUDA_ERROR_UNKNOWN" in str(caught.value)
+    assert cuda.ordinals() == {fake_uuid(0): 0}

@@ -318,7 +318,7 @@ class CuptiPmSampler:
             if dev in was_running:  # a GPU waiting out a backoff keeps waiting
                 dev.retry_at = None
         if restart:
-            log.info("CUPTI PM sampling restarted GPU(s) %s after releasing another GPU",
+            log.info("CUPTI PM sampling re-enables GPU(s) %s after releasing another GPU",
                      ", ".join(str(d.gpu.index) for d in restart))
 
     # -- one pass ---------------------------------------------------------------------------
