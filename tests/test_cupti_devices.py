@@ -18,6 +18,7 @@ from mrc_agent.agent.core.hw.base import (
     GPUIdentity,
     ProfilingScope,
     ScopedProfilingSource,
+    ScopeOf,
     SourceUnavailable,
 )
 from mrc_agent.agent.core.hw.cuda_driver import CudaDriver
@@ -39,12 +40,13 @@ def busy(count: int = 4) -> list[list[dict[str, float]]]:
     return [[{SM: 1.0, DRAM: 2.0}] for _ in range(count)]
 
 
-def rig(count: int, **kw: bool) -> tuple[CuptiPmSampler, FakeCupti]:
+def rig(count: int, profile_undecided: bool = False) -> tuple[CuptiPmSampler, FakeCupti]:
     lib = FakeCupti({i: FakeDevice(decodes=busy()) for i in range(count)})
-    return CuptiPmSampler(gpus(count), lib=lib, cuda=CudaDriver(lib.driver), **kw), lib
+    return CuptiPmSampler(gpus(count), lib=lib, cuda=CudaDriver(lib.driver),
+                          profile_undecided=profile_undecided), lib
 
 
-def scope(*watched: GPUIdentity, undecided: bool = False):  # type: ignore[no-untyped-def]
+def scope(*watched: GPUIdentity, undecided: bool = False) -> ScopeOf:
     def scope_of(_gpus: Sequence[GPUIdentity]) -> ProfilingScope:
         return ProfilingScope(frozenset(watched), undecided)
     return scope_of

@@ -24,9 +24,9 @@ class Clock:
         return self.now
 
 
-def never_configures(**kw: bool) -> FakeDevice:
+def never_configures(needs_primary_context: bool = False) -> FakeDevice:
     """A GPU that enables but whose chip accepts none of the metrics."""
-    return FakeDevice(supported_metrics=frozenset(), **kw)
+    return FakeDevice(supported_metrics=frozenset(), needs_primary_context=needs_primary_context)
 
 
 def rig(*devices: FakeDevice, counted: bool = True, clock: Clock | None = None

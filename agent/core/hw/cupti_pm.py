@@ -22,32 +22,26 @@ GPUs, to be measured on the hardware check) and is held only where it was needed
 Profiler lifetime is per process, not per collector: ``Collector.disable()`` ends in
 ``cuptiProfilerDeInitialize``, which is process-wide, and so does ``enable()``'s rollback when
 it fails after its own ``cuptiProfilerInitialize`` (and so does dropping an enabled Collector:
-its finalizer disables it). Whether CUPTI counts initialise/deinitialise calls is not stated in
-cupti-python's sources or CUPTI's API reference. If it counts, each enabled collector holds its
-own reference; if it does not, any deinitialise tears down every GPU. So no collector is ever
-disabled beside another that stays enabled. A GPU that fails at run time is stopped and
-restarted with ``configure() + start()`` on the same enabled collector. A collector that is no
-longer needed (its GPU left the pod's scope, or its metrics never configure, or its start was
-refused for a reason that does not change) is released by a *cycle*
-(:meth:`CuptiPmSampler._cycle`): every running GPU is decoded and stopped, every collector
-disabled, the unneeded GPUs' primary contexts released, and the GPUs still wanted enabled and
-started again in the same pass, their totals carrying on. That is right under either answer, at
-the cost of the few intervals between the last decode and the restart. Enables run before any
-start in a pass, so on the first pass a failing ``enable()`` cannot interrupt a GPU already
-sampling. A later retry of a failed ``enable()`` (another profiler held that GPU) does run
-beside sampling GPUs; that it leaves them sampling is to be checked on a multi-GPU host.
+its finalizer disables it). Whether CUPTI counts initialise/deinitialise calls is stated
+neither in cupti-python's sources nor in CUPTI's API reference; if it does not, any
+deinitialise tears down every GPU. So no collector is disabled beside one that stays enabled.
+A GPU that fails at run time is stopped and restarted with ``configure() + start()`` on the
+same enabled collector. A collector no longer needed (its GPU left the pod's scope, its metrics
+never configure, its start was refused for a reason that does not change) is released by a
+*cycle* (:meth:`CuptiPmSampler._cycle`): every running GPU is decoded and stopped, every
+collector disabled, the unneeded GPUs' primary contexts released, and the GPUs still wanted
+enabled and started again in the same pass, their totals carrying on: right under either
+answer, at the cost of the intervals between that decode and the restart. Enables run before
+any start in a pass, so on the first pass a failing ``enable()`` cannot interrupt a GPU
+already sampling. A later retry of a failed ``enable()`` (another profiler held that GPU) does
+run beside sampling GPUs; that it leaves them sampling is to be checked on a multi-GPU host.
 
-**Which GPUs.** CUPTI PM sampling holds a GPU's performance monitors, so while one agent
-samples a GPU every other profiler on it (another pod's agent, DCGM profiling, Nsight) is
-refused. The sampler therefore profiles only the pod's GPUs: :meth:`~CuptiPmSampler.
-sample_profiling_for` asks the attribution decision every pass and starts the GPUs that join it
-and releases the ones that leave. While no target says which GPUs are its own (attribution
-``unknown``) a node of several GPUs is not profiled at all (``attribution_unknown``) unless the
-``profile_unattributed`` setting allows it; a node of one GPU is (it can only be the pod's).
-CUPTI numbers GPUs as CUDA does, which is NVML's order only by luck (``CUDA_VISIBLE_DEVICES``, a
-GPU CUDA skips, MIG, fastest-first ordering), so each GPU's CUDA ordinal is found by its UUID
-(:meth:`CudaDriver.ordinals`); a GPU this process's CUDA does not see is not profiled
-(``no_cuda_device``).
+**Which GPUs.** PM sampling holds a GPU's performance monitors, shutting every other profiler
+(a neighbour pod's agent, DCGM profiling, Nsight) out of it, so only the pod's GPUs are profiled
+(:meth:`CuptiPmSampler.sample_profiling_for`, fed the attribution decision every pass). CUPTI
+numbers GPUs as CUDA does, which is NVML's order only by luck (``CUDA_VISIBLE_DEVICES``, a GPU
+CUDA skips, MIG, fastest-first ordering): each GPU's CUDA ordinal is found by its UUID
+(:meth:`CudaDriver.ordinals`), and a GPU this process's CUDA does not see is ``no_cuda_device``.
 
 Failures before sampling runs become :class:`SourceUnavailable` with a bounded reason
 (``cupti_reasons.REASON_CODES``). Failures after a successful start, and starts that may work
@@ -217,9 +211,9 @@ class CuptiPmSampler:
 
     def sample_profiling_for(self, scope_of: ScopeOf) -> list[ProfilingSample]:
         """As :meth:`sample_profiling`, for the GPUs of ``scope_of``'s answer (the pod's): a GPU
-        that joins is started, one that leaves is stopped and released. An undecided scope
-        over several GPUs profiles none (``attribution_unknown``) unless ``profile_undecided``;
-        over one GPU it is that GPU, which can only be the pod's."""
+        that joins is started, one that leaves is stopped and released. While no target says
+        which GPUs are its own, a node of several GPUs is not profiled (``attribution_unknown``)
+        unless ``profile_undecided``; a node of one is (it can only be the pod's)."""
         with self._lock:
             if not self._closed:
                 self._rescope(scope_of([dev.gpu for dev in self._devices]))
@@ -260,6 +254,7 @@ class CuptiPmSampler:
 
     def _rescope(self, scope: ProfilingScope) -> None:
         """Watch the GPUs of ``scope``; the ones that left are released by the next pass."""
+        error: SourceUnavailable | None
         if scope.undecided and len(self._devices) > 1 and not self._profile_undecided:
             watched: list[_Device] = []
             error = SourceUnavailable(
