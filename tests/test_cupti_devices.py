@@ -261,3 +261,13 @@ def test_the_uuids_are_read_once_per_process() -> None:
 
     assert lib.driver.calls.count("cuDeviceGetCount") == 1
     assert lib.driver.calls.count("cuDeviceGetUuid") == 2
+
+
+def test_the_opt_in_setting_reads_yes_and_no_and_refuses_anything_else() -> None:
+    from mrc_agent.agent.core.config import ConfigError, load
+
+    assert load({}, env={"MRC_AGENT_PROFILE_UNATTRIBUTED": "yes"}).profile_unattributed is True
+    assert load({"profile_unattributed": "false"}, env={}).profile_unattributed is False
+    assert load({}, env={}).profile_unattributed is False
+    with pytest.raises(ConfigError, match="'profile_unattributed': 'maybe' is not true or false"):
+        load({}, env={"MRC_AGENT_PROFILE_UNATTRIBUTED": "maybe"})

@@ -212,8 +212,8 @@ _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
 
 
-def _switch(value: Any, name: object) -> bool:
-    """A collector switch: a YAML boolean, or one of true/false, yes/no, on/off, 1/0."""
+def _switch(value: Any, name: object, what: str = "collector") -> bool:
+    """A collector switch or yes/no setting: a YAML boolean, or true/false, yes/no, on/off, 1/0."""
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
@@ -221,17 +221,7 @@ def _switch(value: Any, name: object) -> bool:
         return True
     if text in _FALSE:
         return False
-    raise ConfigError(f"collector {shown(name)}: {shown(value)} is not true or false")
-
-
-def _flag(value: Any, _cfg: Any) -> bool:
-    """A yes/no setting: a YAML boolean, or one of true/false, yes/no, on/off, 1/0."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE | _FALSE:
-        return text in _TRUE
-    raise ValueError("expected true or false")
+    raise ConfigError(f"{what} {shown(name)}: {shown(value)} is not true or false")
 
 
 def _unknown_collector(name: object) -> ConfigError:
@@ -356,12 +346,11 @@ class AgentConfig:
         metavar="|".join(GPU_MODES),
         help="GPUs to report: targets (those the target processes can use; every GPU while "
              "none says which) or all")
-    #: CUPTI PM sampling holds a GPU's performance monitors, shutting every other profiler
-    #: (a neighbour pod's agent, DCGM profiling, Nsight) out of it; so while no target says
-    #: which GPUs are its own (attribution "unknown") a node of several GPUs is not profiled
-    #: unless this allows it (agent/core/hw/cupti_pm.py, docs/attribution.md).
+    #: PM sampling shuts every other profiler out of a GPU, so with attribution "unknown" a
+    #: node of several GPUs is not profiled unless this allows it (docs/attribution.md).
     profile_unattributed: bool = setting(
-        False, parse=_flag, commands=(RUN, DOCTOR), metavar="true|false", default_text="false",
+        False, parse=lambda value, _cfg: _switch(value, "profile_unattributed", "setting"),
+        commands=(RUN, DOCTOR), metavar="true|false", default_text="false",
         help="let the profiling collector profile every GPU of the node while no target says "
              "which GPUs it uses (it holds their performance monitors)")
     #: GPM's own window: NVML wants more than 100 ms between two GPM samples, and a second
