@@ -77,7 +77,7 @@ def test_record_writes_a_trace_that_replays(tmp_path) -> None:
     path = tmp_path / "rec.jsonl"
     path.write_text(out.getvalue())
     gpus = load_trace(str(path))  # validates: counters monotonic, ratios in range
-    assert set(gpus) == {0, 1}
+    assert [g.identity.index for g in gpus.values()] == [0, 1]  # keyed by UUID
     first = json.loads(out.getvalue().splitlines()[0])
     assert first["uuid"] == "GPU-fixed-0000" and "sm_instructions_executed_total" in first
     assert "dram_bw_util" in first and "nvlink_tx_bytes_total" in first

@@ -2,7 +2,9 @@
 
 The output is the replay format (``docs/replay-format.md``), built from the same field table the
 replay backend reads, so a recording replays without conversion. Device, GPM and profiling
-samples are merged per GPU per tick; a source that is unavailable is skipped with one line on
+samples are merged per device per tick, keyed by UUID: a GPU in MIG mode gets its own row and
+one per MIG device, all under the physical GPU's ``gpu`` index (keyed by index, a MIG device's
+row would overwrite its GPU's). A source that is unavailable is skipped with one line on
 stderr and its fields are simply absent.
 """
 
@@ -24,10 +26,12 @@ _FIELD_OF = {(kind, attr): key for key, (kind, attr, _) in TRACE_FIELDS.items()}
 EXIT_NO_GPU = 1
 
 
-def _merge(rows: dict[int, dict[str, Any]], kind: str, samples: list[Any]) -> None:
+def _merge(rows: dict[str, dict[str, Any]], kind: str, samples: list[Any]) -> None:
     for s in samples:
-        row = rows.setdefault(s.gpu.index, {"gpu": s.gpu.index, "uuid": s.gpu.uuid,
-                                             "name": s.gpu.name})
+        row = rows.setdefault(s.gpu.uuid, {"gpu": s.gpu.index, "uuid": s.gpu.uuid,
+                                            "name": s.gpu.name})
+        if isinstance(getattr(s, "gpu_instance", None), int):
+            row["gpu_instance"] = s.gpu_instance  # GPM of a MIG device: its GPU instance's
         for (k, attr), key in _FIELD_OF.items():
             if k == kind:
                 # The replay validator refuses NaN, infinities and ratios over 1, so a trace
@@ -52,7 +56,7 @@ def record(sources: Sources, out: TextIO, duration: float, interval: float,
         now = clock()
         if now - start > duration:
             break
-        rows: dict[int, dict[str, Any]] = {}
+        rows: dict[str, dict[str, Any]] = {}
         for kind, source, method in kinds:
             if source is None:
                 continue
@@ -65,8 +69,9 @@ def record(sources: Sources, out: TextIO, duration: float, interval: float,
                     print(f"mrc-agent record: {kind} not recorded: {exc}", file=err)
                     said.add(f"{kind}{exc}")
         t = round(now - start, 4)
-        for index in sorted(rows):
-            out.write(json.dumps({"t": t, **rows[index]}) + "\n")
+        # By GPU index; within one, the order the sources gave (a GPU before its MIG devices).
+        for row in sorted(rows.values(), key=lambda r: int(r["gpu"])):
+            out.write(json.dumps({"t": t, **row}) + "\n")
             lines += 1
         tick += 1
         sleep(max(start + tick * interval - clock(), 0.0))

@@ -9,6 +9,12 @@ Patterns:
   preprocessing thread feeds it), NVLink quiet, PCIe bursts with each batch.
 - ``busy``: a steady memory-bound decode: utilisation ~0.95, DRAM busy, NVLink ~120 GB/s.
 - ``low_nvlink``: busy GPU whose NVLink moves only ~10 GB/s.
+
+``mig=N`` puts every GPU in MIG mode with N MIG devices (GPU instances 1..N, one compute
+instance each), as ``mrc-agent record`` writes them: rows keyed by UUID, the MIG devices'
+under their GPU's ``gpu`` index with ``MIG-synthetic-…`` UUIDs, memory and GPM (with its
+``gpu_instance``) per MIG device, and the GPU's own row without what NVML and CUPTI do not
+answer in MIG mode (utilisation, GPM, profiling counters).
 """
 
 from __future__ import annotations
@@ -19,6 +25,14 @@ from typing import Any, TextIO
 
 PATTERNS = ("starved", "busy", "low_nvlink")
 H200_MEMORY = 143_771_000_832  # bytes NVML reports on an H200 141 GB
+#: An H200 has at most seven GPU instances.
+MAX_MIG_DEVICES = 7
+#: Fields a GPU in MIG mode does not report for itself (NVML answers NOT_SUPPORTED for
+#: utilisation and whole-GPU GPM; CUPTI refuses MIG).
+_NOT_IN_MIG_MODE = ("gpu_util", "sm_util", "sm_occupancy", "tensor_util", "dram_bw_util",
+                    "sm_instructions_executed_total", "dram_read_bytes_total")
+#: The GPM fields each MIG device carries (its GPU instance's).
+_GPM_FIELDS = ("sm_util", "sm_occupancy", "tensor_util", "dram_bw_util")
 
 
 def _row(t: float, gpu: int, pattern: str, counters: dict[str, float],
@@ -53,11 +67,28 @@ def _row(t: float, gpu: int, pattern: str, counters: dict[str, float],
     }
 
 
+def _mig_rows(row: dict[str, Any], gpu: int, mig: int) -> list[dict[str, Any]]:
+    """The GPU's own row in MIG mode, then one row per MIG device."""
+    rows = [{k: v for k, v in row.items() if k not in _NOT_IN_MIG_MODE}]
+    for k in range(mig):
+        rows.append({
+            "t": row["t"], "gpu": gpu, "uuid": f"MIG-synthetic-{gpu:04d}-{k + 1:02d}",
+            "name": f"{row['name']} MIG GI {k + 1}", "gpu_instance": k + 1,
+            "mem_used_bytes": round(row["mem_used_bytes"] / mig),
+            "mem_total_bytes": H200_MEMORY // MAX_MIG_DEVICES,
+            **{f: row[f] for f in _GPM_FIELDS},
+        })
+    return rows
+
+
 def write_trace(out: TextIO, gpus: int = 1, duration: float = 12.0, step: float = 0.1,
-                pattern: str = "starved") -> int:
-    """Write ``duration / step`` samples per GPU; returns the number of lines written."""
+                pattern: str = "starved", mig: int = 0) -> int:
+    """Write ``duration / step`` samples per GPU (and per MIG device with ``mig``); returns
+    the number of lines written."""
     if pattern not in PATTERNS:
         raise ValueError(f"unknown pattern {pattern!r}")
+    if not 0 <= mig <= MAX_MIG_DEVICES:
+        raise ValueError(f"mig must be 0-{MAX_MIG_DEVICES}, not {mig}")
     counters = [dict.fromkeys(("nvlink_tx_bytes_total", "nvlink_rx_bytes_total",
                                "sm_instructions_executed_total", "dram_read_bytes_total"), 0.0)
                 for _ in range(gpus)]
@@ -65,13 +96,16 @@ def write_trace(out: TextIO, gpus: int = 1, duration: float = 12.0, step: float 
     for i in range(int(round(duration / step))):
         t = i * step
         for gpu in range(gpus):
-            out.write(json.dumps(_row(t, gpu, pattern, counters[gpu], step)) + "\n")
-            lines += 1
+            row = _row(t, gpu, pattern, counters[gpu], step)
+            for line in _mig_rows(row, gpu, mig) if mig else [row]:
+                out.write(json.dumps(line) + "\n")
+                lines += 1
     return lines
 
 
-if __name__ == "__main__":  # python -m mrc_agent.agent.tools.tracegen PATTERN GPUS DURATION > file
+if __name__ == "__main__":  # python -m mrc_agent.agent.tools.tracegen PATTERN GPUS DURATION [MIG]
     import sys
 
     pat, n, dur = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-    write_trace(sys.stdout, gpus=n, duration=dur, pattern=pat)
+    write_trace(sys.stdout, gpus=n, duration=dur, pattern=pat,
+                mig=int(sys.argv[4]) if len(sys.argv) > 4 else 0)

@@ -1,6 +1,10 @@
 """GPM collector: NVML GPM activity ratios and rates (Hopper and newer), and the SM/DRAM
 activity quotient that stands in for the compute-to-memory signal when the profiling counters
-are unavailable (an activity ratio, not an instruction count)."""
+are unavailable (an activity ratio, not an instruction count).
+
+On a MIG device GPM measures the device's whole GPU instance, shared by every compute instance
+in it (``agent.core.hw.nvml.gpm``); :data:`GPM_SCOPE_INFO` says so beside its series. A whole
+GPU has no scope series: its GPM is its own, like every other series of its ``uuid``."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from mrc_agent.agent.core.collectors.base import (
     require,
 )
 from mrc_agent.agent.core.hw.base import GpmSource
-from mrc_agent.agent.core.sample import Sample, gauge
+from mrc_agent.agent.core.sample import Sample, gauge, info
 
 NAME = "gpm"
 
@@ -43,8 +47,15 @@ SM_TO_DRAM_ACTIVITY = gauge(
     "bandwidth utilisation ratio. Not an instruction count; stands in when the profiling "
     "counters are unavailable.")
 
+GPM_SCOPE_INFO = info(
+    NAME, "mrc_gpu_gpm_scope_info", GPU + ("scope", "gpu_instance"),
+    "GPM scope of a MIG device (present for MIG devices only): scope gpu_instance means its "
+    "GPM series measure the whole GPU instance gpu_instance, not this compute instance alone "
+    "(NVML samples GPM per GPU instance), so every compute instance of it shows the same "
+    "values; take max by (gpu, gpu_instance), never sum.")
+
 METRICS = (SM_ACTIVE, SM_OCCUPANCY, TENSOR_ACTIVE, DRAM_BANDWIDTH, PCIE_TX, PCIE_RX, NVLINK_TX,
-           NVLINK_RX, SM_TO_DRAM_ACTIVITY)
+           NVLINK_RX, SM_TO_DRAM_ACTIVITY, GPM_SCOPE_INFO)
 
 _GPM_FIELDS = {
     "sm_util": SM_ACTIVE,
@@ -80,6 +91,10 @@ class GpmCollector:
             if (s.sm_util is not None and s.dram_bw_util is not None
                     and s.dram_bw_util >= MIN_DRAM_UTIL_FOR_PROXY):
                 out.append((SM_TO_DRAM_ACTIVITY.name, labels, s.sm_util / s.dram_bw_util))
+            if s.gpu_instance is not None or s.gpu.is_mig:
+                # "" where a trace names a MIG device but not its GPU instance.
+                instance = "" if s.gpu_instance is None else str(s.gpu_instance)
+                out.append((GPM_SCOPE_INFO.name, labels + ("gpu_instance", instance), {}))
         return out
 
 

@@ -123,6 +123,10 @@ class GpmSample:
     pcie_rx_bytes_per_second: float | None = None
     nvlink_tx_bytes_per_second: float | None = None
     nvlink_rx_bytes_per_second: float | None = None
+    #: For a MIG device: the GPU instance these numbers were measured over. GPM samples a
+    #: whole GPU instance (``nvmlGpmMigSampleGet``), so every MIG device (compute instance) of
+    #: it gets the same values; ``None`` for a whole GPU.
+    gpu_instance: int | None = None
 
 
 @dataclass

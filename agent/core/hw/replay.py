@@ -1,9 +1,12 @@
 """Replay backend: plays a JSON Lines GPU trace at wall-clock pace, looping forever.
 
-One object per GPU per sample (format in ``docs/replay-format.md``)::
+One object per device per sample (format in ``docs/replay-format.md``)::
 
     {"t": 0.0, "gpu": 0, "uuid": "GPU-…", "name": "NVIDIA H200", "gpu_util": 0.93, ...}
 
+Rows are keyed by ``uuid``: a GPU in MIG mode has a row of its own and one per MIG device
+(``MIG-…`` UUID), all with the physical GPU's ``gpu`` index, as the NVML source reports them.
+A trace without a ``uuid`` gets ``GPU-replay-<gpu>``, so one GPU per index, as before.
 ``t`` is seconds from the trace start. At agent time ``e`` after start the trace position is
 ``e mod period`` and each GPU shows its latest record at or before that position. Cumulative
 counters keep growing across loops: each loop adds the trace's own increase plus one mean step,
@@ -77,6 +80,8 @@ MAX_GPUS = 1024
 MAX_LABEL_CHARS = 256
 #: Entries of one record's ``processes`` (NVML lists the tens of processes of a busy GPU).
 MAX_PROCESSES = 1024
+#: GPU instance ids a MIG row may name (NVML numbers an H100/H200's up to 14).
+MAX_GPU_INSTANCES = 1024
 
 
 class ReplayFormatError(ValueError):
@@ -92,6 +97,8 @@ class _GpuTrace:
     processes: list[dict[int, float]] = field(default_factory=list)
     loop_increment: dict[str, float] = field(default_factory=dict)
     last_counter: dict[str, float] = field(default_factory=dict)
+    #: For a MIG device, the GPU instance its GPM was measured over (``gpu_instance``).
+    gpu_instance: int | None = None
 
 
 def _text(value: str) -> bool:
@@ -114,9 +121,27 @@ def _number(value: Any) -> TypeGuard[float]:
         return False
 
 
-def load_trace(path: str) -> dict[int, _GpuTrace]:
-    """Parse and validate a trace; raises ReplayFormatError with ``path:line: reason``."""
-    gpus: dict[int, _GpuTrace] = {}
+def _gpu_instance(obj: dict[str, Any], uuid: str, where: str) -> int | None:
+    """The optional ``gpu_instance`` of a MIG row."""
+    value = obj.get("gpu_instance")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not (
+            0 <= value < MAX_GPU_INSTANCES):
+        raise ReplayFormatError(f"{where}: 'gpu_instance' must be an integer "
+                                f"0-{MAX_GPU_INSTANCES - 1}")
+    if not uuid.startswith("MIG-"):
+        raise ReplayFormatError(f"{where}: 'gpu_instance' is only for a MIG device "
+                                f"(a 'MIG-' uuid), not {uuid!r}")
+    return value
+
+
+def load_trace(path: str) -> dict[str, _GpuTrace]:
+    """Parse and validate a trace, keyed by UUID in order of first appearance; raises
+    ReplayFormatError with ``path:line: reason``."""
+    gpus: dict[str, _GpuTrace] = {}
+    #: The whole GPU (not a MIG device) that holds each index.
+    whole: dict[int, str] = {}
     try:
         lines = read_bounded(path, MAX_TRACE_BYTES, "replay trace").decode("utf-8").splitlines()
     except OSError as exc:
@@ -153,13 +178,25 @@ def load_trace(path: str) -> dict[int, _GpuTrace]:
             if not _text(text):
                 raise ReplayFormatError(f"{where}: {key!r} is not valid Unicode text (a lone "
                                         "surrogate escape such as \\ud800)")
-        trace = gpus.get(gpu)
+        instance = _gpu_instance(obj, uuid, where)
+        trace = gpus.get(uuid)
         if trace is None:
-            trace = gpus[gpu] = _GpuTrace(GPUIdentity(gpu, uuid, name))
-        elif trace.identity.uuid != uuid:
-            raise ReplayFormatError(f"{where}: gpu {gpu} changed uuid to {uuid!r}")
+            # One whole GPU per index; only MIG devices share their parent's index.
+            if not uuid.startswith("MIG-") and whole.setdefault(gpu, uuid) != uuid:
+                raise ReplayFormatError(f"{where}: gpu {gpu} changed uuid to {uuid!r} (only "
+                                        f"MIG devices share an index, with {whole[gpu]!r})")
+            trace = gpus[uuid] = _GpuTrace(GPUIdentity(gpu, uuid, name), gpu_instance=instance)
+        elif trace.identity.index != gpu:
+            raise ReplayFormatError(f"{where}: uuid {uuid!r} moved from gpu "
+                                    f"{trace.identity.index} to gpu {gpu}")
+        elif instance is not None:
+            if trace.gpu_instance is None:  # a recording names it once GPM has a window
+                trace.gpu_instance = instance
+            elif instance != trace.gpu_instance:
+                raise ReplayFormatError(
+                    f"{where}: uuid {uuid!r} changed gpu_instance to {instance}")
         if trace.times and t < trace.times[-1]:
-            raise ReplayFormatError(f"{where}: 't' goes backwards for gpu {gpu}")
+            raise ReplayFormatError(f"{where}: 't' goes backwards for gpu {gpu} ({uuid!r})")
         record: dict[str, float] = {}
         for key, value in obj.items():
             spec = TRACE_FIELDS.get(key)
@@ -176,9 +213,14 @@ def load_trace(path: str) -> dict[int, _GpuTrace]:
                         f"{where}: counter {key!r} decreases ({prev} -> {value})")
                 trace.last_counter[key] = float(value)
             record[key] = float(value)
+        processes = _processes(obj.get("processes"), where)
+        if trace.times and t == trace.times[-1]:
+            # Keyed by UUID, a second row at one time would hide the first: which is the
+            # device's reading is not said (a MIG row that forgot its ``MIG-`` uuid, say).
+            raise ReplayFormatError(f"{where}: two rows for uuid {uuid!r} at t={t}")
         trace.times.append(float(t))
         trace.records.append(record)
-        trace.processes.append(_processes(obj.get("processes"), where))
+        trace.processes.append(processes)
     if not gpus:
         raise ReplayFormatError(f"{path}: the trace holds no samples")
     for trace in gpus.values():
@@ -215,7 +257,7 @@ def _fill_loop_increments(trace: _GpuTrace) -> None:
         trace.loop_increment[key] = rise + step
 
 
-def _period(gpus: dict[int, _GpuTrace]) -> float:
+def _period(gpus: dict[str, _GpuTrace]) -> float:
     last = max(tr.times[-1] for tr in gpus.values())
     steps = sorted(
         b - a for tr in gpus.values() for a, b in zip(tr.times, tr.times[1:], strict=False) if b > a
@@ -230,11 +272,13 @@ class ReplayBackend:
     def __init__(self, path: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
         self._gpus = load_trace(path)
+        # By GPU index, a GPU before its MIG devices (the order of first appearance).
+        self._order = sorted(self._gpus.values(), key=lambda tr: tr.identity.index)
         self._period = _period(self._gpus)
         self._clock = clock
         self._start = clock()
-        # Last (loop, index) handed out as fine-grained utilisation, per GPU.
-        self._util_cursor: dict[int, tuple[int, int]] = {}
+        # Last (loop, index) handed out as fine-grained utilisation, per device UUID.
+        self._util_cursor: dict[str, tuple[int, int]] = {}
         kinds = {TRACE_FIELDS[k][0] for tr in self._gpus.values() for r in tr.records for k in r}
         self._has = kinds
 
@@ -244,17 +288,17 @@ class ReplayBackend:
 
     @property
     def identities(self) -> list[GPUIdentity]:
-        return [tr.identity for _, tr in sorted(self._gpus.items())]
+        return [tr.identity for tr in self._order]
 
     def _position(self, now: float) -> tuple[int, float]:
         elapsed = max(now - self._start, 0.0)
         loop = int(elapsed // self._period)
         return loop, elapsed - loop * self._period
 
-    def _current(self, kind: str) -> list[tuple[GPUIdentity, dict[str, float]]]:
+    def _current(self, kind: str) -> list[tuple[_GpuTrace, dict[str, float]]]:
         loop, pos = self._position(self._clock())
         out = []
-        for _, trace in sorted(self._gpus.items()):
+        for trace in self._order:
             idx, lp = bisect.bisect_right(trace.times, pos) - 1, loop
             if idx < 0:
                 if loop == 0:
@@ -268,14 +312,15 @@ class ReplayBackend:
                 if spec[2] == "counter":
                     value += lp * trace.loop_increment.get(key, 0.0)
                 values[spec[1]] = value
-            out.append((trace.identity, values))
+            out.append((trace, values))
         return out
 
-    def _util_points(self, gpu: int, trace: _GpuTrace) -> list[tuple[float, float]]:
+    def _util_points(self, trace: _GpuTrace) -> list[tuple[float, float]]:
         loop, pos = self._position(self._clock())
         idx = max(bisect.bisect_right(trace.times, pos) - 1, 0)
-        last = self._util_cursor.get(gpu)
-        self._util_cursor[gpu] = (loop, idx)
+        uuid = trace.identity.uuid
+        last = self._util_cursor.get(uuid)
+        self._util_cursor[uuid] = (loop, idx)
         n = len(trace.times)
         if last is None:
             steps = [(loop, idx)]
@@ -295,10 +340,10 @@ class ReplayBackend:
         if "device" not in self._has:
             raise SourceUnavailable("not_in_trace", f"{self.path} has no NVML-level fields")
         out = []
-        for identity, values in self._current("device"):
-            sample = DeviceSample(gpu=identity, **values)  # type: ignore[arg-type]
-            sample.util_samples = self._util_points(identity.index, self._gpus[identity.index])
-            sample.process_memory_bytes = self._processes_now(self._gpus[identity.index])
+        for trace, values in self._current("device"):
+            sample = DeviceSample(gpu=trace.identity, **values)  # type: ignore[arg-type]
+            sample.util_samples = self._util_points(trace)
+            sample.process_memory_bytes = self._processes_now(trace)
             out.append(sample)
         return out
 
@@ -311,14 +356,15 @@ class ReplayBackend:
     def sample_gpm(self) -> list[GpmSample]:
         if "gpm" not in self._has:
             raise SourceUnavailable("gpm_unsupported", f"{self.path} has no GPM fields")
-        return [GpmSample(gpu=i, **v) for i, v in self._current("gpm") if v]
+        return [GpmSample(gpu=tr.identity, gpu_instance=tr.gpu_instance, **v)
+                for tr, v in self._current("gpm") if v]
 
     def sample_profiling(self) -> list[ProfilingSample]:
         if "profiling" not in self._has:
             raise SourceUnavailable(
                 "not_in_trace", f"{self.path} has no profiling-counter fields")
-        return [ProfilingSample(gpu=i, **v)  # type: ignore[arg-type]  # numeric fields only
-                for i, v in self._current("profiling") if v]
+        return [ProfilingSample(gpu=tr.identity, **v)  # type: ignore[arg-type]  # numeric only
+                for tr, v in self._current("profiling") if v]
 
     def close(self) -> None:
         """Nothing to release: the trace was read whole when the backend was made."""

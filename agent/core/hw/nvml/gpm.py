@@ -16,6 +16,18 @@ DCGM checks ``isnan`` after the same call), is absent for that window only. Only
 the sample itself (``nvmlGpmSampleGet``) or of the whole ``nvmlGpmMetricsGet`` call fails the
 sample. Ratios are clamped to 0-1 and rates to >= 0: a percentage a hair over 100 is rounding,
 not a finding.
+
+In MIG mode GPM is per GPU instance, not per MIG device: ``nvmlGpmMigSampleGet`` takes the
+physical GPU and a GPU instance id, nothing narrower, while a MIG device is one compute
+instance of a GPU instance (NVML's ``nvmlDeviceGetMigDeviceHandleByIndex`` enumerates compute
+instances). So the compute instances of one GPU instance are sampled once, on one pair of
+buffers, and each gets that same window's numbers with :attr:`GpmSample.gpu_instance` set;
+the GPM collector says so on ``mrc_gpu_gpm_scope_info`` (``scope="gpu_instance"``) rather than
+leave the numbers looking like each compute instance's own. Keeping them on every MIG device's
+``uuid`` (not once per GPU instance under one chosen device) is the least disruptive honest
+choice: a pod given any of the compute instances still sees its GPU instance's activity, and
+the series keep their labels; summing them over the compute instances double-counts, which
+the scope series is there to prevent.
 """
 
 from __future__ import annotations
@@ -83,6 +95,9 @@ class GpmSampler:
         self._clock = clock
         self._interval = check_gpm_interval(interval)
         self._support: dict[str, bool] = {}
+        # (parent UUID, GPU instance id) -> the MIG device whose buffers sample that GPU
+        # instance for every compute instance of it (the first one asked).
+        self._instance_owner: dict[tuple[str, int], Gpu] = {}
 
     @property
     def interval(self) -> float:
@@ -111,12 +126,31 @@ class GpmSampler:
         """Free the GPU's sample buffers at teardown; NVML errors are ignored."""
         for buffer in gpu.gpm_buffers:
             quietly(lib, "freeing a GPM sample", partial(lib.nvmlGpmSampleFree, buffer))
+        for key in [k for k, owner in self._instance_owner.items() if owner is gpu]:
+            del self._instance_owner[key]
+
+    def _owner(self, gpu: Gpu) -> Gpu:
+        """The MIG device that samples ``gpu``'s GPU instance (``gpu`` itself for a whole GPU
+        and for the first compute instance of each GPU instance)."""
+        if gpu.parent is None or gpu.gpu_instance is None:
+            return gpu
+        key = (gpu.parent.identity.uuid, gpu.gpu_instance)
+        owner = self._instance_owner.get(key)
+        if owner is None or owner.parent is not gpu.parent:  # none yet, or an older session's
+            owner = self._instance_owner[key] = gpu
+        return owner
 
     def sample(self, lib: Any, gpu: Gpu) -> GpmSample | None:
         """The GPU's GPM metrics over its latest window; None until a window has closed.
 
-        Inside a window the previous window's sample is returned again (a copy).
+        Inside a window the previous window's sample is returned again (a copy). A compute
+        instance that shares its GPU instance with an earlier one gets that one's sample, under
+        its own identity.
         """
+        owner = self._owner(gpu)
+        if owner is not gpu:
+            shared = self.sample(lib, owner)
+            return None if shared is None else replace(shared, gpu=gpu.identity)
         now = self._clock()
         if gpu.gpm_taken_at is not None and now - gpu.gpm_taken_at < self._interval:
             return replace(gpu.gpm_last) if gpu.gpm_last is not None else None
@@ -157,7 +191,7 @@ class GpmSampler:
             request.metrics[i].metricId = metric_id
         lib.nvmlGpmMetricsGet(request)
 
-        out = GpmSample(gpu=gpu.identity)
+        out = GpmSample(gpu=gpu.identity, gpu_instance=gpu.gpu_instance)
         uuid = gpu.identity.uuid
         for i, (metric_id, attr, convert) in enumerate(wanted):
             metric = request.metrics[i]
