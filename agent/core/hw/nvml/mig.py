@@ -7,6 +7,11 @@ of its own, with its ``MIG-…`` UUID (what ``NVIDIA_VISIBLE_DEVICES`` names for
 slice) and ``parent`` set, so its series are told apart by the ``uuid`` label while ``gpu``
 stays the physical GPU's index. Discovered once per NVML session, like the links.
 
+A MIG device is one compute instance of a GPU instance (``nvmlDeviceGetMigDeviceHandleByIndex``
+enumerates compute instances), and several may share one GPU instance; ``gpu_instance`` on its
+:class:`Gpu` is the GPU instance's id. GPM is that GPU instance's, shared by its compute
+instances and said so (``agent.core.hw.nvml.gpm``).
+
 Not available per MIG device, and said so in ``doctor`` and docs/attribution.md: GPU and
 memory utilisation and their fine-grained samples (NVML answers NOT_SUPPORTED in MIG mode),
 and CUPTI PM sampling (CUPTI refuses MIG devices). Power, clocks, temperature, ECC, PCIe and
