@@ -130,9 +130,10 @@ class RuleQueries:
                 f"[{self._t.rate_window}])")
 
     def true_counters_present(self) -> str:
-        """Either profiling counter, for ``unless on(gpu, uuid)``: never mix the two sources."""
-        return (f"{self.m('mrc_gpu_sm_instructions_executed_total')}\n"
-                f"  or {self.m('mrc_gpu_dram_read_bytes_total')}")
+        """The profiling DRAM byte counter, for ``unless on(gpu, uuid)``: never mix the two
+        sources. The DRAM series alone decides: with only the SM counter (a chip whose set
+        lacks a DRAM read counter) the true ratio does not exist, and the proxy must page."""
+        return self.m('mrc_gpu_dram_read_bytes_total')
 
     @property
     def starved_avg(self) -> str:

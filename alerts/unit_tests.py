@@ -223,6 +223,12 @@ CASES: dict[str, AlertTest] = {
             s("mrc_gpu_gpm_sm_to_dram_activity", gpu(3)): "0.8x100",
             s("mrc_gpu_utilization_ratio", gpu(3)): "0.1x100",
         }, [At("16m", []), At("24m", []), At("24m", [], alert="MRCGPUMemoryBound")]),
+        Scenario("SM counter without a DRAM read counter (a set lacking one): proxy pages",
+                 "15s", {
+            s("mrc_gpu_gpm_sm_to_dram_activity", gpu(4)): "0.8x100",
+            s("mrc_gpu_utilization_ratio", gpu(4)): "0.9x100",
+            s("mrc_gpu_sm_instructions_executed_total", gpu(4)): "0+6e12x100",
+        }, [At("15m", [Fire(gpu(4), 0.8)]), At("20m", [], alert="MRCGPUMemoryBound")]),
     ]),
     "MRCGPUStarved": AlertTest("10s", [
         Scenario("starved from 60 s on; 80 % of the window reached at 160 s", "10s", {

@@ -929,7 +929,8 @@ def test_a_chip_offering_no_metric_names_what_was_wanted_and_the_last_refusal() 
 
     exc = unavailable(sampler)
 
-    wanted = cupti_pm.SM_INSTRUCTION_METRICS + DRAM_READ_METRICS + cupti_pm.DRAM_THROUGHPUT_METRICS
+    wanted = (cupti_pm.SM_INSTRUCTION_METRICS + cupti_pm.DRAM_COUNT_METRICS
+              + cupti_pm.DRAM_THROUGHPUT_METRICS)
     last = cupti_pm.DRAM_THROUGHPUT_METRICS[-1]
     assert exc.detail == f"PM sampling accepts none of {wanted}: Invalid metrics [{last!r}]"
 

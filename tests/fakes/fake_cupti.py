@@ -45,8 +45,10 @@ after ``profiler_initialize``, so the real rollback follows it).
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -129,7 +131,59 @@ class CUuuid:
 
 
 def base_name(metric: str) -> str:
-    return metric.split(".", 1)[0]
+    """The name less its rollup, prefix kept: ``Compute_Triage.dramc__read_throughput.avg...``
+    -> ``Compute_Triage.dramc__read_throughput``; ``dram__bytes_read.sum`` ->
+    ``dram__bytes_read`` (CUPTI names: ``[<UNIT>.][<set>.]<unit>__<counter>[.<rollup>]``)."""
+    parts = metric.strip().split(".")
+    at = next((i for i, part in enumerate(parts) if "__" in part), 0)
+    return ".".join(parts[:at + 1])
+
+
+#: The sets ``libcupti.so.13`` ships, read out of the wheels (tests/data/cupti_sets).
+CUPTI_SETS_DIR = Path(__file__).resolve().parent.parent / "data" / "cupti_sets"
+#: The rollups a real chip device accepts by full name without a set (see real_device).
+_COUNTER_ROLLUP, _THROUGHPUT_ROLLUP = ".sum", ".avg.pct_of_peak_sustained_elapsed"
+
+
+def real_sets(version: str, chip: str) -> list[dict[str, Any]]:
+    """The set entries (``{"chips", "set", "metrics", "user_metrics"}``) CUPTI ``version``
+    ships for ``chip`` (lower case, as the library's documents name chips)."""
+    data = json.loads((CUPTI_SETS_DIR / f"cupti-{version}.json").read_text(encoding="utf-8"))
+    return [entry for entry in data["sets"] if chip in entry["chips"]]
+
+
+def real_device(version: str, chip: str, **overrides: Any) -> FakeDevice:
+    """A device offering exactly the single-pass sets CUPTI ``version`` has for ``chip``.
+
+    Without a set name ``configure`` accepts a listed metric by its full name with ``.sum``
+    (a throughput user metric with ``.avg.pct_of_peak_sustained_elapsed``); with one, by the
+    name less its rollup. The metric units ``ProfilerHost.get_metric_properties`` gives follow
+    the names (``sectors``, ``bytes``, ``%``), what Nsight Compute's tables state.
+    """
+    entries = real_sets(version, chip)
+    if not entries:
+        raise ValueError(f"CUPTI {version} has no set for {chip}")
+    supported: set[str] = set()
+    for entry in entries:
+        supported.update(m + _COUNTER_ROLLUP for m in entry["metrics"])
+        supported.update(name + _THROUGHPUT_ROLLUP for name, body in entry["user_metrics"].items()
+                         if body["kind"] == "throughput")
+    fields: dict[str, Any] = {
+        "chip_name": chip, "supported_metrics": frozenset(supported),
+        "single_pass_sets": {entry["set"]: list(entry["metrics"]) for entry in entries},
+    }
+    fields.update(overrides)
+    return FakeDevice(**fields)
+
+
+def unit_of_name(metric: str) -> str:
+    """The dimensional unit a metric's name implies, as ``get_metric_properties`` states it."""
+    root = base_name(metric)
+    for word, unit in (("throughput", "%"), ("sectors", "sectors"), ("bytes", "bytes"),
+                       ("inst", "inst")):
+        if word in root:
+            return unit
+    return ""
 
 
 @dataclass
@@ -157,6 +211,8 @@ class FakeDevice:
     supports_time_interval: bool = True
     decodes: list[list[dict[str, float]]] = field(default_factory=list)
     errors: dict[str, list[BaseException | None]] = field(default_factory=dict)
+    #: ``get_metric_properties(name).dim_unit`` by name less rollup; others: unit_of_name.
+    metric_units: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -293,7 +349,8 @@ class FakeCupti:
     plus ``.driver`` for the CUDA driver that cupti-python's cuda-bindings reach."""
 
     def __init__(self, devices: dict[int, FakeDevice] | None = None, *,
-                 set_api: bool = True, counted: bool = True) -> None:
+                 set_api: bool = True, counted: bool = True,
+                 properties_api: bool = False) -> None:
         self.devices: dict[int, FakeDevice] = devices if devices is not None else {}
         #: Whether profiler_initialize / profiler_deinitialize calls are counted (module
         #: docstring); uncounted, one deinitialise tears the profiler down for all.
@@ -315,6 +372,12 @@ class FakeCupti:
         if set_api:
             host["get_single_pass_sets"] = self.get_single_pass_sets
             host["get_metrics_in_single_pass_set"] = self.get_metrics_in_single_pass_set
+        if properties_api:  # cupti-python's ProfilerHost(chip, ProfilerType.PM_SAMPLING)
+            host["ProfilerType"] = ProfilerType
+            host["ProfilerHost"] = lambda chip, kind, set_name=None: FakeProfilerHost(
+                fake, chip, kind)
+        #: Names get_metric_properties was asked about, in order.
+        self.properties_asked: list[str] = []
         self.profiler_host = SimpleNamespace(**host)
         self.cupti = SimpleNamespace(cuptiError=cuptiError, Result=Result)
 
@@ -369,6 +432,46 @@ class FakeCupti:
                 "single pass sets for a chip"
             )
         return list(sets[set_name])
+
+
+class ProfilerType(enum.IntEnum):
+    """``cupti.cupti.ProfilerType`` (``CUpti_ProfilerType``)."""
+
+    RANGE_PROFILER = 0
+    PM_SAMPLING = 1
+
+
+class FakeProfilerHost:
+    """``cupti.profiler_host.ProfilerHost``: ``initialize`` / ``get_metric_properties`` /
+    ``deinitialize``, host side only; ValueError for a name no set or metric list offers."""
+
+    def __init__(self, lib: FakeCupti, chip: str, kind: Any) -> None:
+        self._lib, self._chip, self._kind = lib, chip, kind
+        self._ready = False
+
+    def initialize(self) -> None:
+        self._lib._device_of_chip(self._chip)
+        if self._kind != ProfilerType.PM_SAMPLING:
+            raise ValueError(f"{self._kind!r} is not a valid ProfilerType value")
+        self._ready = True
+
+    def deinitialize(self) -> None:
+        self._ready = False
+
+    def get_metric_properties(self, metric_name: str) -> SimpleNamespace:
+        if not self._ready:
+            raise RuntimeError("ProfilerHost is not initialized")
+        self._lib.properties_asked.append(metric_name)
+        device = self._lib._device_of_chip(self._chip)
+        root = base_name(metric_name)
+        offered = {base_name(m) for m in device.supported_metrics}
+        offered |= {base_name(m) for names in device.single_pass_sets.values() for m in names}
+        if root not in offered:
+            raise ValueError(f"Metric {metric_name!r} is invalid or not supported on "
+                             f"{self._chip}")
+        unit = device.metric_units.get(root, unit_of_name(root))
+        return SimpleNamespace(description=root, hw_unit=root.partition("__")[0],
+                               dim_unit=unit)
 
 
 class Collector:

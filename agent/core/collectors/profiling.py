@@ -27,6 +27,7 @@ from mrc_agent.agent.core.hw.base import (
     ScopedProfilingSource,
     SourceUnavailable,
 )
+from mrc_agent.agent.core.hw.cupti_metrics import SECTOR_BYTES, UNIT_BYTES, UNIT_SECTORS
 from mrc_agent.agent.core.sample import Sample, counter, gauge, info
 
 NAME = "profiling"
@@ -42,10 +43,14 @@ DRAM_READ_THROUGHPUT = gauge(
     "intervals since the last pass, where the chip's single-pass set has no DRAM byte "
     "counter. Not a byte count.")
 PROFILING_METRICS_INFO = info(
-    NAME, "mrc_gpu_profiling_metrics_info", (*GPU, "sm_metric", "dram_metric", "metric_set"),
+    NAME, "mrc_gpu_profiling_metrics_info",
+    (*GPU, "sm_metric", "dram_metric", "metric_set", "dram_unit", "dram_unit_bytes",
+     "dram_unit_basis"),
     "Which CUPTI PM-sampling metrics feed the profiling counters of a sampling GPU: the "
     "SM-instruction metric, the DRAM metric and the single-pass metric set (none where "
-    "there is none).")
+    "there is none), and the basis of mrc_gpu_dram_read_bytes_total: what the DRAM metric "
+    "counts (bytes, sectors or percent_of_peak), the bytes in one such unit, and whether "
+    "CUPTI's metric properties or the metric's name said so.")
 METRICS = (SM_INSTRUCTIONS, DRAM_READ_BYTES, DRAM_READ_THROUGHPUT, PROFILING_METRICS_INFO)
 
 #: Source values of :data:`COMPUTE_MEMORY_SOURCE`.
@@ -94,14 +99,31 @@ class ProfilingCollector:
             raise
         finally:
             ctx.profiling_status = self.status
-        self.status = ctx.profiling_status = ("ok", "")
         out: list[Sample] = []
         att = ctx.decide_gpus(self._gpus, [s.gpu for s in samples])
+        one_sided: list[str] = []
         for s in samples:
             if att.watches(s.gpu):  # only this pod's targets' GPUs (agent.core.attribution)
                 out.extend(field_samples(s, _FIELDS, s.gpu.labels))
                 out.extend(_metrics_info(s))
+                missing = _missing_side(s)
+                if missing:
+                    one_sided.append(f"GPU {s.gpu.index}: no {missing} counter")
+        # Instructions per DRAM byte needs both counters: with one, the profiling source
+        # runs but cannot feed the compute-to-memory signal, and must not say "ok".
+        self.status = ("degraded", "; ".join(one_sided)) if one_sided else ("ok", "")
+        ctx.profiling_status = self.status
         return out
+
+
+def _missing_side(s: ProfilingSample) -> str:
+    """Which true counter a GPU that samples lacks ("" when it has both, or samples nothing):
+    a DRAM throughput percentage is no byte count."""
+    has_sm = s.sm_instructions_executed_total is not None
+    has_dram = s.dram_read_bytes_total is not None
+    if has_sm == has_dram and (has_sm or s.dram_read_throughput_ratio is None):
+        return ""
+    return "SM instruction" if not has_sm else "DRAM read byte"
 
 
 def _metrics_info(s: ProfilingSample) -> list[Sample]:
@@ -110,7 +132,10 @@ def _metrics_info(s: ProfilingSample) -> list[Sample]:
     if s.sm_metric is None and s.dram_metric is None:
         return []
     names = tuple(n or "none" for n in (s.sm_metric, s.dram_metric, s.metric_set))
-    return [(PROFILING_METRICS_INFO.name, (*s.gpu.labels, *names), {})]
+    unit = s.dram_unit or "none"
+    per_unit = {UNIT_BYTES: "1", UNIT_SECTORS: str(SECTOR_BYTES)}.get(unit, "none")
+    basis = (s.dram_unit_basis or "none",)
+    return [(PROFILING_METRICS_INFO.name, (*s.gpu.labels, *names, unit, per_unit, *basis), {})]
 
 
 def compute_memory_source(ctx: SampleContext) -> list[Sample]:

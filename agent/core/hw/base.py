@@ -145,6 +145,11 @@ class ProfilingSample:
     sm_metric: str | None = None
     dram_metric: str | None = None
     metric_set: str | None = None
+    #: What the DRAM metric counts (``bytes``, ``sectors`` of 32 bytes, ``percent_of_peak``) and
+    #: where that was read (``cupti_metric_properties`` or ``metric_name``): the basis of the
+    #: conversion behind ``dram_read_bytes_total``.
+    dram_unit: str | None = None
+    dram_unit_basis: str | None = None
 
 
 class DeviceSource(Protocol):

@@ -73,14 +73,17 @@ from mrc_agent.agent.core.hw.base import (
 )
 from mrc_agent.agent.core.hw.cuda_driver import LIBCUDA_MISSING, CudaDriver
 from mrc_agent.agent.core.hw.cupti_metrics import (
+    DRAM_COUNT_METRICS,
     DRAM_READ_METRICS,
     DRAM_THROUGHPUT_METRICS,
     PROFILING_METRICS,
     SM_INSTRUCTION_METRICS,
     MetricChoice,
-    choose_from_sets,
-    fallback_choices,
+    choices_from_sets,
+    ordered_choices,
     query_sets,
+    unit_lookup,
+    with_unit,
 )
 from mrc_agent.agent.core.hw.cupti_reasons import REASON_CODES as _REASON_CODES
 from mrc_agent.agent.core.hw.cupti_reasons import classify as _classify
@@ -91,6 +94,7 @@ __all__ = [
     "BACKOFF_INITIAL_S",
     "BACKOFF_MAX_S",
     "BUSY_RETRY_S",
+    "DRAM_COUNT_METRICS",
     "DRAM_READ_METRICS",
     "DRAM_THROUGHPUT_METRICS",
     "HARDWARE_BUFFER_BYTES",
@@ -508,8 +512,8 @@ class CuptiPmSampler:
                     fraction = ratio_of_percent(dram_value)
                     if fraction is not None:
                         ratios.append(fraction)
-                elif dev.dram_total is not None:
-                    dev.dram_total += _count(dram_value)
+                elif dev.dram_total is not None:  # sectors count 32 bytes (cupti_metrics)
+                    dev.dram_total += _count(dram_value) * (choice.dram_bytes_per_unit or 1)
             if len(rows) < self._max_samples:
                 break
         if ratios:
@@ -558,9 +562,9 @@ class CuptiPmSampler:
             # once the GPU measures a throughput percentage instead.
             dram_read_bytes_total=None if choice.dram_is_ratio else dev.dram_total,
             dram_read_throughput_ratio=dev.dram_ratio,  # None unless dram_is_ratio (_collect)
-            sm_metric=choice.sm_metric,
-            dram_metric=choice.dram_metric,
-            metric_set=choice.metric_set,
+            sm_metric=choice.sm_metric, dram_metric=choice.dram_metric,
+            metric_set=choice.metric_set, dram_unit=choice.dram_unit,
+            dram_unit_basis=choice.dram_unit_basis,
         )
 
     def _runtime_errors(self, lib: Any) -> tuple[type[BaseException], ...]:
@@ -616,7 +620,7 @@ class CuptiPmSampler:
                 continue
             dev.choice, dev.trigger_mode = choice, mode
             return choice
-        wanted = SM_INSTRUCTION_METRICS + DRAM_READ_METRICS + DRAM_THROUGHPUT_METRICS
+        wanted = SM_INSTRUCTION_METRICS + DRAM_COUNT_METRICS + DRAM_THROUGHPUT_METRICS
         raise SourceUnavailable(
             "unsupported_device", f"PM sampling accepts none of {wanted}: {last_error}"
         )
@@ -632,13 +636,12 @@ class CuptiPmSampler:
         modes = (trigger.GPU_TIME_INTERVAL, trigger.GPU_SYSCLK_INTERVAL)
         chip = getattr(dev.collector, "_chip_name", None)  # set by Collector.enable()
         sets = query_sets(lib, chip, errors) if isinstance(chip, str) and chip else None
-        from_sets = choose_from_sets(sets) if sets else None
-        if from_sets is not None:
-            for mode in modes:
-                yield from_sets, mode
-        for mode in modes:
-            for choice in fallback_choices():
-                yield choice, mode
+        from_sets = choices_from_sets(sets) if sets else []
+        units = unit_lookup(lib, chip, errors) if isinstance(chip, str) and chip else None
+        for choice, mode in ordered_choices(from_sets, modes):  # pairs before one metric
+            resolved = with_unit(choice, units)
+            if resolved is not None:
+                yield resolved, mode
 
     def _cupti_set_config(self, collector: Any, choice: MetricChoice, mode: Any) -> None:
         options: dict[str, Any] = {}
