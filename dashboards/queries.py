@@ -157,7 +157,7 @@ class PanelQueries:
 
     @property
     def instructions_per_dram_byte(self) -> Query:
-        # Nsight's sm__inst_executed / dram__bytes_read, from the profiling counters.
+        # Nsight's sm__inst_executed / DRAM bytes read, from the profiling counters.
         return Query(
             f"rate(mrc_gpu_sm_instructions_executed_total{self.gpu()}[{RATE}])"
             f" / rate(mrc_gpu_dram_read_bytes_total{self.gpu()}[{RATE}])",
