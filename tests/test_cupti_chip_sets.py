@@ -83,6 +83,7 @@ def test_the_chip_sets_give_an_sm_and_dram_pair_wherever_one_exists(
     if expected.metric_set is not None:
         assert choice.metric_set == expected.metric_set
     # Whatever set was chosen offers both names, less their rollups.
+    assert choice.metric_set is not None
     offered = dict(sets)[choice.metric_set]
     assert all(split_name(m)[0] + split_name(m)[1] in offered for m in choice.metrics)
 

@@ -180,7 +180,8 @@ def choices_from_sets(sets: Sequence[tuple[str, Sequence[str]]]) -> list[MetricC
         sm = best_offered(names, SM_INSTRUCTION_METRICS)
         count = best_offered(names, DRAM_COUNT_METRICS)
         pct = best_offered(names, DRAM_THROUGHPUT_METRICS)
-        options = [(sm, d) for d in (count, pct) if sm is not None and d is not None]
+        options: list[tuple[str | None, str | None]] = [
+            (sm, d) for d in (count, pct) if sm is not None and d is not None]
         options += [(sm, None), (None, count), (None, pct)]
         for s_metric, d_metric in options:
             if s_metric is None and d_metric is None:
