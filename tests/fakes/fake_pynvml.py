@@ -32,7 +32,8 @@ from typing import Any
 import pynvml
 
 #: Names resolved from the real pynvml module rather than faked.
-_PASSTHROUGH_PREFIXES = ("NVML_", "NVMLError", "c_nvml", "nvmlEventType", "nvmlMemory_v")
+_PASSTHROUGH_PREFIXES = ("NVML_", "NVMLError", "NVMLLibraryMismatchError", "c_nvml",
+                         "nvmlEventType", "nvmlMemory_v")
 
 NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
 
@@ -75,15 +76,18 @@ def gpu(**overrides: Any) -> dict[str, Any]:
         "util_samples_repeat_boundary": False,
         # nvmlDeviceGetMemoryInfo, bytes. v1 ``used`` includes ``reserved``; v2 does not.
         "memory": {"total": 80 * 2**30, "used": 10 * 2**30, "reserved": 512 * 2**20},
-        # nvmlDeviceGetPcieThroughput (KB/s) and nvmlDeviceGetPcieReplayCounter
-        "pcie": {"tx_kb_per_s": 1000, "rx_kb_per_s": 2000, "replays": 0},
+        # nvmlDeviceGetPcieThroughput (KB/s), nvmlDeviceGetPcieReplayCounter, and
+        # nvmlDeviceGetMaxPcieLinkGeneration / Width (None: answers NOT_SUPPORTED)
+        "pcie": {"tx_kb_per_s": 1000, "rx_kb_per_s": 2000, "replays": 0,
+                 "max_link_generation": 5, "max_link_width": 16},
         # NVML_FI_DEV_PCIE_COUNT_TX_BYTES / _RX_BYTES raw values (None: a driver without them)
         # and the NVML_VALUE_TYPE_* name they come back as (32-bit ones wrap at 2**32)
         "pcie_count": {"tx_bytes": None, "rx_bytes": None,
                        "value_type": "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG"},
         # link index -> state and cumulative NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX (KiB).
         # The link count NVML reports is len(nvlink). scopeId UINT_MAX answers the sum over
-        # links, or is refused (NOT_SUPPORTED) on a driver without the aggregate scope.
+        # links, or is refused (NOT_SUPPORTED) on a driver without the aggregate scope; an
+        # error code here is what the aggregate scope answers instead (INVALID_ARGUMENT, ...).
         "nvlink": {},
         "nvlink_aggregate_scope": True,
         # True: every per-link read answers the aggregate (the per-link reads reported to
@@ -388,6 +392,18 @@ class FakeNvml:
             return int(pcie["rx_kb_per_s"])
         raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: FakeHandle) -> int:
+        return self._pcie_link("nvmlDeviceGetMaxPcieLinkGeneration", handle, "generation")
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: FakeHandle) -> int:
+        return self._pcie_link("nvmlDeviceGetMaxPcieLinkWidth", handle, "width")
+
+    def _pcie_link(self, name: str, handle: FakeHandle, what: str) -> int:
+        value = self._gpu(name, handle)["pcie"].get(f"max_link_{what}")
+        if value is None:
+            raise self._error(NOT_SUPPORTED)
+        return int(value)
+
     def nvmlDeviceGetPcieReplayCounter(self, handle: FakeHandle) -> int:
         return int(self._gpu("nvmlDeviceGetPcieReplayCounter", handle)["pcie"]["replays"])
 
@@ -443,8 +459,9 @@ class FakeNvml:
                 key = "tx_kib" if field_id == nvlink_fields[0] else "rx_kib"
                 total = sum(link[key] for link in links.values() if link["active"])
                 if scope == 0xFFFFFFFF:
-                    if not data["nvlink_aggregate_scope"]:
-                        out.nvmlReturn = NOT_SUPPORTED
+                    aggregate = data["nvlink_aggregate_scope"]
+                    if aggregate is not True:
+                        out.nvmlReturn = NOT_SUPPORTED if aggregate is False else aggregate
                         continue
                     out.value.ullVal = total + data["nvlink_aggregate_extra_kib"]
                 elif scope not in links:

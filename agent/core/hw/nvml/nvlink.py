@@ -23,6 +23,10 @@ from mrc_agent.agent.core.hw.nvml.units import nvlink_kib_to_bytes
 
 log = logging.getLogger(__name__)
 
+#: Field answers that say the GPU or the driver failed, not the scope asked: they fail the pass
+#: as the whole call failing would (the session then re-initialises).
+_WHOLE_GPU_FAILURES = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_UNINITIALIZED",
+                       "NVML_ERROR_DRIVER_NOT_LOADED", "NVML_ERROR_LIB_RM_VERSION_MISMATCH")
 #: nvmlFieldValue_t.scopeId asking for all links together (NVML: "UINT_MAX").
 AGGREGATE_SCOPE = 0xFFFFFFFF
 #: How far the per-link sum may differ from the aggregate read in the same call: the fields
@@ -68,8 +72,10 @@ class NvlinkCounters:
         rx: dict[int, float] = {}
         for value in list(values)[: len(request)]:
             scope = int(value.scopeId)
-            if scope == AGGREGATE_SCOPE and value.nvmlReturn in unsupported_codes(lib):
-                self._no_aggregate.add(uuid)
+            if scope == AGGREGATE_SCOPE and value.nvmlReturn != lib.NVML_SUCCESS and (
+                value.nvmlReturn not in {getattr(lib, n, None) for n in _WHOLE_GPU_FAILURES}
+            ):
+                self._refuse_aggregate(lib, gpu, int(value.nvmlReturn))
                 continue
             kib = self._field_value(lib, gpu, value, f"nvlink_field_{value.fieldId}_link_{scope}")
             if kib is None:
@@ -102,6 +108,21 @@ class NvlinkCounters:
         s.nvlink_tx_bytes_total = sum(t for t, _ in per_link.values())
         s.nvlink_rx_bytes_total = sum(r for _, r in per_link.values())
         s.sources["nvlink"] = "per_link_sum"
+
+    def _refuse_aggregate(self, lib: Any, gpu: Gpu, code: int) -> None:
+        """The aggregate scope answered ``code``: per-link reads serve this GPU from now on.
+
+        Not only NOT_SUPPORTED: a driver older than the scope may take UINT_MAX for a link
+        index and answer INVALID_ARGUMENT, and failing every pass for one field would lose
+        every other reading of the GPU."""
+        uuid = gpu.identity.uuid
+        self._no_aggregate.add(uuid)
+        level = logging.INFO if code in unsupported_codes(lib) else logging.WARNING
+        self._memo.log_once(
+            log, f"nvlink_aggregate:{uuid}", level,
+            "GPU %d (%s): the NVLink all-links scope answered %s; totals from the per-link "
+            "reads", gpu.index, uuid, _error_name(lib, code),
+        )
 
     def _adds_up(
         self, gpu: Gpu, per_link: dict[int, tuple[float, float]], tx_total: float,
@@ -180,3 +201,11 @@ class NvlinkCounters:
             return None
         # A per-field GPU_IS_LOST or similar is the same failure as a whole-call one.
         raise lib.NVMLError(value.nvmlReturn)
+
+
+def _error_name(lib: Any, code: int) -> str:
+    """``NVMLError``'s own text for ``code`` (e.g. "Invalid Argument"), with the code."""
+    try:
+        return f"{lib.NVMLError(code)} (code {code})"
+    except Exception:  # a library whose error class cannot be built from a code
+        return f"code {code}"

@@ -87,10 +87,20 @@ def unsupported_codes(lib: Any) -> set[int]:
     }
 
 
+def library_mismatch(lib: Any) -> type[BaseException] | tuple[()]:
+    """nvidia-ml-py's ``NVMLLibraryMismatchError`` (13.x), or ``()`` where it has none: its
+    unversioned calls raise it, instead of an ``NVMLError``, when the driver lacks the newest
+    versioned entry point they call."""
+    found = getattr(lib, "NVMLLibraryMismatchError", None)
+    return found if isinstance(found, type) and issubclass(found, BaseException) else ()
+
+
 def union_value(lib: Any, value_type: int, value: Any) -> float:
     """Read an nvmlValue_t union according to its NVML_VALUE_TYPE_*."""
+    # getattr with a default: nvidia-ml-py 12.535 has no NVML_VALUE_TYPE_UNSIGNED_SHORT, and a
+    # type it does not know must be the HardwareError below, not an AttributeError.
     for const, member in _VALUE_MEMBERS:
-        if value_type == getattr(lib, const):
+        if value_type == getattr(lib, const, None):
             return float(getattr(value, member))
     raise HardwareError(f"NVML returned an unknown value type {value_type}")
 
@@ -148,6 +158,17 @@ class Memo:
                 return None
         try:
             return call()
+        except library_mismatch(lib) as err:
+            # nvidia-ml-py 13 turns FUNCTION_NOT_FOUND from an unversioned call (whose newest
+            # entry point this driver lacks) into NVMLLibraryMismatchError, not an NVMLError.
+            with self._lock:
+                self._unsupported.add(key)
+            self.log_once(
+                log, f"unsupported:{key}", logging.INFO,
+                "GPU %d (%s): %s not available (the driver lacks the entry point nvidia-ml-py "
+                "calls: %s); leaving it absent", gpu.index, gpu.identity.uuid, feature, err,
+            )
+            return None
         except lib.NVMLError as err:
             if err.value in set(empty):
                 return None
