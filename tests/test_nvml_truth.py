@@ -22,7 +22,7 @@ from mrc_agent.agent.core.hw.base import HardwareError
 from mrc_agent.agent.core.hw.nvml import NvmlBackend
 from mrc_agent.agent.core.hw.nvml.device import default_sample_clocks
 from mrc_agent.agent.core.hw.nvml.gpm import MIN_GPM_INTERVAL_S, check_gpm_interval
-from mrc_agent.agent.core.hw.nvml.pcie import unwrap
+from mrc_agent.agent.core.hw.nvml.pcie_counters import unwrap
 from mrc_agent.agent.core.hw.nvml.units import CLOCK_MATCH_S, identify_clock
 from tests.conftest import REPO
 from tests.fakes import fake_pynvml
@@ -92,15 +92,18 @@ def test_pcie_counter_wrap_at_32_bits_is_undone_and_a_reset_counts_from_zero() -
     fake = FakeNvml([gpu(pcie_count=counted(2**32 - 1_000, 0, u32))])
     b = backend(fake, clock)
     b.sample_devices()
-    clock.now += 1.0
+    clock.now += 0.02  # within the 67 ms a Gen5 x16 link needs to wrap it again
     fake.gpus[0]["pcie_count"] = counted(2**32 + 3_000, 0, u32)  # wraps to 3000
     [s] = b.sample_devices()
-    assert s.pcie_tx_bytes_total == 4_000 and s.pcie_tx_bytes_per_second == 4_000
+    assert s.pcie_tx_bytes_total == 4_000
+    assert s.pcie_tx_bytes_per_second == pytest.approx(4_000 / 0.02)
     # A 64-bit counter that goes down did not wrap: the driver restarted it.
     assert unwrap(10_000, 700, 64, 1.0) == 700
     # A 32-bit "wrap" bigger than any link carries in the time is a reset too.
     assert unwrap(100, 50, 32, 0.001) == 50
-    assert unwrap(2**32 - 10, 5, 32, 1.0) == 15
+    assert unwrap(2**32 - 10, 5, 32, 0.01) == 15
+    # Read a second apart, a 32-bit counter may have wrapped any number of times.
+    assert unwrap(2**32 - 10, 5, 32, 1.0) is None
 
 
 def test_pcie_totals_never_go_down_across_an_nvml_reinit() -> None:
@@ -423,8 +426,8 @@ def test_pcie_counters_refuse_an_answer_for_other_fields() -> None:
 
 
 def test_unwrap_at_its_edges() -> None:
-    assert unwrap(5, 5, 32, 1.0) == 0  # no traffic is no wrap
-    assert unwrap(2**32 - 1, 0, 32, 1.0) == 1
+    assert unwrap(5, 5, 32, 0.01) == 0  # no traffic is no wrap
+    assert unwrap(2**32 - 1, 0, 32, 0.01) == 1
     assert unwrap(10, 3, None, 1.0) == 3  # an unknown width: a reset
 
 

@@ -153,6 +153,14 @@ class DryNvml:
             return int(rx / _KB)
         raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: _Handle) -> int:
+        self._gpu(handle)
+        return 5  # an H200's link: PCIe Gen5 x16
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: _Handle) -> int:
+        self._gpu(handle)
+        return 16
+
     def nvmlDeviceGetPcieReplayCounter(self, handle: _Handle) -> int:
         self._gpu(handle)
         return 0

@@ -21,9 +21,9 @@ from mrc_agent.agent.core.hw.nvml.nvlink import NvlinkCounters
 from mrc_agent.agent.core.hw.nvml.pcie import (
     DEFAULT_PCIE_PERIOD_S,
     DEFAULT_PCIE_STALE_AFTER_S,
-    PcieCounters,
     PcieReader,
 )
+from mrc_agent.agent.core.hw.nvml.pcie_counters import NarrowCounterReader, PcieCounters
 from mrc_agent.agent.core.hw.nvml.session import Gpu, Memo, NvmlSession, decode_text
 
 
@@ -47,6 +47,10 @@ class NvmlBackend:
     values, or ``None`` when they are older than ``pcie_stale_after`` seconds.
     ``pcie_thread=False`` starts no thread; the values then only come from calling
     ``PcieReader.run_round`` on ``_pcie`` (what the tests do).
+
+    PCIe byte counters under 64 bits wide are read by a second daemon thread
+    (:data:`~mrc_agent.agent.core.hw.nvml.pcie_counters.NARROW_THREAD_NAME`) often enough
+    that none wraps unseen; ``pcie_thread=False`` starts neither (``_narrow.run_round``).
     """
 
     def __init__(
@@ -77,7 +81,10 @@ class NvmlBackend:
         self._session = NvmlSession(
             lib, self._memo, open_gpu=self._xid.attach, close_gpu=self._release_gpu
         )
-        self._pcie_counters = PcieCounters(self._memo)
+        self._pcie_counters = PcieCounters(self._memo, clock)
+        self._narrow = NarrowCounterReader(
+            self._session, self._memo, self._pcie_counters, thread=pcie_thread
+        )
         self._pcie = PcieReader(
             self._session,
             self._memo,
@@ -117,6 +124,7 @@ class NvmlBackend:
             session.note_success()
             if not all(self._pcie_counters.live(gpu.identity.uuid) for gpu in gpus):
                 self._pcie.start()  # only for GPUs the byte counters do not serve
+            self._narrow.start()  # only once a GPU's byte counters are narrow
             return samples
 
     def sample_gpm(self) -> list[GpmSample]:
@@ -227,8 +235,9 @@ class NvmlBackend:
 
         Safe to call twice. A later :meth:`sample_devices` starts NVML and the thread again.
         """
-        # Stopped first and outside the lock: the thread takes it for its snapshot of the GPUs.
+        # Stopped first and outside the lock: the threads take it for their snapshot of the GPUs.
         self._pcie.stop()
+        self._narrow.stop()
         with self._session.lock:
             self._session.shutdown()
             self._pcie.clear()

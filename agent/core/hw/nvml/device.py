@@ -19,7 +19,8 @@ from typing import Any
 from mrc_agent.agent.core.hw.base import DeviceSample, finite, ratio_of_percent
 from mrc_agent.agent.core.hw.nvml.events import XidEvents
 from mrc_agent.agent.core.hw.nvml.nvlink import NvlinkCounters
-from mrc_agent.agent.core.hw.nvml.pcie import PcieCounters, PcieReader
+from mrc_agent.agent.core.hw.nvml.pcie import PcieReader
+from mrc_agent.agent.core.hw.nvml.pcie_counters import PcieCounters
 from mrc_agent.agent.core.hw.nvml.session import Gpu, Memo, union_value
 from mrc_agent.agent.core.hw.nvml.units import (
     identify_clock,
@@ -142,14 +143,14 @@ class DeviceReader:
         """Each GPU's PCIe byte totals (TX, RX) now, for GPUs that have the counters."""
         out: dict[str, tuple[float, float]] = {}
         for gpu in gpus:
-            counted = self._pcie_counters.read(lib, gpu, self._clock())
+            counted = self._pcie_counters.read(lib, gpu)
             if counted is not None:
                 out[gpu.identity.uuid] = (counted[0], counted[1])
         return out
 
     def _pcie_traffic(self, lib: Any, gpu: Gpu, s: DeviceSample) -> None:
         """Byte counters where the driver has them; else the PCIe thread's latest rates."""
-        counted = self._pcie_counters.read(lib, gpu, self._clock())
+        counted = self._pcie_counters.read(lib, gpu)
         if counted is not None:
             s.pcie_tx_bytes_total, s.pcie_rx_bytes_total = counted[0], counted[1]
             s.pcie_tx_bytes_per_second, s.pcie_rx_bytes_per_second = counted[2], counted[3]

@@ -1,0 +1,216 @@
+"""PCIe byte counters that cannot silently under-read (issue 22, N3).
+
+A 32-bit byte counter wraps every ~67 ms of a Gen5 x16 link. The agent establishes each
+counter's width from its NVML value type, reads a narrow one from a thread of its own often
+enough that no wrap goes unseen, and drops (and says once) any increase the link cannot
+explain: a narrow counter read too late, or a jump larger than the link carries.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import pynvml
+import pytest
+
+from mrc_agent.agent.core.hw.nvml import NvmlBackend
+from mrc_agent.agent.core.hw.nvml.pcie_counters import (
+    FALLBACK_LINK_BYTES_PER_S,
+    NARROW_THREAD_NAME,
+    link_bytes_per_s,
+    narrow_period,
+    unwrap,
+)
+from tests.fakes.fake_pynvml import FakeNvml, gpu
+
+U32 = "NVML_VALUE_TYPE_UNSIGNED_INT"
+U64 = "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG"
+#: Host->device copies on an H200, bytes per second: a 32-bit counter wraps every 81 ms.
+RATE = 53e9
+LOGGER = "mrc_agent.agent.core.hw.nvml"
+UUID0 = "GPU-00000000-fake-uuid"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def counted(tx: float, rx: float, value_type: str = U32) -> dict[str, Any]:
+    return {"tx_bytes": int(tx), "rx_bytes": int(rx), "value_type": value_type}
+
+
+def backend(fake: FakeNvml, clock: Clock) -> NvmlBackend:
+    return NvmlBackend(lib=fake, clock=clock, wall_clock=lambda: 1.7e9, pcie_thread=False)
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_the_link_bounds_the_counter_and_sets_the_narrow_period() -> None:
+    assert link_bytes_per_s(5, 16) == 64e9  # an H200's Gen5 x16
+    assert link_bytes_per_s(4, 8) == 16e9
+    assert link_bytes_per_s(None, 16) == FALLBACK_LINK_BYTES_PER_S == 128e9
+    assert link_bytes_per_s(5, 0) == FALLBACK_LINK_BYTES_PER_S
+    assert link_bytes_per_s(99, 16) == FALLBACK_LINK_BYTES_PER_S
+    # Three reads per the 67 ms a Gen5 x16 link needs to wrap 2^32 bytes.
+    assert narrow_period(32, 64e9) == pytest.approx(2**32 / 64e9 / 3)
+    assert narrow_period(32, 1e6) == 0.25  # a slow link is still read four times a second
+    assert narrow_period(8, 128e9) == 0.005  # never faster than the floor
+
+
+def test_unwrap_drops_what_the_link_cannot_explain() -> None:
+    # Within the window one wrap is certain; past it any number of wraps could hide.
+    assert unwrap(2**32 - 100, 50, 32, 0.05, 64e9) == 150
+    assert unwrap(2**32 - 100, 50, 32, 0.07, 64e9) is None
+    assert unwrap(100, 200, 32, 0.07, 64e9) is None  # even an increase: it may hide a wrap
+    # A 64-bit counter's jump beyond the link in the time is impossible, not traffic.
+    assert unwrap(0, 65e9 + 2**21, 64, 1.0, 64e9) is None
+    assert unwrap(0, 63e9, 64, 1.0, 64e9) == 63e9
+    # A decrease no wrap explains is a restart counted from zero, if the link allows it.
+    assert unwrap(10e9, 5e9, 64, 1.0, 64e9) == 5e9
+    assert unwrap(100e9, 90e9, 64, 1.0, 64e9) is None
+
+
+def test_the_narrow_thread_keeps_a_32_bit_total_right_across_a_dozen_wraps() -> None:
+    clock = Clock()
+    fake = FakeNvml([gpu(pcie_count=counted(0, 0))])
+    b = backend(fake, clock)
+    b.sample_devices()
+    assert b._pcie_counters.narrow(UUID0)
+    assert b._pcie_counters.narrow_period() == pytest.approx(2**32 / 64e9 / 3)
+    true = 0.0
+    for _ in range(50):  # one second, read every 20 ms as the thread does
+        clock.now += 0.02
+        true += RATE * 0.02
+        fake.gpus[0]["pcie_count"] = counted(true, true / 2)
+        b._narrow.run_round()
+    [s] = b.sample_devices()
+    assert true > 12 * 2**32
+    assert s.pcie_tx_bytes_total == int(true) and s.pcie_rx_bytes_total == int(true / 2)
+    assert s.pcie_tx_bytes_per_second == pytest.approx(RATE, rel=1e-6)
+    assert s.pcie_rx_bytes_per_second == pytest.approx(RATE / 2, rel=1e-6)
+
+
+def test_a_narrow_counter_read_too_late_is_dropped_and_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    fake = FakeNvml([gpu(pcie_count=counted(0, 0))])
+    b = backend(fake, clock)
+    true = 0.0
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        b.sample_devices()
+        for _ in range(2):  # a second each with no thread: the wraps cannot be counted
+            clock.now += 1.0
+            true += RATE
+            fake.gpus[0]["pcie_count"] = counted(true, true)
+            [s] = b.sample_devices()
+            assert s.pcie_tx_bytes_total == 0.0  # not the 1/13 of the truth one wrap gives
+            assert s.pcie_tx_bytes_per_second is None
+        # The thread reads again: the totals go on from there, the next rate is known.
+        for _ in range(10):
+            clock.now += 0.02
+            true += RATE * 0.02
+            fake.gpus[0]["pcie_count"] = counted(true, true)
+            b._narrow.run_round()
+        [s] = b.sample_devices()
+    assert s.pcie_tx_bytes_total == pytest.approx(RATE * 0.2, abs=1)
+    assert s.pcie_tx_bytes_per_second == pytest.approx(RATE, rel=1e-6)
+    [said] = warnings_of(caplog)
+    assert said.startswith(f"GPU 0 ({UUID0}): PCIe TX byte counter went from 0 to ")
+    assert "a 32-bit counter on a 64 GB/s link cannot be read from unambiguously" in said
+    assert [r.getMessage() for r in caplog.records if "read every" in r.getMessage()] == [
+        f"GPU 0 ({UUID0}): PCIe byte counters are 32-bit and wrap every 67 ms at the link's "
+        "64 GB/s; read every 22 ms by their own thread"]
+
+
+def test_an_impossible_jump_of_a_64_bit_counter_is_dropped_not_exported(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    fake = FakeNvml([gpu(pcie_count=counted(1_000, 1_000, U64))])
+    b = backend(fake, clock)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        b.sample_devices()
+        clock.now += 1.0
+        fake.gpus[0]["pcie_count"] = counted(1_000 + 5e9, 1_000 + 2**60, U64)
+        [s] = b.sample_devices()
+    assert s.pcie_tx_bytes_total == 5e9 and s.pcie_tx_bytes_per_second is None
+    assert s.pcie_rx_bytes_total == 0.0  # 2^60 bytes in a second: dropped
+    assert len(warnings_of(caplog)) == 1
+    assert not b._pcie_counters.narrow(UUID0) and b._pcie_counters.narrow_period() is None
+
+
+def test_without_the_link_from_nvml_the_fastest_link_bounds_it() -> None:
+    clock = Clock()
+    fake = FakeNvml([gpu(pcie={"tx_kb_per_s": 0, "rx_kb_per_s": 0, "replays": 0},
+                         pcie_count=counted(0, 0))])
+    b = backend(fake, clock)
+    b.sample_devices()
+    assert b._pcie_counters.narrow_period() == pytest.approx(2**32 / 128e9 / 3)
+    assert fake.calls["nvmlDeviceGetMaxPcieLinkGeneration"] == 1
+    b.sample_devices()
+    assert fake.calls["nvmlDeviceGetMaxPcieLinkGeneration"] == 1  # asked once per GPU
+
+
+def test_the_thread_runs_for_narrow_counters_only_and_stops_at_close() -> None:
+    wide = NvmlBackend(lib=FakeNvml([gpu(pcie_count=counted(0, 0, U64))]))
+    narrow_fake = FakeNvml([gpu(pcie_count=counted(0, 0))])
+    narrow = NvmlBackend(lib=narrow_fake)
+    try:
+        wide.sample_devices()
+        assert wide._narrow.thread is None
+        narrow.sample_devices()
+        thread = narrow._narrow.thread
+        assert thread is not None and thread.name == NARROW_THREAD_NAME and thread.is_alive()
+        assert NARROW_THREAD_NAME in {t.name for t in threading.enumerate()}
+    finally:
+        wide.close()
+        narrow.close()
+    assert not thread.is_alive()
+    calls = narrow_fake.calls["nvmlDeviceGetFieldValues"]
+    assert calls >= 2  # the sampler's read and at least one of the thread's
+
+
+def test_the_agent_reads_an_h200_like_32_bit_counter_right_at_its_cadences() -> None:
+    from mrc_agent.agent.tools import selfcheck
+    from mrc_agent.agent.tools import selfcheck_compare as cmp
+    from mrc_agent.agent.tools.selfcheck_dry import DryModel, DryWorkload
+    from mrc_agent.agent.tools.selfcheck_dry_nvml import DryNvml
+    from mrc_agent.agent.tools.selfcheck_pcie import pcie_cadence_checks
+
+    model = DryModel(gpus=1)
+    checks, _ = pcie_cadence_checks(
+        DryWorkload(model), lambda: selfcheck.nvml_backend(DryNvml(model), 0.2),
+        lambda: DryNvml(model), model.uuid(0), 1.2, 1.2, 0.3, 0.3, lambda _msg: None)
+    rows = {c.name: c for c in checks if c.name.endswith("rx_counter")}
+    assert len(rows) == 3
+    for row in rows.values():
+        assert row.extra["counter_bits"] == 32
+        # Before the narrow thread, each of these read about a tenth of the bytes and FAILED.
+        assert row.verdict == cmp.PASS, row
+
+
+def test_an_unknown_value_type_is_no_attribute_error_on_either_library() -> None:
+    from mrc_agent.agent.core.hw.base import HardwareError
+    from mrc_agent.agent.core.hw.nvml.session import union_value
+    from tests.test_nvml_truth import _load_old_pynvml
+
+    for lib in (pynvml, _load_old_pynvml()):
+        value = lib.c_nvmlValue_t()
+        value.uiVal = 7
+        assert union_value(lib, lib.NVML_VALUE_TYPE_UNSIGNED_INT, value) == 7.0
+        # 6 is UNSIGNED_SHORT in 13.x; 12.535 has no name for it.
+        with pytest.raises(HardwareError, match="unknown value type 99"):
+            union_value(lib, 99, value)
+    old = _load_old_pynvml()
+    assert not hasattr(old, "NVML_VALUE_TYPE_UNSIGNED_SHORT")
+    with pytest.raises(HardwareError, match="unknown value type 6"):
+        union_value(old, 6, old.c_nvmlValue_t())
