@@ -132,6 +132,15 @@ def _children(name: str) -> list[int]:
     return found
 
 
+def _cmdline(pid: int) -> bytes:
+    """The process's command line, empty once it has gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def _nice(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[16])
@@ -156,7 +165,8 @@ def test_a_long_read_is_demoted_to_nice_19_on_one_thread_and_cancelled_on_reques
     deadline = time.monotonic() + 60
     pids: list[int] = []
     while time.monotonic() < deadline and not pids:
-        pids = _children("tesseract")
+        # The read's child, not the short-lived ``--list-langs`` probe the first read runs.
+        pids = [pid for pid in _children("tesseract") if b"--psm" in _cmdline(pid)]
         time.sleep(0.05)
     assert len(pids) == 1, "tesseract did not start"
     with open(f"/proc/{pids[0]}/environ", "rb") as f:
