@@ -97,9 +97,11 @@ def build(cfg: Config) -> dict[str, Any]:
     ])
     utilisation = Section("GPU utilisation and idle windows", [
         timeseries(
-            "GPU utilisation", [q.gpu_utilization], "percentunit", min_value=0, max_value=1,
-            w=8,
-            description="Share of the last NVML sample period during which a kernel ran."),
+            "GPU utilisation", [q.gpu_utilization, q.gpu_duty_cycle], "percentunit",
+            min_value=0, max_value=1, w=8,
+            description="Share of the last NVML sample period during which a kernel ran, and "
+            "the duty cycle: the share of the whole rate window, from every utilisation sample "
+            "(mrc_gpu_busy_seconds_total), which holds between scrapes."),
         histogram_bars(
             "GPU idle-window durations (selected range)", q.idle_windows_over_range, "short",
             w=8,

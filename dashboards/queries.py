@@ -178,6 +178,13 @@ class PanelQueries:
         return Query(f"mrc_gpu_utilization_ratio{self.gpu()}", "{{pod}} GPU {{gpu}}")
 
     @property
+    def gpu_duty_cycle(self) -> Query:
+        # From the busy-seconds counter integrated over every utilisation sample, so the share
+        # holds over the whole rate window, not only at the instant of each scrape.
+        return Query(f"rate(mrc_gpu_busy_seconds_total{self.gpu()}[{RATE}])",
+                     "{{pod}} GPU {{gpu}} duty cycle")
+
+    @property
     def gpu_idle_current(self) -> Query:
         return Query(f"mrc_gpu_idle_current_seconds{self.gpu()}", "{{pod}} GPU {{gpu}}")
 

@@ -1,9 +1,11 @@
-"""Derived signals computed in the agent: GPU idle windows and GPU starvation.
+"""Derived signals computed in the agent: GPU idle windows, GPU busy time and GPU starvation.
 
 Idle windows come from the finest utilisation points the source gives (NVML's sample buffer or
 the replayed trace), so a gap shorter than the agent's interval still counts. A window is
 measured from its first idle point to the first busy point after it; windows shorter than the
-source's own sampling period cannot be seen.
+source's own sampling period cannot be seen. Busy time is integrated from the same points
+(``mrc_gpu_busy_seconds_total``), so ``rate()`` gives the duty cycle over any window: a gauge
+of utilisation scraped every 15-60 s only shows the moments the scrapes happen to land on.
 
 A target is *starved* while its user CPU (whole process or hottest thread) is at or above the
 CPU threshold and every GPU it holds memory on (all GPUs when none is attributed) is at or below
@@ -36,6 +38,11 @@ IDLE_WINDOW = histogram(
     "from sub-second utilisation samples.", IDLE_WINDOW_BUCKETS)
 IDLE_CURRENT = gauge(NAME, "mrc_gpu_idle_current_seconds", GPU,
                      "How long the GPU has been idle so far (0 while busy).")
+BUSY_SECONDS = counter(
+    NAME, "mrc_gpu_busy_seconds_total", GPU,
+    "Seconds the GPU was busy (a kernel running), integrated from its utilisation samples at "
+    "their own granularity: each sample's utilisation times the time since the one before. "
+    "rate() over any window is the duty cycle, whatever the scrape interval.")
 STARVED = gauge(
     NAME, "mrc_gpu_starved", PROC,
     "1 while the target's user CPU (process or hottest thread) is at or above the CPU "
@@ -43,22 +50,33 @@ STARVED = gauge(
     "none of those GPUs gives a utilisation reading.")
 STARVED_SECONDS = counter(NAME, "mrc_gpu_starved_seconds_total", PROC,
                           "Seconds the target spent in the starved state.")
-METRICS = (IDLE_WINDOW, IDLE_CURRENT, STARVED, STARVED_SECONDS)
+METRICS = (IDLE_WINDOW, IDLE_CURRENT, BUSY_SECONDS, STARVED, STARVED_SECONDS)
 
 
 class IdleTracker:
-    """Turns a stream of (time, utilisation) points into completed idle-window durations."""
+    """Turns a stream of (time, utilisation) points into completed idle-window durations and
+    busy seconds.
+
+    A point's utilisation is the share of the time since the point before it during which a
+    kernel ran (NVML's sample period, about 1/6 s on datacenter parts; the replayed trace's
+    own spacing), so busy time is the sum of utilisation times that span. The first point
+    only starts the count. Where a source gives one point per pass (no sample buffer), that
+    point stands for the whole pass: an estimate as coarse as the pass.
+    """
 
     def __init__(self, threshold: float) -> None:
         self.threshold = threshold
         self.idle_since: float | None = None
         self.last_t: float | None = None
         self.histogram = HistogramValue(IDLE_WINDOW_BUCKETS)
+        self.busy_seconds = 0.0
 
     def feed(self, points: list[tuple[float, float]]) -> None:
         for t, util in points:
             if self.last_t is not None and t <= self.last_t:
                 continue  # already seen
+            if self.last_t is not None:
+                self.busy_seconds += min(max(util, 0.0), 1.0) * (t - self.last_t)
             self.last_t = t
             if util <= self.threshold:
                 if self.idle_since is None:
@@ -89,6 +107,7 @@ class DerivedCollector:
             tracker.feed(points)
             out.append((IDLE_WINDOW.name, gpu.labels, tracker.histogram.copy()))
             out.append((IDLE_CURRENT.name, gpu.labels, tracker.current(ctx.now)))
+            out.append((BUSY_SECONDS.name, gpu.labels, tracker.busy_seconds))
         dt = 0.0 if self._last_now is None else ctx.now - self._last_now
         self._last_now = ctx.now
         live = set()
