@@ -12,6 +12,7 @@ import pytest
 from mrc_agent.agent.core.collectors.base import SampleContext
 from mrc_agent.agent.core.collectors.derived import DerivedCollector, IdleTracker
 from mrc_agent.agent.core.hw.base import GPUIdentity
+from mrc_agent.agent.core.sample import Sample
 
 GPU0 = GPUIdentity(0, "GPU-a", "NVIDIA H200")
 #: NVML's utilisation sample period on datacenter parts.
@@ -52,6 +53,13 @@ def true_busy(start: float, end: float) -> float:
     return sum(phases(start + (i + 0.5) / 240) for i in range(steps)) / 240
 
 
+def busy_of(samples: list[Sample]) -> float:
+    [value] = [v for name, labels, v in samples
+               if name == "mrc_gpu_busy_seconds_total" and labels == GPU0.labels]
+    assert isinstance(value, float)
+    return value
+
+
 def run(interval: float, seconds: float) -> list[tuple[float, float, float]]:
     """The agent sampling every ``interval``: (time, busy counter, utilisation gauge)."""
     c = DerivedCollector()
@@ -62,8 +70,8 @@ def run(interval: float, seconds: float) -> list[tuple[float, float, float]]:
         points = samples(seen, now)
         ctx.gpu_util_points = {GPU0: points}
         ctx.gpu_util = {GPU0: points[-1][1]} if points else {}
-        d = {name: v for name, labels, v in c.update(ctx) if labels == GPU0.labels}
-        out.append((now, d["mrc_gpu_busy_seconds_total"], ctx.gpu_util.get(GPU0, 0.0)))
+        busy = busy_of(c.update(ctx))
+        out.append((now, busy, ctx.gpu_util.get(GPU0, 0.0)))
         seen = now
         now += interval
     return out
@@ -104,6 +112,5 @@ def test_one_point_per_pass_stands_for_the_whole_pass() -> None:
     for now, util in ((100.0, 0.9), (101.0, 0.5), (103.0, 0.25)):
         ctx = SampleContext(now=now, wall=now, targets=[])
         ctx.gpu_util, ctx.gpu_util_points = {GPU0: util}, {GPU0: [(now, util)]}
-        d = {name: v for name, labels, v in c.update(ctx) if labels == GPU0.labels}
-        totals.append(d["mrc_gpu_busy_seconds_total"])
+        totals.append(busy_of(c.update(ctx)))
     assert totals == [0.0, 0.5, 1.0]
