@@ -50,7 +50,6 @@ def _config(webhook: str) -> Config:
 class Paging:
     prometheus: Prometheus
     webhook: Webhook
-    spinner_pid: int
     started: float  # when the agent's first sample of the spinner was scraped
 
 
@@ -77,7 +76,7 @@ def paging(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Paging]:
         stack.append(prom)
         wait_until(lambda: prom.query("mrc_process_cpu_user_ratio")["data"]["result"], 30,
                    what="the spinner's CPU ratio in Prometheus")
-        yield Paging(prom, webhook, spinner.pid, time.monotonic())
+        yield Paging(prom, webhook, time.monotonic())
     finally:
         for part in reversed(stack):
             part.stop()

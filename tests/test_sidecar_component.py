@@ -26,7 +26,6 @@ from tests.test_deploy import LATEST, _gpu_requests, _round_trip, pss_violations
 COMPONENT = REPO / "deploy" / "components" / "sidecar"
 EXAMPLES = REPO / "deploy" / "examples"
 AGENT = "mrc-agent"
-LABEL = "mrc-agent/sidecar"
 
 #: Per example: command lines (as /proc shows them: arguments joined by spaces) the pattern
 #: must match, and neighbours it must not.

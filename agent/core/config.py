@@ -455,7 +455,6 @@ def _settings() -> dict[str, Setting]:
 
 #: Every setting, by field name, in declaration order.
 SETTINGS: dict[str, Setting] = _settings()
-KEYS = set(SETTINGS)
 
 
 def default_of(name: str) -> Any:

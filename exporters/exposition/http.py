@@ -171,8 +171,6 @@ class _Conn:
     budget: TokenBucket
     #: Its client address (:func:`~mrc_agent.exporters.exposition.checks.peer_key`).
     who: str = ""
-    #: Its request head is complete and the answer under way: the one state never evicted.
-    served: bool = False
     #: Set when the cap closes it, so that a connection waiting for its address's budget
     #: ends at once instead of holding its task and transport until the wait is over.
     evicted: asyncio.Event = field(default_factory=asyncio.Event)
@@ -371,7 +369,6 @@ class ExpositionServer:
         try:
             first = True
             while True:
-                conn.served = False
                 self._unwait(conn)
                 self._waiting.setdefault(who, {})[id(conn)] = conn
                 wait = self.limits.head_timeout_s if first else self.limits.idle_timeout_s
@@ -424,7 +421,6 @@ class ExpositionServer:
         except (TimeoutError, asyncio.TimeoutError):
             await self._send(writer, None, 408, b"request head too slow\n", _TEXT, close=True)
             return False
-        conn.served = True
         self._unwait(conn)
         keep = head.keep_alive()
         method = head.method

@@ -64,18 +64,9 @@ class MetricSpec:
         return ""
 
 
-class HistogramLike(Protocol):
-    """What a histogram sample's value offers: cumulative ``counts[i]`` of observations at or
-    below ``bounds[i]``, the total count (the +Inf bucket) and the sum."""
-
-    bounds: tuple[float, ...]
-    counts: list[int]
-    total: int
-    sum: float
-
-
 #: One sample: (metric name, label values in the spec's label order, value). The value is a
-#: float, a :class:`HistogramLike` for histograms, or a dict of info labels for info metrics.
+#: float, a histogram value for histograms (cumulative ``counts[i]`` of observations at or below
+#: ``bounds[i]``, ``total`` for +Inf and ``sum``), or a dict of info labels for info metrics.
 SampleTuple = tuple[str, tuple[str, ...], Any]
 
 

@@ -74,8 +74,6 @@ class GenerationResult:
     #: off CUDA).
     peak_gpu_memory_bytes: int | None
     truncated: bool
-    #: Time spent waiting for the model lock (another request was generating).
-    queue_wait_s: float = 0.0
     #: Other requests with work or tensors on the device during that peak's window: 0 means
     #: the peak is this request's own (None off CUDA).
     peak_gpu_memory_shared_with: int | None = None
@@ -125,8 +123,8 @@ class VLM:
     concurrently, but on one GPU two generations only compete for the same SMs and memory
     (and double the KV-cache peak), on CPU for the same intra-op threads, and transformers'
     generate and fast tokenizers are not documented as thread-safe. The service's own
-    concurrency limit queues requests in front; the time spent waiting here is reported as
-    ``queue_wait_s`` and counted in ``ttft_s``.
+    concurrency limit queues requests in front; the time spent waiting here is counted in
+    ``ttft_s``.
     """
 
     def __init__(self, *, model: Any, processor: Any, settings: Settings, device: str,
@@ -348,7 +346,6 @@ class VLM:
                              f"{self.image_size[1]}], got {list(shape)}")
         entered = time.perf_counter()
         with self._lock:
-            locked = time.perf_counter()
             ids, truncated = self.encode(prompt)
             with peak_memory(self.device, self.device_users, device_user, self._cuda) as peak:
                 input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
@@ -368,7 +365,7 @@ class VLM:
         return GenerationResult(
             text=text, input_tokens=len(ids), output_tokens=len(new),
             ttft_s=first - entered, prefill_s=first - started, generate_s=finished - first,
-            peak_gpu_memory_bytes=peak.nbytes, truncated=truncated, queue_wait_s=locked - entered,
+            peak_gpu_memory_bytes=peak.nbytes, truncated=truncated,
             peak_gpu_memory_shared_with=peak.shared_with)
 
     def blank_pixels(self) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The verdict: what the CPU and the GPU did over the window (:func:`analyse_cpu`,
 :func:`analyse_gpu`), where the lines are drawn (:class:`Rules`), and :func:`decide`, first match
-wins, one of :data:`VERDICTS`.
+wins: preprocessing-bound, cpu-bound, transfer-bound, memory-bound or healthy, and
+inconclusive when the target exited before the window's end.
 """
 
 from __future__ import annotations
@@ -14,10 +15,6 @@ from mrc_agent.agent.core.collectors.base import GPU, DerivedThresholds
 from mrc_agent.agent.core.sample import Reading, Snapshot, readings
 from mrc_agent.agent.tools.diagnose.sampling import IdleWindows, _WindowTracker
 from mrc_agent.exporters.exposition.snapshot import MetricSpec
-
-#: The verdicts; ``inconclusive`` when the target exited before the window's end.
-VERDICTS = ("preprocessing-bound", "cpu-bound", "transfer-bound", "memory-bound", "healthy",
-            "inconclusive")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import html
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -78,10 +77,6 @@ def time_ticks(x0: float, x1: float, most: int = 6) -> list[float]:
 
 def _attr(value: object) -> str:
     return html.escape(str(value), quote=True)
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "x"
 
 
 #: Grafana's classic palette, so a line has the colour it has on the dashboard.
