@@ -1,3 +1,4 @@
 """Prometheus recording and alerting rules and an Alertmanager example for MRC services, as
-code: thresholds in :mod:`alerts.config`, PromQL in :mod:`alerts.queries`, rules in
-:mod:`alerts.rules`, files written by :mod:`alerts.build` (``mrc-agent alerts build``)."""
+code: thresholds in :mod:`mrc_agent.alerts.config`, PromQL in :mod:`mrc_agent.alerts.queries`, rules
+in :mod:`mrc_agent.alerts.rules`, files written by :mod:`mrc_agent.alerts.build` (``mrc-agent alerts
+build``)."""

@@ -1,4 +1,4 @@
-"""PromQL for the MRC rules, built from one :class:`~alerts.config.Config`.
+"""PromQL for the MRC rules, built from one :class:`~mrc_agent.alerts.config.Config`.
 
 Every raw metric selector goes through ``Config.sel()`` so a deployment can pin the rules to its
 own jobs or namespaces; by default there is no matcher at all and the rules work whatever the

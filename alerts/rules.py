@@ -1,10 +1,10 @@
 """The MRC recording and alerting rules as plain dicts (Prometheus rule-file groups).
 
-Expressions come from :mod:`alerts.queries`, thresholds and windows from
-:mod:`alerts.config`. Each domain is one group: its recording rules first, then the alerts that
-read them. Prometheus evaluates a group's rules in order at one timestamp, so an alert sees the
-value recorded in the same evaluation, not the one before it — the `for` of an alert counts
-from the sample that crossed the line.
+Expressions come from :mod:`mrc_agent.alerts.queries`, thresholds and windows from
+:mod:`mrc_agent.alerts.config`. Each domain is one group: its recording rules first, then the alerts
+that read them. Prometheus evaluates a group's rules in order at one timestamp, so an alert sees the
+value recorded in the same evaluation, not the one before it — the `for` of an alert counts from the
+sample that crossed the line.
 
 Alert names are a contract: dashboards link to them and runbooks are named after them.
 Every alert has ``for``, ``severity`` (``critical``: someone gets up; ``warning``: next working

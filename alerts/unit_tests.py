@@ -1,11 +1,11 @@
 """promtool unit tests of the alerting and fleet recording rules, kept as readable files.
 
-``python -m alerts.unit_tests`` writes, from the scenarios below, ``alerts/tests/<Alert>.yaml``
-(one per alert) and ``alerts/tests/fleet.yaml`` (the fleet recording rules). They are committed;
-``tests/test_alerts.py`` fails when they drift from a fresh generation and runs
-``promtool test rules`` on them. Run them by hand with ``promtool test rules alerts/tests/*.yaml``
-(from the repository root) or ``promtool test rules *.yaml`` (in ``alerts/tests``): promtool
-resolves ``rule_files`` relative to each test file, so every file names
+``python -m mrc_agent.alerts.unit_tests`` writes, from the scenarios below,
+``alerts/tests/<Alert>.yaml`` (one per alert) and ``alerts/tests/fleet.yaml`` (the fleet recording
+rules). They are committed; ``tests/test_alerts.py`` fails when they drift from a fresh generation
+and runs ``promtool test rules`` on them. Run them by hand with ``promtool test rules
+alerts/tests/*.yaml`` (from the repository root) or ``promtool test rules *.yaml`` (in
+``alerts/tests``): promtool resolves ``rule_files`` relative to each test file, so every file names
 ``../generated/mrc-rules.yaml``, the committed build.
 
 Every alert has scenarios in promtool's ``input_series`` notation: one where it fires — with
@@ -32,7 +32,7 @@ from mrc_agent.alerts.config import DEFAULT, Config
 OUT = Path(__file__).resolve().parent / "tests"
 RULE_FILE = f"../generated/{build.RULES_FILE}"
 FLEET_FILE = "fleet.yaml"
-COMMAND = "python -m alerts.unit_tests"
+COMMAND = "python -m mrc_agent.alerts.unit_tests"
 
 
 # --- expected annotations ----------------------------------------------------------------------
