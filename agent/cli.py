@@ -1,6 +1,6 @@
 """The ``mrc-agent`` command line: parses, then dispatches to the sidecar core (``run``) or
 an operator tool. The only place that turns bad input into exit code 2. The flags of ``run``,
-``doctor`` and ``diagnose`` come from the settings in :mod:`agent.core.config`.
+``doctor`` and ``diagnose`` come from the settings in :mod:`mrc_agent.agent.core.config`.
 
 Subcommands: ``run`` (the sidecar), ``record`` (write a replay trace from a real GPU),
 ``doctor`` (what this host can deliver), ``demo`` (the agent on an embedded default, printing
@@ -27,7 +27,7 @@ from mrc_agent.agent.core.config import (
     config_from_args,
 )
 
-log = logging.getLogger("agent")
+log = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
 #: diagnose samples finer than the sidecar: a 10 s window should hold ~50 passes.

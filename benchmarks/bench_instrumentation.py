@@ -10,12 +10,12 @@ against the same app uninstrumented, and beside prometheus-fastapi-instrumentato
 What one run does:
 
 1. Builds the same minimal FastAPI app (``POST /mrc`` with a small JSON body, answered at once)
-   four times: (a) uninstrumented; (a') uninstrumented again, a control whose "overhead" shows
-   the measurement's noise floor; (b) with :class:`exporters.instrumentation.MRCMetrics` tracking
-   the request completely — in flight, a pass through the queue, a cache lookup, all seven
+   four times: (a) uninstrumented; (a') uninstrumented again, a control whose "overhead" shows the
+   measurement's noise floor; (b) with :class:`mrc_agent.exporters.instrumentation.MRCMetrics`
+   tracking the request completely — in flight, a pass through the queue, a cache lookup, all seven
    stages, image size, first token, 16 tokens, peak GPU memory, outcome; (c) with
-   prometheus-fastapi-instrumentator's default instrumentation (``Instrumentator().instrument``,
-   on its own registry).
+   prometheus-fastapi-instrumentator's default instrumentation (``Instrumentator().instrument``, on
+   its own registry).
 2. Sends ``--requests`` requests in process to each app through ``httpx.ASGITransport`` and takes
    the process CPU time (``time.process_time``: user + system of this process) per request. The
    apps take turns within each of ``--repeats`` rounds (order rotated every round), so

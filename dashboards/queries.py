@@ -1,10 +1,10 @@
 """Every PromQL expression the dashboards run, in one module (the mixin habit).
 
-Selectors come from :class:`alerts.config.Config` (``Config.sel()``, the same extra matchers the
-alert rules use) plus the dashboards' template variables: ``$namespace`` and ``$pod`` on every
-series (the labels Prometheus' Kubernetes discovery adds, ``Config.pod_labels``) and ``$gpu`` on
-per-GPU series (``Config.gpu_labels[0]``). Each variable offers "All" as ``.*``, which also matches
-a series without that label, so the same queries work on a plain static scrape.
+Selectors come from :class:`mrc_agent.alerts.config.Config` (``Config.sel()``, the same extra
+matchers the alert rules use) plus the dashboards' template variables: ``$namespace`` and ``$pod``
+on every series (the labels Prometheus' Kubernetes discovery adds, ``Config.pod_labels``) and
+``$gpu`` on per-GPU series (``Config.gpu_labels[0]``). Each variable offers "All" as ``.*``, which
+also matches a series without that label, so the same queries work on a plain static scrape.
 
 Grafana macros used: ``$__rate_interval`` (range queries over time), ``$__range`` (instant queries
 over the selected time range). :func:`substitute_macros` replaces both, and the variables, so each

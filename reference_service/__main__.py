@@ -1,8 +1,8 @@
 """``python -m mrc_agent.reference_service --host H --port P`` (also ``mrc-agent serve``).
 
-Flags become one :class:`~reference_service.settings.Settings` (a bad value: one line, exit 2);
-how the server meets the network (uvicorn's protocol, timeouts and connection cap) is built in
-:mod:`reference_service.server` for both the single-process and the ``--workers`` path.
+Flags become one :class:`~mrc_agent.reference_service.settings.Settings` (a bad value: one line,
+exit 2); how the server meets the network (uvicorn's protocol, timeouts and connection cap) is built
+in :mod:`mrc_agent.reference_service.server` for both the single-process and the ``--workers`` path.
 """
 
 from __future__ import annotations

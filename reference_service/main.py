@@ -39,7 +39,7 @@ from mrc_agent.reference_service.routers.mrc import MRC_PATHS
 from mrc_agent.reference_service.settings import Settings
 from mrc_agent.reference_service.state import ServiceState
 
-log = logging.getLogger("reference_service")
+log = logging.getLogger(__name__)
 
 #: Loads the model: ``(settings, progress) -> VLM``. Tests may pass their own.
 Loader = Callable[[Settings, Callable[[str], None]], Any]

@@ -21,9 +21,9 @@ to reach the 500 handler and uvicorn, each writing a traceback at ERROR, and was
 server error. It is the client's doing: one line at INFO here (with the traceback only at
 DEBUG), counted as 499 (``client_error``).
 
-The path in these lines is the client's, percent-decoded: ``%0a`` in it would start a new line
-of its own (a forged ``MRC_SUCCESS`` one). Every client-given field is written through
-:func:`~reference_service.logs.escape`, as the request log lines are.
+The path in these lines is the client's, percent-decoded: ``%0a`` in it would start a new line of
+its own (a forged ``MRC_SUCCESS`` one). Every client-given field is written through
+:func:`~mrc_agent.reference_service.logs.escape`, as the request log lines are.
 """
 
 from __future__ import annotations

@@ -20,15 +20,14 @@ to leave. :class:`ServiceH11Protocol` adds the two deadlines uvicorn lacks, and 
   count: the wait is then the service's, not the client's.
 
 * **pacing** — each connection has a budget of ``http_pace_rate`` requests a second and
-  ``http_pace_burst`` at once (:class:`exporters.pacing.TokenBucket`). When a response
-  completes with the budget spent, the next request is not taken until it allows: the
-  socket is not read meanwhile (uvicorn's own flow control; h11 stays paused between two
-  cycles, so not even a pipelined request already received is started), TCP holds the client
-  back, and it costs one timer, never an error. The header timeout and uvicorn's keep-alive
-  timer start when the wait ends. Per connection, not per address: behind an ingress or load
-  balancer many users share one peer address, but each upstream connection carries one
-  request at a time. So pacing bounds what one connection costs, not a client that opens
-  many (the connection cap bounds those) nor one with many addresses.
+  ``http_pace_burst`` at once (:class:`mrc_agent.exporters.pacing.TokenBucket`). When a response
+  completes with the budget spent, the next request is not taken until it allows: the socket is not
+  read meanwhile (uvicorn's own flow control; h11 stays paused between two cycles, so not even a
+  pipelined request already received is started), TCP holds the client back, and it costs one timer,
+  never an error. The header timeout and uvicorn's keep-alive timer start when the wait ends. Per
+  connection, not per address: behind an ingress or load balancer many users share one peer address,
+  but each upstream connection carries one request at a time. So pacing bounds what one connection
+  costs, not a client that opens many (the connection cap bounds those) nor one with many addresses.
 
 The connection cap is uvicorn's ``limit_concurrency``, per process: from ``max_connections``
 open connections (or running requests) on, a new request gets 503 and ``Connection: close``.

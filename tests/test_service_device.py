@@ -56,7 +56,7 @@ class _FakeStream:
 
 
 class FakeCuda:
-    """``torch.cuda`` as :mod:`reference_service.device` sees it, recording every call."""
+    """``torch.cuda`` as :mod:`mrc_agent.reference_service.device` sees it, recording every call."""
 
     def __init__(self, peak: int = 0) -> None:
         self.calls: list[tuple[str, object]] = []

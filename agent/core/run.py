@@ -2,8 +2,8 @@
 configuration on SIGHUP (as Prometheus does), stop on SIGTERM/SIGINT and close what was opened.
 SIGHUP also re-reads the web configuration file (TLS, basic auth, headers).
 
-Extra routes (the on-alert capture endpoints of :mod:`agent.tools.capture`) come in through
-``routes_factory``, so the core never imports a tool.
+Extra routes (the on-alert capture endpoints of :mod:`mrc_agent.agent.tools.capture`) come in
+through ``routes_factory``, so the core never imports a tool.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from mrc_agent.agent.core.webconfig import WebConfig, load_web_config, reload_we
 from mrc_agent.agent.core.wiring import build_runner, build_server, make_sources
 from mrc_agent.exporters.exposition.http import ExpositionServer, Routes
 
-log = logging.getLogger("agent")
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable

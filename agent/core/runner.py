@@ -1,6 +1,6 @@
 """The sampling runner: calls every enabled collector on the agent's own clock, times it,
-isolates its failures, runs the pass finishers, and publishes one immutable snapshot per pass.
-It knows collectors only by the :class:`~agent.core.collectors.base.Collector` Protocol.
+isolates its failures, runs the pass finishers, and publishes one immutable snapshot per pass. It
+knows collectors only by the :class:`~mrc_agent.agent.core.collectors.base.Collector` Protocol.
 
 Health belongs here, not in the collectors: ``mrc_agent_collector_success`` and
 ``mrc_agent_collector_duration_seconds`` are written for each collector on every pass, and an

@@ -1,10 +1,10 @@
 """The agent's core sample types: what one sampling pass produces and how consumers read it.
 
-A collector returns :data:`Sample` tuples ``(metric name, label values, value)``, with label
-values in the order its :class:`~exporters.exposition.snapshot.MetricSpec` declares them. The
+A collector returns :data:`Sample` tuples ``(metric name, label values, value)``, with label values
+in the order its :class:`~mrc_agent.exporters.exposition.snapshot.MetricSpec` declares them. The
 runner publishes them as one immutable :class:`Snapshot`. Consumers (the exposition, diagnose,
-captures, the demo) read a snapshot through the spec — :func:`readings` and :func:`first` —
-never by a name literal or a label position.
+captures, the demo) read a snapshot through the spec — :func:`readings` and :func:`first` — never by
+a name literal or a label position.
 """
 
 from __future__ import annotations

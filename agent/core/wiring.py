@@ -89,8 +89,8 @@ def build_registry(runner: Runner) -> CollectorRegistry:
 def build_server(cfg: AgentConfig, runner: Runner, routes: Routes | None = None,
                  web: WebConfig | None = None) -> ExpositionServer:
     """The agent's exposition server for ``runner``'s snapshots, with optional extra routes
-    (the on-alert capture endpoints) and the TLS, basic auth and headers of the web
-    configuration file (:func:`agent.core.webconfig.load_web_config`). Binds now: "address
+    (the on-alert capture endpoints) and the TLS, basic auth and headers of the web configuration
+    file (:func:`mrc_agent.agent.core.webconfig.load_web_config`). Binds now: "address
     in use" raises OSError here."""
     host, port = cfg.host_port
     web = web or WebConfig()

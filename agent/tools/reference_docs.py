@@ -1,6 +1,7 @@
 """Generates the reference pages from the declarations they describe: ``docs/metrics.md`` from
-the metric catalogue (:mod:`agent.core.catalog`) and ``docs/settings.md`` from the settings
-(:mod:`agent.core.config`). Tests fail when a committed page drifts from the code."""
+the metric catalogue (:mod:`mrc_agent.agent.core.catalog`) and ``docs/settings.md`` from the
+settings
+(:mod:`mrc_agent.agent.core.config`). Tests fail when a committed page drifts from the code."""
 
 from __future__ import annotations
 

@@ -14,13 +14,13 @@ One run, in order (each window ``Plan.window_s`` long, 6 s on a GPU):
    ``make_sources`` builds, while a mixed workload runs;
 4. the table printed and written, with a JSON result and the trace, to ``--out``.
 
-The workload (:mod:`.selfcheck_workload`) is torch on a GPU, :class:`~.selfcheck_dry.DryWorkload`
-in a dry run; the readers are the agent's own in both, fed by NVML and CUPTI or by the dry
-run's stand-ins of those libraries. On a GPU the CUPTI sampler runs in a process of its own
-that does no CUDA work (:mod:`.selfcheck_sampler`), as in the sidecar. On Hopper or newer a
-metric the agent reports nothing for is a FAIL, not a SKIP (``selfcheck_compare.require``).
-Exit status: 0 when nothing failed, 1 when a check failed; cli.py turns
-:class:`~agent.core.config.ConfigError` (bad flags, no GPU) into 2.
+The workload (:mod:`.selfcheck_workload`) is torch on a GPU, :class:`~.selfcheck_dry.DryWorkload` in
+a dry run; the readers are the agent's own in both, fed by NVML and CUPTI or by the dry run's
+stand-ins of those libraries. On a GPU the CUPTI sampler runs in a process of its own that does no
+CUDA work (:mod:`.selfcheck_sampler`), as in the sidecar. On Hopper or newer a metric the agent
+reports nothing for is a FAIL, not a SKIP (``selfcheck_compare.require``). Exit status: 0 when
+nothing failed, 1 when a check failed; cli.py turns
+:class:`~mrc_agent.agent.core.config.ConfigError` (bad flags, no GPU) into 2.
 """
 
 from __future__ import annotations

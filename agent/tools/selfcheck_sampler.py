@@ -1,6 +1,6 @@
 """``mrc-agent selfcheck``'s CUPTI rows as the sidecar runs them: the agent's own
-:class:`~agent.core.hw.cupti_pm.CuptiPmSampler` in a process that does no CUDA work of its own,
-while the workload runs in another one.
+:class:`~mrc_agent.agent.core.hw.cupti_pm.CuptiPmSampler` in a process that does no CUDA work of its
+own, while the workload runs in another one.
 
 The sidecar never imports torch and never creates a CUDA context beyond what the sampler
 itself takes (``cuInit``, and a primary context only where ``enable()`` still refuses), so

@@ -15,17 +15,17 @@ keep-alive — and a slow reader cannot hold a write forever. HTTP/1.1 connectio
 unless the client says ``close``; HTTP/1.0 ones only when the client asks for ``keep-alive``,
 and the answer says so.
 
-Requests are paced per client address (:mod:`exporters.pacing`; an IPv6 client by its /64, as
-the credential checks count): once a request line arrives, the server reads no further
-until the address's budget allows it, so a client that loops on cheap requests — a 16 KiB
-head, a wrong password, a 503 — is slowed by TCP's flow control at the cost of a timer, never
-refused, and one that reconnects finds the same budget. Idle connections cost nothing; a 503
-from the full check queue costs two requests. Pacing does not help against many addresses
-(each has a budget of its own) and slows everyone behind one address together (a NAT): the
-connection cap and the per-address check queue are what bound those.
+Requests are paced per client address (:mod:`mrc_agent.exporters.pacing`; an IPv6 client by its /64,
+as the credential checks count): once a request line arrives, the server reads no further until the
+address's budget allows it, so a client that loops on cheap requests — a 16 KiB head, a wrong
+password, a 503 — is slowed by TCP's flow control at the cost of a timer, never refused, and one
+that reconnects finds the same budget. Idle connections cost nothing; a 503 from the full check
+queue costs two requests. Pacing does not help against many addresses (each has a budget of its own)
+and slows everyone behind one address together (a NAT): the connection cap and the per-address check
+queue are what bound those.
 
-The rendered body is cached per snapshot (:mod:`exporters.exposition.render_cache`), so fifty
-scrapers of one snapshot cost one render; a scrape never touches hardware, and the
+The rendered body is cached per snapshot (:mod:`mrc_agent.exporters.exposition.render_cache`), so
+fifty scrapers of one snapshot cost one render; a scrape never touches hardware, and the
 ``Content-Type`` is one of a fixed set, never the client's bytes. The socket is bound in the
 constructor so that "address in use" surfaces before the agent starts sampling.
 
@@ -41,16 +41,16 @@ within the routes' ``max_body_bytes``; otherwise the answer is 411/413/400 and t
 closes after a *lingering close* (the unread body is drained for a short while), so the
 client reads the answer instead of a connection reset.
 
-Transport security and access come in already built (the agent reads them from the
-exporter-toolkit web configuration file): an ``ssl.SSLContext`` for TLS (the handshake is bounded
-by the head timeout), an :class:`Authenticator` that every request, on every path, must pass
-(401 with ``WWW-Authenticate: Basic`` otherwise, as exporter-toolkit answers), and headers added
-to every response. :meth:`ExpositionServer.reconfigure` swaps them while serving. A credential
-that passed before is answered on the loop at once; the others wait in a
-:class:`~exporters.exposition.checks.CheckQueue` (client addresses in turn, bounded: 503 with
-``Retry-After`` when full) for the one check thread. A failed check is answered no sooner
-than the authenticator's ``failure_floor_s`` after it began — a sleep on the loop, not in the
-thread — so that a wrong password takes as long for every user.
+Transport security and access come in already built (the agent reads them from the exporter-toolkit
+web configuration file): an ``ssl.SSLContext`` for TLS (the handshake is bounded by the head
+timeout), an :class:`Authenticator` that every request, on every path, must pass (401 with
+``WWW-Authenticate: Basic`` otherwise, as exporter-toolkit answers), and headers added to every
+response. :meth:`ExpositionServer.reconfigure` swaps them while serving. A credential that passed
+before is answered on the loop at once; the others wait in a
+:class:`~mrc_agent.exporters.exposition.checks.CheckQueue` (client addresses in turn, bounded: 503
+with ``Retry-After`` when full) for the one check thread. A failed check is answered no sooner than
+the authenticator's ``failure_floor_s`` after it began — a sleep on the loop, not in the thread — so
+that a wrong password takes as long for every user.
 """
 
 from __future__ import annotations

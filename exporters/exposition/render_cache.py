@@ -1,7 +1,7 @@
 """The agent's cache of rendered exposition bodies: fifty scrapers of one snapshot cost one
 render. Keyed by snapshot version, format and gzip; the formats are the fixed set
-:data:`exporters.render.FORMATS` whatever the ``Accept`` header says, so the cache holds at most
-two bodies per format. Safe to call from any thread (the server's routes run in workers).
+:data:`mrc_agent.exporters.render.FORMATS` whatever the ``Accept`` header says, so the cache holds
+at most two bodies per format. Safe to call from any thread (the server's routes run in workers).
 """
 
 from __future__ import annotations

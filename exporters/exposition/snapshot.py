@@ -1,11 +1,11 @@
 """Snapshot exposition: metric definitions and the prometheus-client custom collector that
 turns the latest snapshot of a sampler into metric families.
 
-A scrape never touches hardware: the sampler builds an immutable snapshot of plain tuples on its
-own clock (the agent's is :class:`agent.core.sample.Snapshot`), and :class:`SnapshotCollector`
+A scrape never touches hardware: the sampler builds an immutable snapshot of plain tuples on its own
+clock (the agent's is :class:`mrc_agent.agent.core.sample.Snapshot`), and :class:`SnapshotCollector`
 only groups those tuples into families when Prometheus asks. The same :class:`MetricSpec` list
-drives the exposition and the generated metric catalogue, so the two cannot disagree. This
-module knows the snapshot only by its shape (:class:`SnapshotLike`), never the agent's types.
+drives the exposition and the generated metric catalogue, so the two cannot disagree. This module
+knows the snapshot only by its shape (:class:`SnapshotLike`), never the agent's types.
 """
 
 from __future__ import annotations

@@ -3,15 +3,16 @@ resolution, time to first token, stage timings, cache and chain-break metrics, a
 ``/metrics`` endpoint (multiprocess-aware).
 
 Used by MRC services such as :mod:`reference_service`; its public API is importable from here
-(``from exporters.instrumentation import MRCMetrics, metrics_endpoint``). The agent's own
-exposition is :mod:`exporters.exposition`; the two halves share only :mod:`exporters.render`.
+(``from exporters.instrumentation import MRCMetrics, metrics_endpoint``). The agent's own exposition
+is :mod:`mrc_agent.exporters.exposition`; the two halves share only
+:mod:`mrc_agent.exporters.render`.
 
-Its rooms: :mod:`~exporters.instrumentation.families` (the contract: names, labels, label
-values), :mod:`~exporters.instrumentation.buckets` (boundaries and label edges),
-:mod:`~exporters.instrumentation.metrics` (``MRCMetrics`` and ``RequestTracker``),
-:mod:`~exporters.instrumentation.stores` (where the values live, per mode),
-:mod:`~exporters.instrumentation.multiprocess` (the multiprocess-mode helpers) and
-:mod:`~exporters.instrumentation.asgi` (``GET /metrics``).
+Its rooms: :mod:`~mrc_agent.exporters.instrumentation.families` (the contract: names, labels, label
+values), :mod:`~mrc_agent.exporters.instrumentation.buckets` (boundaries and label edges),
+:mod:`~mrc_agent.exporters.instrumentation.metrics` (``MRCMetrics`` and ``RequestTracker``),
+:mod:`~mrc_agent.exporters.instrumentation.stores` (where the values live, per mode),
+:mod:`~mrc_agent.exporters.instrumentation.multiprocess` (the multiprocess-mode helpers) and
+:mod:`~mrc_agent.exporters.instrumentation.asgi` (``GET /metrics``).
 """
 
 from mrc_agent.exporters.instrumentation import buckets

@@ -6,15 +6,14 @@ Three shapes of the same handler, pick the one that fits the app::
     routes = [..., metrics_route(metrics.registry)]                 # Starlette route list
     app = metrics_app(metrics.registry)                             # a standalone ASGI app
 
-Single process: the given registry is rendered. Multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``
-set before the process started): each scrape builds a fresh ``CollectorRegistry`` with a
+Single process: the given registry is rendered. Multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set
+before the process started): each scrape builds a fresh ``CollectorRegistry`` with a
 ``MultiProcessCollector`` that merges the files of every worker, so whichever worker answers, the
 scrape shows the whole service; the given registry is then not rendered (its values are this
-worker's share only). The format is negotiated by :mod:`exporters.render`, as the agent's is
-(OpenMetrics when the scraper asks for it, text for an ``Accept`` it cannot read), and the body
-is gzipped when the scraper accepts it.
-Rendering runs in Starlette's thread pool, so reading the workers' files never blocks the event
-loop that serves requests.
+worker's share only). The format is negotiated by :mod:`mrc_agent.exporters.render`, as the agent's
+is (OpenMetrics when the scraper asks for it, text for an ``Accept`` it cannot read), and the body
+is gzipped when the scraper accepts it. Rendering runs in Starlette's thread pool, so reading the
+workers' files never blocks the event loop that serves requests.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The contract of the MRC request metrics: every name, label and label value, declared once.
 
 Dashboards, alerts and users depend on these names and labels; ``docs/instrumentation.md`` lists
-them. A metric is a :class:`Family` (name, type, help, label names, histogram buckets, how its
-gauge merges across workers); ``FAMILIES`` holds them all, in exposition order, and both value
-stores (:mod:`exporters.instrumentation.stores`) create or render exactly these. Bucket
-boundaries and label edges live in :mod:`exporters.instrumentation.buckets`. The label values of
-``stage``, ``outcome`` and ``step`` are the literal types below, so a typo is a type error before
-it is a ``ValueError``; :func:`outcome_for_status` maps an HTTP answer to an outcome.
+them. A metric is a :class:`Family` (name, type, help, label names, histogram buckets, how its gauge
+merges across workers); ``FAMILIES`` holds them all, in exposition order, and both value stores
+(:mod:`mrc_agent.exporters.instrumentation.stores`) create or render exactly these. Bucket
+boundaries and label edges live in :mod:`mrc_agent.exporters.instrumentation.buckets`. The label
+values of ``stage``, ``outcome`` and ``step`` are the literal types below, so a typo is a type error
+before it is a ``ValueError``; :func:`outcome_for_status` maps an HTTP answer to an outcome.
 
 Plain data and two small functions: this module imports no prometheus-client itself.
 """

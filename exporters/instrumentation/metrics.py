@@ -15,14 +15,14 @@ creates one :class:`MRCMetrics` at startup and wraps each request in ``metrics.r
     # on exit: duration, TTFT, TPOT observed; mrc_requests_total{outcome} incremented
 
 The metric names and labels are a contract that dashboards, alerts and users depend on; they are
-declared once, in :mod:`exporters.instrumentation.families`, and listed in
+declared once, in :mod:`mrc_agent.exporters.instrumentation.families`, and listed in
 ``docs/instrumentation.md``. Bucket boundaries and label edges live in
-:mod:`exporters.instrumentation.buckets`. Every series (all prompt-length x resolution
+:mod:`mrc_agent.exporters.instrumentation.buckets`. Every series (all prompt-length x resolution
 combinations, stages, outcomes, chain steps) is created in the constructor, so it exists from the
 first scrape, and the hot path addresses series by list index, never by label lookup. The values
 live in one of two stores, single process or multiprocess, that render the same exposition:
-:mod:`exporters.instrumentation.stores` explains both, and
-:mod:`exporters.instrumentation.multiprocess` the rules of multiprocess mode.
+:mod:`mrc_agent.exporters.instrumentation.stores` explains both, and
+:mod:`mrc_agent.exporters.instrumentation.multiprocess` the rules of multiprocess mode.
 
 This module imports neither torch nor the agent: the caller passes the peak GPU memory it measured.
 """
@@ -76,8 +76,8 @@ class MRCMetrics:
 
     ``registry`` defaults to a fresh ``CollectorRegistry`` (never the global one unless passed).
     ``prompt_edges`` (characters) and ``resolution_edges_mp`` (megapixels) set the label buckets;
-    see :mod:`exporters.instrumentation.buckets` for the ``[lo, hi)`` rule and the generated
-    label values.
+    see :mod:`mrc_agent.exporters.instrumentation.buckets` for the ``[lo, hi)`` rule and the
+    generated label values.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None,

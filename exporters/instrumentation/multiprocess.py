@@ -5,9 +5,9 @@ In this mode prometheus-client keeps every value in memory-mapped files in the d
 picks its value store when it is first imported, so the variable must be in the environment
 *before the process starts*, never set from Python afterwards: :func:`multiprocess_enabled`
 refuses a mismatch. The launcher empties the directory once, before any worker starts
-(:func:`prepare_multiproc_dir`), and each worker calls :func:`mark_process_dead` as it exits so
-its live gauges stop counting. How the metrics themselves are stored in this mode is
-:mod:`exporters.instrumentation.stores`.
+(:func:`prepare_multiproc_dir`), and each worker calls :func:`mark_process_dead` as it exits so its
+live gauges stop counting. How the metrics themselves are stored in this mode is
+:mod:`mrc_agent.exporters.instrumentation.stores`.
 """
 
 from __future__ import annotations

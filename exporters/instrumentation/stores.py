@@ -1,8 +1,8 @@
 """Where the values of the MRC request metrics live: one store per mode, the same exposition.
 
-:class:`~exporters.instrumentation.metrics.MRCMetrics` lists every series of the contract
-(:mod:`exporters.instrumentation.families`) once, at construction, and hands the lists to a
-store; from then on the hot path addresses a series by its index in those lists, never by label
+:class:`~mrc_agent.exporters.instrumentation.metrics.MRCMetrics` lists every series of the contract
+(:mod:`mrc_agent.exporters.instrumentation.families`) once, at construction, and hands the lists to
+a store; from then on the hot path addresses a series by its index in those lists, never by label
 lookup. Two value stores render the same exposition (a test compares them):
 
 * single process — ``_LocalStore``: plain floats under one lock, rendered by a custom collector
@@ -12,14 +12,15 @@ lookup. Two value stores render the same exposition (a test compares them):
 * multiprocess (several uvicorn/gunicorn workers) — ``_PromStore``: prometheus-client's own
   metrics, whose values live in memory-mapped files in ``PROMETHEUS_MULTIPROC_DIR``. That variable
   must be in the environment *before the process starts* (prometheus-client picks its value store
-  when first imported; :func:`~exporters.instrumentation.multiprocess.multiprocess_enabled`
-  refuses a mismatch). Gauges merge across workers with ``livesum`` (in flight, queued) and
-  ``livemax`` (model info), and the exposition is built by ``MultiProcessCollector`` on a fresh
-  registry per scrape — :mod:`exporters.instrumentation.asgi` does that. The launcher empties the
-  directory before starting the workers
-  (:func:`~exporters.instrumentation.multiprocess.prepare_multiproc_dir`), and each worker calls
-  :func:`~exporters.instrumentation.multiprocess.mark_process_dead` as it exits so its live
-  gauges stop counting. prometheus-client's ``Info`` does not work in multiprocess mode, so
+  when first imported;
+  :func:`~mrc_agent.exporters.instrumentation.multiprocess.multiprocess_enabled` refuses a
+  mismatch). Gauges merge across workers with ``livesum`` (in flight, queued) and ``livemax`` (model
+  info), and the exposition is built by ``MultiProcessCollector`` on a fresh registry per scrape —
+  :mod:`mrc_agent.exporters.instrumentation.asgi` does that. The launcher empties the directory
+  before starting the workers
+  (:func:`~mrc_agent.exporters.instrumentation.multiprocess.prepare_multiproc_dir`), and each worker
+  calls :func:`~mrc_agent.exporters.instrumentation.multiprocess.mark_process_dead` as it exits so
+  its live gauges stop counting. prometheus-client's ``Info`` does not work in multiprocess mode, so
   ``mrc_model_info`` is a gauge set to 1 in both modes: one type, one query, whatever the mode.
 """
 

@@ -1,8 +1,8 @@
 """The reference service's vision-language model (VLM) layer, in four rooms and a hallway.
 
-One object, :class:`VLM`, answers "this image, this question" with timings the service exports:
-time to first token, prefill and decode time, token counts, peak GPU memory. :func:`load_vlm`
-makes it from :class:`~reference_service.settings.Settings`:
+One object, :class:`VLM`, answers "this image, this question" with timings the service exports: time
+to first token, prefill and decode time, token counts, peak GPU memory. :func:`load_vlm` makes it
+from :class:`~mrc_agent.reference_service.settings.Settings`:
 
 * no ``--model``: the *embedded* model, a tiny ``LlavaForConditionalGeneration`` (CLIP vision
   tower + Llama text model) with a byte-level BPE tokenizer trained here with ``tokenizers``.
@@ -14,20 +14,21 @@ makes it from :class:`~reference_service.settings.Settings`:
 
 The rooms, one concern each (an arrow means "imports"):
 
-* :mod:`~reference_service.model.attention`: which SDPA kernel the model really runs, observed
+* :mod:`~mrc_agent.reference_service.model.attention`: which SDPA kernel the model really runs,
+observed
   with the PyTorch profiler during one short generation (probed when the profiler is busy), and
   the warning when CUDA falls back to the slow math kernel.
-* :mod:`~reference_service.model.embedded`: the embedded model's recipe, its in-process
+* :mod:`~mrc_agent.reference_service.model.embedded`: the embedded model's recipe, its in-process
   tokenizer and the crash-safe build into the cache directory.
-* :mod:`~reference_service.model.generation`: the :class:`VLM` object (tokenisation with
+* :mod:`~mrc_agent.reference_service.model.generation`: the :class:`VLM` object (tokenisation with
   truncation, greedy generation, the first-token clock) and :class:`GenerationResult`.
-* :mod:`~reference_service.model.loading`: :func:`load_vlm`, from settings to a ready VLM:
+* :mod:`~mrc_agent.reference_service.model.loading`: :func:`load_vlm`, from settings to a ready VLM:
   device, dtype, NF4, checkpoint checks and naming. loading → generation, embedded, attention;
   generation → attention.
 
-The hallway, :mod:`~reference_service.model.common`, holds what several rooms share
-(:class:`ModelLoadError`, the progress callback type, CLIP normalisation defaults) and imports
-none of them, so there is no import cycle.
+The hallway, :mod:`~mrc_agent.reference_service.model.common`, holds what several rooms share
+(:class:`ModelLoadError`, the progress callback type, CLIP normalisation defaults) and imports none
+of them, so there is no import cycle.
 
 Everything callers use is re-exported here: import from ``reference_service.model``.
 """

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 #: One logger for the whole model layer, named as it was before the package split.
-logger = logging.getLogger("mrc_agent.reference_service.model")
+logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("flash", "efficient", "cudnn", "math", "overrideable", "eager", "unknown")
 

@@ -1,7 +1,8 @@
 """What the model layer's rooms share: the load error, the progress callback, CLIP defaults.
 
-Kept apart so that :mod:`~reference_service.model.embedded`, :mod:`~reference_service.model.loading`
-and :mod:`~reference_service.model.generation` can all use these without importing each other.
+Kept apart so that :mod:`~mrc_agent.reference_service.model.embedded`,
+:mod:`~mrc_agent.reference_service.model.loading` and
+:mod:`~mrc_agent.reference_service.model.generation` can all use these without importing each other.
 Nothing here imports torch or transformers at module level.
 """
 

@@ -1,12 +1,12 @@
 """The embedded model: a tiny random-weight Llava built here, so the service runs offline.
 
-With no ``--model`` the service runs a ``LlavaForConditionalGeneration`` (CLIP vision tower +
-Llama text model) with a byte-level BPE tokenizer trained in process with ``tokenizers``
+With no ``--model`` the service runs a ``LlavaForConditionalGeneration`` (CLIP vision tower + Llama
+text model) with a byte-level BPE tokenizer trained in process with ``tokenizers``
 (:func:`build_tokenizer`). Random weights from a fixed seed: its answers are NOT meaningful.
 :func:`ensure_embedded` builds it on first run into ``cache_dir/embedded-llava-tiny`` (in a
-temporary sibling directory, renamed into place once complete, so a crash never leaves half a
-model; partial builds of dead processes are removed) and returns the directory afterwards.
-Loading it is :mod:`~reference_service.model.loading`'s job, like any local checkpoint.
+temporary sibling directory, renamed into place once complete, so a crash never leaves half a model;
+partial builds of dead processes are removed) and returns the directory afterwards. Loading it is
+:mod:`~mrc_agent.reference_service.model.loading`'s job, like any local checkpoint.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from mrc_agent.reference_service.model.common import (
 )
 
 #: One logger for the whole model layer, named as it was before the package split.
-logger = logging.getLogger("mrc_agent.reference_service.model")
+logger = logging.getLogger(__name__)
 
 #: Directory name of the embedded model under ``settings.cache_dir``.
 EMBEDDED_DIRNAME = "embedded-llava-tiny"

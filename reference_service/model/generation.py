@@ -1,14 +1,14 @@
 """Generation: the loaded model object, :class:`VLM`, and what one answer costs.
 
-``VLM.generate(pixel_values, prompt, max_new_tokens)`` answers "this image, this question"
-greedily and returns a :class:`GenerationResult` with the timings the service exports: time to
-first token (clocked by a streamer ``generate`` calls synchronously), prefill and decode time,
-token counts, peak GPU memory (process-wide, with how many other requests shared the device
-meanwhile: :func:`~reference_service.device.peak_memory`). ``pixel_values`` arrive already
-resized and normalised (the preprocessing module uses ``image_size``, ``image_mean`` and
-``image_std`` from here); this module only moves them to the model's device and dtype. At
-construction the VLM reads from the checkpoint what it needs (image size and token, chat
-template, input limit); it is built by :func:`~reference_service.model.loading.load_vlm`.
+``VLM.generate(pixel_values, prompt, max_new_tokens)`` answers "this image, this question" greedily
+and returns a :class:`GenerationResult` with the timings the service exports: time to first token
+(clocked by a streamer ``generate`` calls synchronously), prefill and decode time, token counts,
+peak GPU memory (process-wide, with how many other requests shared the device meanwhile:
+:func:`~mrc_agent.reference_service.device.peak_memory`). ``pixel_values`` arrive already resized
+and normalised (the preprocessing module uses ``image_size``, ``image_mean`` and ``image_std`` from
+here); this module only moves them to the model's device and dtype. At construction the VLM reads
+from the checkpoint what it needs (image size and token, chat template, input limit); it is built by
+:func:`~mrc_agent.reference_service.model.loading.load_vlm`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from mrc_agent.reference_service.model.common import _CLIP_MEAN, _CLIP_STD, Mode
 from mrc_agent.reference_service.settings import Settings
 
 #: One logger for the whole model layer, named as it was before the package split.
-logger = logging.getLogger("mrc_agent.reference_service.model")
+logger = logging.getLogger(__name__)
 
 #: Fallback prompt format when a checkpoint has no chat template (llava-1.5 style).
 FALLBACK_TEMPLATE = "USER: {image}\n{prompt} ASSISTANT:"

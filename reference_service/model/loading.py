@@ -1,11 +1,11 @@
-"""Loading: settings in, a ready :class:`~reference_service.model.generation.VLM` out.
+"""Loading: settings in, a ready :class:`~mrc_agent.reference_service.model.generation.VLM` out.
 
 :func:`load_vlm` resolves the device and dtype, takes the embedded model (built on first run by
-:mod:`~reference_service.model.embedded`) or a local ``--model`` checkpoint through the
+:mod:`~mrc_agent.reference_service.model.embedded`) or a local ``--model`` checkpoint through the
 transformers Auto classes (never a download), optionally quantises it to bitsandbytes NF4 with
 double quantisation, names its revision, and finds out which attention kernel it runs
-(:mod:`~reference_service.model.attention`). Every failure is a :class:`ModelLoadError` with a
-one-line reason.
+(:mod:`~mrc_agent.reference_service.model.attention`). Every failure is a :class:`ModelLoadError`
+with a one-line reason.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from mrc_agent.reference_service.model.generation import VLM
 from mrc_agent.reference_service.settings import Settings
 
 #: One logger for the whole model layer, named as it was before the package split.
-logger = logging.getLogger("mrc_agent.reference_service.model")
+logger = logging.getLogger(__name__)
 
 #: Modules kept out of NF4: the vision tower and projector are small next to the language
 #: model but sensitive to 4-bit error (their output feeds every text token), and the lm_head

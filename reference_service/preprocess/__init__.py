@@ -14,23 +14,29 @@ costs more than its header.
 
 The rooms, one concern each (an arrow means "imports"):
 
-* :mod:`~reference_service.preprocess.b64`: base64 and ``data:`` URL decoding, refused by length
+* :mod:`~mrc_agent.reference_service.preprocess.b64`: base64 and ``data:`` URL decoding, refused by
+length
   first (:func:`decode_base64`, :func:`max_encoded_len`).
-* :mod:`~reference_service.preprocess.structure`: the bounded walk of a stream's structure
+* :mod:`~mrc_agent.reference_service.preprocess.structure`: the bounded walk of a stream's structure
   before Pillow parses it, and the magic numbers (:func:`~.structure.walk`).
-* :mod:`~reference_service.preprocess.header`: the format allowlist and every limit the header
+* :mod:`~mrc_agent.reference_service.preprocess.header`: the format allowlist and every limit the
+header
   decides (:func:`probe`). header → structure.
-* :mod:`~reference_service.preprocess.decoding`: JPEG draft-mode decode, colour modes to RGB,
+* :mod:`~mrc_agent.reference_service.preprocess.decoding`: JPEG draft-mode decode, colour modes to
+RGB,
   EXIF orientation and the geometry both resize paths share. decoding → header.
-* :mod:`~reference_service.preprocess.cpu`: the "pil" resize path (Lanczos with
+* :mod:`~mrc_agent.reference_service.preprocess.cpu`: the "pil" resize path (Lanczos with
   ``reducing_gap``, greyscale OCR shrink). cpu → decoding.
-* :mod:`~reference_service.preprocess.gpu`: the "kornia" resize path, antialiased, on the device
+* :mod:`~mrc_agent.reference_service.preprocess.gpu`: the "kornia" resize path, antialiased, on the
+device
   (:func:`kornia_resize`). gpu → decoding.
-* :mod:`~reference_service.preprocess.pool`: :class:`DecodePool`, daemon threads, the timeout and
+* :mod:`~mrc_agent.reference_service.preprocess.pool`: :class:`DecodePool`, daemon threads, the
+timeout and
   the stuck-thread cap; it knows nothing of images.
-* :mod:`~reference_service.preprocess.core`: :func:`preprocess`, :func:`preprocess_async` and
+* :mod:`~mrc_agent.reference_service.preprocess.core`: :func:`preprocess`, :func:`preprocess_async`
+and
   their result, ``Preprocessed``. core → decoding, cpu, gpu, pool, and
-  :mod:`~reference_service.device` (waiting for the device before the stage ends).
+  :mod:`~mrc_agent.reference_service.device` (waiting for the device before the stage ends).
 
 Everything used outside the package is re-exported here: import from
 ``reference_service.preprocess``.

@@ -1,14 +1,15 @@
 """One request image from bytes to model input: :func:`preprocess`, its async form, its result.
 
-:func:`preprocess` runs the decoder of :mod:`~reference_service.preprocess.decoding` (header
-checks first) and then one resize path: :mod:`~reference_service.preprocess.cpu` ("pil") or
-:mod:`~reference_service.preprocess.gpu` ("kornia", the default on CUDA), timing the two stages.
-On a CUDA device the end of the preprocess stage is stamped only once the work queued on the
-device has run (:func:`~reference_service.device.wait_for_queued_work`), so the resize is
-charged to preprocessing and not to the prefill that would otherwise wait for it.
-:func:`preprocess_async` runs it on a :class:`~reference_service.preprocess.pool.DecodePool`
-under the decode timeout, so the event loop never blocks; :func:`probe_async` does the same for
-the header checks. :class:`Preprocessed` is the result.
+:func:`preprocess` runs the decoder of :mod:`~mrc_agent.reference_service.preprocess.decoding`
+(header checks first) and then one resize path: :mod:`~mrc_agent.reference_service.preprocess.cpu`
+("pil") or :mod:`~mrc_agent.reference_service.preprocess.gpu` ("kornia", the default on CUDA),
+timing the two stages. On a CUDA device the end of the preprocess stage is stamped only once the
+work queued on the device has run
+(:func:`~mrc_agent.reference_service.device.wait_for_queued_work`), so the resize is charged to
+preprocessing and not to the prefill that would otherwise wait for it. :func:`preprocess_async` runs
+it on a :class:`~mrc_agent.reference_service.preprocess.pool.DecodePool` under the decode timeout,
+so the event loop never blocks; :func:`probe_async` does the same for the header checks.
+:class:`Preprocessed` is the result.
 """
 
 from __future__ import annotations
@@ -137,7 +138,8 @@ async def preprocess_async(
 
 
 async def probe_async(pool: DecodePool, data: bytes, settings: Settings) -> tuple[str, int, int]:
-    """:func:`~reference_service.preprocess.header.probe` on ``pool``, never on the event loop.
+    """:func:`~mrc_agent.reference_service.preprocess.header.probe` on ``pool``, never on the event
+    loop.
 
     The structure walk bounds a header's work by count (a crafted one is refused as corrupt in
     milliseconds), so a probe that has not answered within ``settings.header_timeout_s`` is the

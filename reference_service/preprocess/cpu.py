@@ -1,10 +1,10 @@
 """The CPU resize path ("pil" backend): Pillow resizes a decoded image into model and OCR inputs.
 
-From the (possibly draft-scaled) picture of :mod:`~reference_service.preprocess.decoding`: a
-Lanczos resize with ``reducing_gap`` (a box ``reduce`` first, then Lanczos on the small
-remainder) for the model, normalised in numpy, and a greyscale bilinear shrink for the OCR
-image; both transposed upright afterwards. ``benchmarks/bench_preprocess.py`` measures this
-against naive full decode + Lanczos (speed-up and PSNR).
+From the (possibly draft-scaled) picture of :mod:`~mrc_agent.reference_service.preprocess.decoding`:
+a Lanczos resize with ``reducing_gap`` (a box ``reduce`` first, then Lanczos on the small remainder)
+for the model, normalised in numpy, and a greyscale bilinear shrink for the OCR image; both
+transposed upright afterwards. ``benchmarks/bench_preprocess.py`` measures this against naive full
+decode + Lanczos (speed-up and PSNR).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Decoding on the CPU, shared by both resize paths: header checks, draft-mode decode, RGB.
 
-:func:`_decode` starts from the header checks of :mod:`~reference_service.preprocess.header`,
-then decodes. A JPEG is decoded in draft mode — libjpeg scales by 1/2, 1/4 or 1/8 inside the
-IDCT, so it never builds the full-resolution picture — at the smallest scale whose output still
-covers both the model's input size and the OCR size; other formats are decoded in full. Every
-colour mode ends as 8-bit RGB (transparency composited on white).
+:func:`_decode` starts from the header checks of
+:mod:`~mrc_agent.reference_service.preprocess.header`, then decodes. A JPEG is decoded in draft mode
+— libjpeg scales by 1/2, 1/4 or 1/8 inside the IDCT, so it never builds the full-resolution picture
+— at the smallest scale whose output still covers both the model's input size and the OCR size;
+other formats are decoded in full. Every colour mode ends as 8-bit RGB (transparency composited on
+white).
 
 EXIF orientation is honoured on every path in one way: targets are computed in the stored
 orientation (:func:`_stored`), and the *small* results are transposed afterwards with
@@ -25,7 +26,7 @@ from mrc_agent.reference_service.errors import ServiceError
 from mrc_agent.reference_service.preprocess.header import _open
 from mrc_agent.reference_service.settings import Settings
 
-log = logging.getLogger("mrc_agent.reference_service.preprocess")
+log = logging.getLogger(__name__)
 
 _EXIF_ORIENTATION = 0x0112
 #: EXIF orientation -> the transpose that displays the image upright (as ImageOps.exif_transpose).
@@ -153,9 +154,9 @@ def _decode(data: bytes, settings: Settings, target_hw: tuple[int, int] | None,
             ocr_max_side: int | None) -> _Decoded:
     """Header checks, then decode, in draft mode when a JPEG's outputs are known to be smaller.
 
-    ``target_hw`` (upright model size) and ``ocr_max_side`` say what the decoded picture must
-    cover; ``target_hw=None`` asks for a full decode. Module-level, and looked up by
-    :func:`~reference_service.preprocess.core.preprocess` as a global of its module
+    ``target_hw`` (upright model size) and ``ocr_max_side`` say what the decoded picture must cover;
+    ``target_hw=None`` asks for a full decode. Module-level, and looked up by
+    :func:`~mrc_agent.reference_service.preprocess.core.preprocess` as a global of its module
     (``core._decode``), so tests can inject a slow decoder there.
     """
     img = _open(data, settings)

@@ -1,12 +1,11 @@
 """The GPU resize path ("kornia" backend, the default on CUDA): resize and normalise on the device.
 
 The picture is decoded on the CPU in draft mode as well
-(:mod:`~reference_service.preprocess.decoding`), then resized and normalised on the device with
-``kornia.geometry.transform.resize(antialias=True)``. Antialiasing matters: plain bilinear
-downscaling of a 4000-pixel photo aliases fine print into noise, which is exactly what the OCR
-step then fails to read. The OCR image is the same ITU-R 601 greyscale the CPU path produces.
-The backend can be forced on the CPU (``resize_backend="kornia"``) so it is tested without a
-GPU.
+(:mod:`~mrc_agent.reference_service.preprocess.decoding`), then resized and normalised on the device
+with ``kornia.geometry.transform.resize(antialias=True)``. Antialiasing matters: plain bilinear
+downscaling of a 4000-pixel photo aliases fine print into noise, which is exactly what the OCR step
+then fails to read. The OCR image is the same ITU-R 601 greyscale the CPU path produces. The backend
+can be forced on the CPU (``resize_backend="kornia"``) so it is tested without a GPU.
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """Header checks of an image: every limit its header can decide, before any pixel is decoded.
 
 :func:`probe` (and :func:`_open`, which the decoder starts from) reads only the header: size in
-bytes, format (a fixed allowlist, so Pillow never hands a stream to Ghostscript or another
-exotic plugin) and pixel count (a 50000×50000 PNG is refused here from 33 bytes of IHDR, with no
-allocation). Before Pillow sees a byte, :func:`~reference_service.preprocess.structure.walk`
-bounds the work of its header walk by count (a crafted header is refused in milliseconds) and
-reads the size, so the service's pixel limit applies first; Pillow's own decompression-bomb
-error (at twice ``Image.MAX_IMAGE_PIXELS``) stays as a backstop. No warnings filter and no
-lock: Pillow's DecompressionBombWarning (a size between its threshold and twice it, which only
-a limit set above Pillow's lets through) stays a warning, and every header parses on its own
-thread at once. When Pillow cannot identify the bytes, their magic number says whether they
-are a damaged image (422) or not an image (415).
+bytes, format (a fixed allowlist, so Pillow never hands a stream to Ghostscript or another exotic
+plugin) and pixel count (a 50000×50000 PNG is refused here from 33 bytes of IHDR, with no
+allocation). Before Pillow sees a byte,
+:func:`~mrc_agent.reference_service.preprocess.structure.walk` bounds the work of its header walk by
+count (a crafted header is refused in milliseconds) and reads the size, so the service's pixel limit
+applies first; Pillow's own decompression-bomb error (at twice ``Image.MAX_IMAGE_PIXELS``) stays as
+a backstop. No warnings filter and no lock: Pillow's DecompressionBombWarning (a size between its
+threshold and twice it, which only a limit set above Pillow's lets through) stays a warning, and
+every header parses on its own thread at once. When Pillow cannot identify the bytes, their magic
+number says whether they are a damaged image (422) or not an image (415).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from mrc_agent.reference_service.errors import ServiceError
 from mrc_agent.reference_service.preprocess.structure import sniff, walk
 from mrc_agent.reference_service.settings import Settings
 
-log = logging.getLogger("mrc_agent.reference_service.preprocess")
+log = logging.getLogger(__name__)
 
 #: Formats the service decodes. An allowlist, not Pillow's full registry: EPS would run
 #: Ghostscript, and rarely used plugins are where decoder bugs live. (Phone-camera JPEGs with a

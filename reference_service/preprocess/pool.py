@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from mrc_agent.reference_service.errors import ServiceError
 
-log = logging.getLogger("mrc_agent.reference_service.preprocess")
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 

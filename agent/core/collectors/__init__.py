@@ -1,9 +1,9 @@
 """The collectors, registered in sampling order.
 
 Each collector module declares its name, default, factory and metrics in one
-:class:`~agent.core.collectors.base.CollectorDef` beside the code that emits them. This list is
-the sampling order; :func:`~agent.core.collectors.base.check_order` fails at import when a
-collector would run before one it reads from (derived reads process and gpu).
+:class:`~mrc_agent.agent.core.collectors.base.CollectorDef` beside the code that emits them. This
+list is the sampling order; :func:`~mrc_agent.agent.core.collectors.base.check_order` fails at
+import when a collector would run before one it reads from (derived reads process and gpu).
 """
 
 from __future__ import annotations

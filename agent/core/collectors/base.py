@@ -1,14 +1,14 @@
 """What a collector is, and how one is registered.
 
 A collector is a name and ``update(ctx)`` returning fresh samples. It raises on failure, or
-:class:`agent.core.hw.base.SourceUnavailable` when its source does not apply here; the runner
-owns health and timing. Collectors run in a fixed order each pass and leave what later
+:class:`mrc_agent.agent.core.hw.base.SourceUnavailable` when its source does not apply here; the
+runner owns health and timing. Collectors run in a fixed order each pass and leave what later
 collectors need (target CPU, GPU utilisation) in the shared :class:`SampleContext`.
 
-Each collector module ends with one :class:`CollectorDef`: its name, whether it is on by
-default, its factory, the metrics it emits and the collectors it reads from (``after``), side
-by side with the code that emits them (node_exporter's ``registerCollector`` beside its
-descriptors). :mod:`agent.core.collectors` lists them and checks the order.
+Each collector module ends with one :class:`CollectorDef`: its name, whether it is on by default,
+its factory, the metrics it emits and the collectors it reads from (``after``), side by side with
+the code that emits them (node_exporter's ``registerCollector`` beside its descriptors).
+:mod:`mrc_agent.agent.core.collectors` lists them and checks the order.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class Collector(Protocol):
 
 @dataclass(frozen=True)
 class DerivedThresholds:
-    """Thresholds of the derived signals (:mod:`agent.core.collectors.derived`).
+    """Thresholds of the derived signals (:mod:`mrc_agent.agent.core.collectors.derived`).
 
     Why these defaults: ``idle_util`` 0.05 tolerates NVML's sampling jitter on an idle GPU;
     ``starved_cpu`` 0.9 of a core is a thread that can no longer keep up (the GIL caps a

@@ -1,13 +1,13 @@
 """GPU collector: NVML device state — utilisation, memory, PCIe, NVLink, power, clocks,
 errors and per-target device memory.
 
-It only translates :class:`agent.core.hw.base.DeviceSample` into metric samples; which library
-answered (NVML or a replayed trace) is the source's business. It leaves each GPU's utilisation
-(and its fine-grained points) and the GPUs each target holds memory on in the context for the
-derived collector.
+It only translates :class:`mrc_agent.agent.core.hw.base.DeviceSample` into metric samples; which
+library answered (NVML or a replayed trace) is the source's business. It leaves each GPU's
+utilisation (and its fine-grained points) and the GPUs each target holds memory on in the context
+for the derived collector.
 
-It also decides which GPUs are reported this pass (:mod:`agent.core.attribution`: by default
-the GPUs the targets can use), leaves that decision in the context for the gpm and profiling
+It also decides which GPUs are reported this pass (:mod:`mrc_agent.agent.core.attribution`: by
+default the GPUs the targets can use), leaves that decision in the context for the gpm and profiling
 collectors (its last one when it fails), and skips the other GPUs; :func:`attribution_samples`
 exports the decision.
 """

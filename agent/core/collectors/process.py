@@ -6,7 +6,8 @@ next pass on. A PID whose start time changes is a new process and starts afresh;
 vanished, or exited and waits as a zombie, simply stops producing series.
 
 It also leaves, once per process, what GPU attribution reads (the GPU variables of the initial
-environment and the innermost-namespace PID, :mod:`agent.core.attribution`) in the context.
+environment and the innermost-namespace PID, :mod:`mrc_agent.agent.core.attribution`) in the
+context.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""What CUPTI's errors mean for the PM sampling source (:mod:`agent.core.hw.cupti_pm`): the
-bounded reasons a :class:`SourceUnavailable` carries, and which answers are such reasons (they
-do not change while the agent runs, so they are not asked again) rather than failures that may
-pass (retried with a backoff).
+"""What CUPTI's errors mean for the PM sampling source (:mod:`mrc_agent.agent.core.hw.cupti_pm`):
+the bounded reasons a :class:`SourceUnavailable` carries, and which answers are such reasons (they
+do not change while the agent runs, so they are not asked again) rather than failures that may pass
+(retried with a backoff).
 
 The result names are those of ``cupti.cupti.Result`` in cupti-python 13.4, the meanings those of
 ``cupti_result.h`` (CUPTI's API reference, "CUPTI Result Codes").

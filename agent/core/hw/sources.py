@@ -1,5 +1,6 @@
 """The GPU sources a set of collectors reads, typed by the hardware Protocols of
-:mod:`agent.core.hw.base`. :func:`agent.core.wiring.make_sources` builds them."""
+:mod:`mrc_agent.agent.core.hw.base`. :func:`mrc_agent.agent.core.wiring.make_sources` builds
+them."""
 
 from __future__ import annotations
 

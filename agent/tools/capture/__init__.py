@@ -1,7 +1,8 @@
 """On-alert capture: Alertmanager webhooks start a diagnosis of the alerting target in the
 background, and the agent lists and serves the results.
 
-Endpoints (served beside ``/metrics`` by :class:`exporters.exposition.http.ExpositionServer`):
+Endpoints (served beside ``/metrics`` by
+:class:`mrc_agent.exporters.exposition.http.ExpositionServer`):
 
 * ``POST /hooks/alertmanager`` — Alertmanager webhook payload, version 4;
 * ``GET /captures`` — the captures as JSON, newest first, with the limits and counters;
@@ -13,20 +14,20 @@ all of them need ``Authorization: Bearer <token>``, compared in constant time; a
 wrong token gets 401 and starts nothing. Captures hold the target's stacks and function names,
 hence the token on the read side too.
 
-For firing ``MRCGPUStarved`` and ``MRCProcessCPUUserSaturated`` alerts whose ``pid`` label
-names a target of this agent (or, without a ``pid`` label, the agent's hottest target) and
-whose ``pod`` label, if any, is this host's name, one capture runs
-:func:`agent.tools.diagnose.diagnose` in a thread. At most one runs at a time and at most
-``capture_max_per_hour`` start per rolling hour; more requests are answered 202
-``rate-limited`` and counted. The captures directory is bounded by count, bytes and age, the
-oldest captures going first.
+For firing ``MRCGPUStarved`` and ``MRCProcessCPUUserSaturated`` alerts whose ``pid`` label names a
+target of this agent (or, without a ``pid`` label, the agent's hottest target) and whose ``pod``
+label, if any, is this host's name, one capture runs :func:`mrc_agent.agent.tools.diagnose.diagnose`
+in a thread. At most one runs at a time and at most ``capture_max_per_hour`` start per rolling hour;
+more requests are answered 202 ``rate-limited`` and counted. The captures directory is bounded by
+count, bytes and age, the oldest captures going first.
 
 The rooms, each importing only those before it:
 
-* :mod:`~agent.tools.capture.webhook`: the bearer token and the webhook payload;
-* :mod:`~agent.tools.capture.store`: the captures directory and its limits;
-* :mod:`~agent.tools.capture.manager`: running captures, one at a time, rate-limited;
-* :mod:`~agent.tools.capture.api`: the HTTP endpoints and their wiring into the agent's server.
+* :mod:`~mrc_agent.agent.tools.capture.webhook`: the bearer token and the webhook payload;
+* :mod:`~mrc_agent.agent.tools.capture.store`: the captures directory and its limits;
+* :mod:`~mrc_agent.agent.tools.capture.manager`: running captures, one at a time, rate-limited;
+* :mod:`~mrc_agent.agent.tools.capture.api`: the HTTP endpoints and their wiring into the agent's
+server.
 
 The package exports the routes factory ``mrc-agent run`` takes (:func:`build_capture_api`);
 the rest is imported from its room.

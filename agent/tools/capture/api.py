@@ -1,7 +1,6 @@
 """The HTTP side (:class:`CaptureAPI`): ``POST /hooks/alertmanager`` and ``GET /captures...``
-behind the bearer token. :func:`build_capture_api` is the routes factory ``mrc-agent run``
-hands to the core (:func:`agent.core.run.run_agent`), which serves the routes beside
-``/metrics``.
+behind the bearer token. :func:`build_capture_api` is the routes factory ``mrc-agent run`` hands to
+the core (:func:`mrc_agent.agent.core.run.run_agent`), which serves the routes beside ``/metrics``.
 """
 
 from __future__ import annotations
@@ -48,8 +47,8 @@ def _json(status: int, obj: Any, headers: dict[str, str] | None = None) -> Respo
 
 
 class CaptureAPI:
-    """The webhook and captures endpoints (an :class:`exporters.exposition.http.Routes`). With
-    ``manager`` None the feature is off and every one of its paths is 404."""
+    """The webhook and captures endpoints (an :class:`mrc_agent.exporters.exposition.http.Routes`).
+    With ``manager`` None the feature is off and every one of its paths is 404."""
 
     max_body_bytes = MAX_BODY_BYTES
 

@@ -13,19 +13,22 @@ Over the same window this package runs
 * the GPU idle windows, from the derived collector's :class:`IdleTracker` fed with the finest
   utilisation points the GPU source gives.
 
-It then decides a verdict (see :func:`decide`) and writes ``report.json`` and ``report.txt``.
-The same :func:`diagnose` runs behind the CLI and behind the on-alert captures of
-:mod:`agent.tools.capture`.
+It then decides a verdict (see :func:`decide`) and writes ``report.json`` and ``report.txt``. The
+same :func:`diagnose` runs behind the CLI and behind the on-alert captures of
+:mod:`mrc_agent.agent.tools.capture`.
 
 The rooms, each importing only those before it:
 
-* :mod:`~agent.tools.diagnose.pyspy`: finding and running py-spy, and its failures;
-* :mod:`~agent.tools.diagnose.stacks`: parsing collapsed stacks, top functions, image share;
-* :mod:`~agent.tools.diagnose.sampling`: the in-process loop's extra collectors (idle windows,
+* :mod:`~mrc_agent.agent.tools.diagnose.pyspy`: finding and running py-spy, and its failures;
+* :mod:`~mrc_agent.agent.tools.diagnose.stacks`: parsing collapsed stacks, top functions, image
+share;
+* :mod:`~mrc_agent.agent.tools.diagnose.sampling`: the in-process loop's extra collectors (idle
+windows,
   watched and borrowed collectors) and the hottest thread's runnable share;
-* :mod:`~agent.tools.diagnose.verdict`: the CPU and GPU analysis, the rules and the verdict;
-* :mod:`~agent.tools.diagnose.writers`: the files of a diagnosis and the text report;
-* :mod:`~agent.tools.diagnose.command`: :func:`diagnose` and the command.
+* :mod:`~mrc_agent.agent.tools.diagnose.verdict`: the CPU and GPU analysis, the rules and the
+verdict;
+* :mod:`~mrc_agent.agent.tools.diagnose.writers`: the files of a diagnosis and the text report;
+* :mod:`~mrc_agent.agent.tools.diagnose.command`: :func:`diagnose` and the command.
 
 The package exports its entry points (:func:`diagnose`, :func:`run_diagnose_command`); the
 rest is imported from its room.

@@ -94,7 +94,7 @@ MAX_STEAL_CORRECTION = 0.5
 
 def steal_ratio(before: list[int], after: list[int]) -> float:
     """The share of the node's CPU time the hypervisor took (``steal``) between two
-    :meth:`~agent.core.hw.procfs.ProcFS.cpu_ticks` readings; 0 when either is missing."""
+    :meth:`~mrc_agent.agent.core.hw.procfs.ProcFS.cpu_ticks` readings; 0 when either is missing."""
     if len(before) < 8 or len(after) < 8:
         return 0.0
     deltas = [max(b - a, 0) for a, b in zip(before, after, strict=True)]

@@ -3,9 +3,9 @@ self-contained HTML file (inline SVG, no scripts, no network, no external CSS or
 of it, for people without Grafana.
 
 The report runs the dashboards' own expressions (``dashboards.queries.PanelQueries``, with Grafana's
-macros replaced by :func:`dashboards.queries.substitute_macros`) and draws the alerts' threshold
-lines from the same :class:`alerts.config.Config`, so the report, the dashboards and the pages
-show the same numbers against the same lines.
+macros replaced by :func:`mrc_agent.dashboards.queries.substitute_macros`) and draws the alerts'
+threshold lines from the same :class:`mrc_agent.alerts.config.Config`, so the report, the dashboards
+and the pages show the same numbers against the same lines.
 
 * Golden triangle, over the range (``/api/v1/query_range``): process CPU user and hottest thread
   (line at the CPU alert's 95 %), PCIe TX/RX, NVLink TX/RX (line at 50 GB/s), SM instructions per
@@ -24,19 +24,21 @@ the DOM a real browser built. ``--format png`` screenshots the HTML with headles
 
 The rooms, each importing only those before it:
 
-* :mod:`~agent.tools.report.prom`: the Prometheus HTTP client, its errors, result parsing and
+* :mod:`~mrc_agent.agent.tools.report.prom`: the Prometheus HTTP client, its errors, result parsing
+and
   Grafana's ``$__rate_interval``;
-* :mod:`~agent.tools.report.charts`: the chart specs and the heatmap's query;
-* :mod:`~agent.tools.report.data`: the collected series, charts, heatmap and report, and
+* :mod:`~mrc_agent.agent.tools.report.charts`: the chart specs and the heatmap's query;
+* :mod:`~mrc_agent.agent.tools.report.data`: the collected series, charts, heatmap and report, and
   :func:`collect`;
-* :mod:`~agent.tools.report.svg`: formatting, axes, ticks, colours, the charts and the heatmap
+* :mod:`~mrc_agent.agent.tools.report.svg`: formatting, axes, ticks, colours, the charts and the
+heatmap
   as SVG;
-* :mod:`~agent.tools.report.page`: the CSS and the whole HTML page, and its height;
-* :mod:`~agent.tools.report.chromium`: headless Chromium for ``--format png``;
-* :mod:`~agent.tools.report.options`: the validated flags;
-* :mod:`~agent.tools.report.command`: the command.
+* :mod:`~mrc_agent.agent.tools.report.page`: the CSS and the whole HTML page, and its height;
+* :mod:`~mrc_agent.agent.tools.report.chromium`: headless Chromium for ``--format png``;
+* :mod:`~mrc_agent.agent.tools.report.options`: the validated flags;
+* :mod:`~mrc_agent.agent.tools.report.command`: the command.
 
-Durations (``1h30m``) are parsed and written by :mod:`agent.core.units`.
+Durations (``1h30m``) are parsed and written by :mod:`mrc_agent.agent.core.units`.
 
 The package exports the command (:func:`run_report_command`); the rest is imported from its
 room.

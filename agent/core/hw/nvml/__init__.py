@@ -10,10 +10,10 @@ Its rooms, each one concern:
   second, watts, hertz, seconds); pure functions and named factors, each with where the unit
   comes from.
 * :mod:`.session`: loading the library, NVML init and teardown, the per-GPU handle record,
-  and NVML errors translated into :class:`~agent.core.hw.base.SourceUnavailable` (the source
-  does not apply here) or :class:`~agent.core.hw.base.HardwareError` (it failed now); after a
-  failure the next call starts a fresh session, so the collector recovers on its own. Also the
-  memo of which queries a GPU answered NOT_SUPPORTED (neither retried nor logged again; the
+  and NVML errors translated into :class:`~mrc_agent.agent.core.hw.base.SourceUnavailable` (the
+  source does not apply here) or :class:`~mrc_agent.agent.core.hw.base.HardwareError` (it failed
+  now); after a failure the next call starts a fresh session, so the collector recovers on its own.
+  Also the memo of which queries a GPU answered NOT_SUPPORTED (neither retried nor logged again; the
   field stays ``None``, an absent series, never a zero) and of what was logged once.
 * :mod:`.device`: one device sample per GPU, the per-device fields.
 * :mod:`.pcie`: PCIe throughput, off the sampling path: ``nvmlDeviceGetPcieThroughput``

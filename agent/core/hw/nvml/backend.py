@@ -38,15 +38,15 @@ class NvmlBackend:
     All public methods are safe to call from several threads.
 
     GPM is sampled at most every ``gpm_interval`` seconds (at least
-    :data:`~agent.core.hw.nvml.gpm.MIN_GPM_INTERVAL_S`), timed on ``gpm_clock`` (default
+    :data:`~mrc_agent.agent.core.hw.nvml.gpm.MIN_GPM_INTERVAL_S`), timed on ``gpm_clock`` (default
     ``clock``); calls in between return the last window's values again.
 
-    PCIe throughput is read by a daemon thread (:data:`~agent.core.hw.nvml.pcie.PCIE_THREAD_NAME`)
-    started by the first successful :meth:`sample_devices` and stopped by :meth:`close`: one
-    round over the GPUs, then a pause of ``pcie_period`` seconds. Samples report its latest
-    values, or ``None`` when they are older than ``pcie_stale_after`` seconds.
-    ``pcie_thread=False`` starts no thread; the values then only come from calling
-    ``PcieReader.run_round`` on ``_pcie`` (what the tests do).
+    PCIe throughput is read by a daemon thread
+    (:data:`~mrc_agent.agent.core.hw.nvml.pcie.PCIE_THREAD_NAME`) started by the first successful
+    :meth:`sample_devices` and stopped by :meth:`close`: one round over the GPUs, then a pause of
+    ``pcie_period`` seconds. Samples report its latest values, or ``None`` when they are older than
+    ``pcie_stale_after`` seconds. ``pcie_thread=False`` starts no thread; the values then only come
+    from calling ``PcieReader.run_round`` on ``_pcie`` (what the tests do).
 
     PCIe byte counters under 64 bits wide are read by a second daemon thread
     (:data:`~mrc_agent.agent.core.hw.nvml.pcie_counters.NARROW_THREAD_NAME`) often enough

@@ -1,4 +1,4 @@
-"""One :class:`~agent.core.hw.base.DeviceSample` per GPU: the per-device NVML fields.
+"""One :class:`~mrc_agent.agent.core.hw.base.DeviceSample` per GPU: the per-device NVML fields.
 
 Utilisation (the rates and GetSamples' fine-grained buffer), memory, PCIe replays, power,
 SM clock, temperature, ECC counts and per-process memory are read here, each through the

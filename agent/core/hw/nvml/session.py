@@ -8,10 +8,10 @@ Three things every other part of the adapter stands on:
   GPU answered NOT_SUPPORTED (never retried, the field stays ``None``) and the messages already
   logged (each logged once);
 * :class:`NvmlSession`, which imports ``pynvml`` lazily, initialises NVML, opens the GPUs, and
-  translates an ``NVMLError`` into :class:`~agent.core.hw.base.SourceUnavailable` (the source
-  does not apply here) or :class:`~agent.core.hw.base.HardwareError` (it failed now). After a
-  failure the next call shuts NVML down, initialises it again and fetches fresh handles, so the
-  collector recovers on its own when NVML answers again.
+  translates an ``NVMLError`` into :class:`~mrc_agent.agent.core.hw.base.SourceUnavailable` (the
+  source does not apply here) or :class:`~mrc_agent.agent.core.hw.base.HardwareError` (it failed
+  now). After a failure the next call shuts NVML down, initialises it again and fetches fresh
+  handles, so the collector recovers on its own when NVML answers again.
 """
 
 from __future__ import annotations
