@@ -150,11 +150,13 @@ _PRIVATE = re.compile(r"\b(10\.\d+\.\d+\.\d+|192\.168\.\d+\.\d+|172\.(1[6-9]|2\d
 
 def test_tests_naming_private_addresses_run_in_a_namespace() -> None:
     """A test module that names a private or link-local address marks those tests ``netns``
-    (.ci/run runs them under unshare -n, with loopback alone)."""
+    (.ci/check's netns stage, which .ci/run runs, runs them under unshare -n, with loopback
+    alone)."""
     for path in sorted((REPO / "tests").glob("*.py")):
         if path.name == "test_layout.py":
             continue
         text = path.read_text()
         if _PRIVATE.search(text):
             assert "pytest.mark.netns" in text, f"{path.name} names a private address"
-    assert "unshare -n" in (REPO / ".ci" / "run").read_text()
+    assert "unshare -n" in (REPO / ".ci" / "check").read_text()
+    assert ".ci/check" in (REPO / ".ci" / "run").read_text()
