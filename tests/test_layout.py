@@ -135,6 +135,15 @@ def test_every_module_is_small_and_says_what_it_is_for(module: str) -> None:
         assert ast.get_docstring(ast.parse(text)), f"{module} has no module docstring"
 
 
+@pytest.mark.parametrize("folder", ["tests", "benchmarks"])
+def test_test_and_benchmark_modules_are_small_too(folder: str) -> None:
+    """The size rule holds for the tests and benchmarks as for the code: a module past it is
+    two concerns, and a test file grown by appending hides what it covers."""
+    big = {str(p.relative_to(REPO)): n for p in sorted((REPO / folder).rglob("*.py"))
+           if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert big == {}, "split them by concern"
+
+
 def test_no_two_public_classes_share_a_name() -> None:
     where: dict[str, list[str]] = {}
     for module, path in MODULES.items():

@@ -27,20 +27,12 @@ from mrc_agent.agent.core.hw.nvml.units import CLOCK_MATCH_S, identify_clock
 from tests.conftest import REPO
 from tests.fakes import fake_pynvml
 from tests.fakes.fake_pynvml import FakeNvml, gpu, nvlink
+from tests.nvml_support import MONO_NOW, NVML_LOGGER, UUID0, UUID1, WALL_NOW
+from tests.nvml_support import FakeClock as Clock
 
-WALL_NOW = 1_700_000_000.0
-MONO_NOW = 5_000.0
 #: Where .ci/run puts the oldest nvidia-ml-py the project declares (pyproject: >=12.535).
 OLD_PYNVML_WHEEL = Path(os.environ.get(
     "MRC_OLD_PYNVML_WHEEL", REPO / "build" / "compat" / "nvidia_ml_py-12.535.161-py3-none-any.whl"))
-
-
-class Clock:
-    def __init__(self, now: float = MONO_NOW) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def backend(fake: Any, clock: Clock | None = None, **kwargs: Any) -> NvmlBackend:
@@ -358,8 +350,6 @@ def test_doctor_says_mig_and_what_is_not_available() -> None:
 
 # --- what the mutation run found: per-GPU memory, messages, boundaries -----------------------
 
-NVML_LOGGER = "mrc_agent.agent.core.hw.nvml"
-UUID0, UUID1 = "GPU-00000000-fake-uuid", "GPU-00000001-fake-uuid"
 
 
 def messages(caplog: pytest.LogCaptureFixture, part: str) -> list[tuple[str, str]]:

@@ -24,21 +24,14 @@ from mrc_agent.agent.core.hw.nvml.pcie_counters import (
     unwrap,
 )
 from tests.fakes.fake_pynvml import FakeNvml, gpu
+from tests.nvml_support import NVML_LOGGER as LOGGER
+from tests.nvml_support import UUID0
+from tests.nvml_support import FakeClock as Clock
 
 U32 = "NVML_VALUE_TYPE_UNSIGNED_INT"
 U64 = "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG"
 #: Host->device copies on an H200, bytes per second: a 32-bit counter wraps every 81 ms.
 RATE = 53e9
-LOGGER = "mrc_agent.agent.core.hw.nvml"
-UUID0 = "GPU-00000000-fake-uuid"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def counted(tx: float, rx: float, value_type: str = U32) -> dict[str, Any]:

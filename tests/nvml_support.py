@@ -1,0 +1,71 @@
+"""What the NVML adapter's tests share: fixed clocks, a backend on them over the fake pynvml,
+GPM values in NVML's units, and the log lines of the adapter's logger."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pynvml
+import pytest
+
+from mrc_agent.agent.core.hw.nvml import NvmlBackend
+from tests.fakes.fake_pynvml import FakeNvml
+
+WALL_NOW = 1_700_000_000.0  # the fake wall clock, seconds since the epoch
+MONO_NOW = 5_000.0  # the fake monotonic clock
+
+
+class Ticker:
+    """A clock that moves ``step`` seconds on every reading (one GPM window per call)."""
+
+    def __init__(self, step: float = 1.0, now: float = MONO_NOW) -> None:
+        self.step, self.now = step, now
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def backend(fake: FakeNvml, **kwargs: Any) -> NvmlBackend:
+    """A backend on fixed clocks and without the PCIe thread: tests call ``_pcie.run_round()``.
+
+    Its GPM clock moves one window per call, so every ``sample_gpm`` takes a new sample.
+    """
+    kwargs.setdefault("clock", lambda: MONO_NOW)
+    kwargs.setdefault("pcie_thread", False)
+    kwargs.setdefault("gpm_clock", Ticker())
+    return NvmlBackend(lib=fake, wall_clock=lambda: WALL_NOW, **kwargs)
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self, now: float = MONO_NOW) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def gpm_values(**overrides: float) -> dict[int, float]:
+    values = {
+        pynvml.NVML_GPM_METRIC_SM_UTIL: 80.0,
+        pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: 40.0,
+        pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 25.0,
+        pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: 50.0,
+        pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC: 100.0,
+        pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC: 200.0,
+        pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: 3.0,
+        pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: 4.0,
+    }
+    for name, value in overrides.items():
+        values[getattr(pynvml, f"NVML_GPM_METRIC_{name}")] = value
+    return values
+
+
+NVML_LOGGER = "mrc_agent.agent.core.hw.nvml"
+UUID0, UUID1 = "GPU-00000000-fake-uuid", "GPU-00000001-fake-uuid"
+
+
+def messages(caplog: pytest.LogCaptureFixture, part: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if part in r.getMessage()]
