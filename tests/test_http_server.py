@@ -134,6 +134,25 @@ def test_an_idle_kept_alive_connection_is_closed(server: ExpositionServer) -> No
         assert socket_closed(s, within=3.0)  # idle_timeout_s is 1 s here
 
 
+def test_after_a_response_the_idle_timeout_applies_not_the_head_timeout() -> None:
+    """Head timeout 0.3 s, idle 2.5 s: a kept-alive connection outlives the head timeout after
+    its answer (so the idle one is what applies) and is closed once the idle one runs out."""
+    limits = Limits(max_connections=8, idle_timeout_s=2.5, head_timeout_s=0.3,
+                    body_timeout_s=0.5, write_timeout_s=2.0, linger_s=0.5,
+                    linger_bytes=1 << 20)
+    srv = ExpositionServer(CollectorRegistry(), "127.0.0.1", 0, lambda: 1, lambda: None,
+                           routes=Echo(), limits=limits)
+    srv.start()
+    try:
+        with _connect(srv) as s:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _read_response(s)[0] == 200
+            assert not socket_closed(s, within=1.0)  # past the head timeout, still open
+            assert socket_closed(s, within=6.0)
+    finally:
+        srv.stop()
+
+
 def test_a_slow_body_is_cut(server: ExpositionServer) -> None:
     with _connect(server) as s:
         s.sendall(b"POST /hook HTTP/1.1\r\nContent-Length: 100\r\n\r\nonly a little")
@@ -189,6 +208,25 @@ def test_idle_connections_beyond_the_cap_make_room_and_metrics_answer() -> None:
     finally:
         for s in idle:
             s.close()
+        srv.stop()
+
+
+@pytest.mark.parametrize(("count", "status"), [(7, 200), (8, 200), (9, 431)])
+def test_the_header_count_limit_holds_at_its_boundary(count: int, status: int) -> None:
+    """``max_headers`` 8: a request with 8 header lines (Host and 7 more) is read, one with 9
+    is 431; off by one either way, one of the two would fail."""
+    limits = Limits(max_connections=8, idle_timeout_s=5.0, head_timeout_s=5.0,
+                    body_timeout_s=0.5, write_timeout_s=2.0, linger_s=0.5,
+                    linger_bytes=1 << 20, max_headers=8)
+    srv = ExpositionServer(CollectorRegistry(), "127.0.0.1", 0, lambda: 1, lambda: None,
+                           routes=Echo(), limits=limits)
+    srv.start()
+    try:
+        extra = "".join(f"X-H{i}: {i}\r\n" for i in range(count - 1))
+        with _connect(srv) as s:
+            s.sendall(f"GET /healthz HTTP/1.1\r\nHost: x\r\n{extra}\r\n".encode())
+            assert _read_response(s)[0] == status
+    finally:
         srv.stop()
 
 
