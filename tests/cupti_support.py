@@ -19,6 +19,7 @@ from tests.fakes.fake_cupti import (
     FakeDevice,
     fake_uuid,
 )
+from tests.support import Clock
 
 SM, DRAM = PROFILING_METRICS
 PCT = "dramc__read_throughput.avg.pct_of_peak_sustained_elapsed"
@@ -32,14 +33,6 @@ MAPPED = ["cuInit", "cuDeviceGetCount", "cuDeviceGet", "cuDeviceGetUuid"]
 def rec(sm: float, dram: float) -> dict[str, float]:
     """One PM sampling interval's values under the preferred metric names."""
     return {SM: sm, DRAM: dram}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def sampler_for(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,8 @@ from typing import Any
 import httpx
 import yaml
 
+from tests.support import free_port
+
 
 def replay_trace(tmp: Path, pattern: str, gpus: int = 1, duration: float = 20) -> Path:
     """``tmp/<pattern>.jsonl``: a synthetic replay trace from ``agent.tools.tracegen``."""
@@ -30,12 +31,6 @@ def replay_trace(tmp: Path, pattern: str, gpus: int = 1, duration: float = 20) -
                          cwd=Path(__file__).resolve().parents[1], timeout=60)
     path.write_text(out.stdout)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def require(binary: str) -> str:

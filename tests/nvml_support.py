@@ -10,6 +10,7 @@ import pytest
 
 from mrc_agent.agent.core.hw.nvml import NvmlBackend
 from tests.fakes.fake_pynvml import FakeNvml
+from tests.support import Clock
 
 WALL_NOW = 1_700_000_000.0  # the fake wall clock, seconds since the epoch
 MONO_NOW = 5_000.0  # the fake monotonic clock
@@ -37,14 +38,11 @@ def backend(fake: FakeNvml, **kwargs: Any) -> NvmlBackend:
     return NvmlBackend(lib=fake, wall_clock=lambda: WALL_NOW, **kwargs)
 
 
-class FakeClock:
-    """A monotonic clock the test moves by hand."""
+class FakeClock(Clock):
+    """A monotonic clock the test moves by hand, starting at :data:`MONO_NOW`."""
 
     def __init__(self, now: float = MONO_NOW) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
+        super().__init__(now)
 
 
 def gpm_values(**overrides: float) -> dict[int, float]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -42,6 +41,7 @@ from mrc_agent.alerts.unit_tests import (
     nvlink,
     promtool_tests,
 )
+from tests.support import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 GENERATED = REPO / "alerts" / "generated"
@@ -328,12 +328,6 @@ def test_amtool_routes(built: Path, labels: list[str], receiver: str) -> None:
     assert res.stdout.split() == [receiver]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _http(url: str, body: Any = None) -> Any:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -346,7 +340,7 @@ def test_alertmanager_inhibits_tickets_of_a_paged_pod(built: Path, tmp_path: Pat
     """A real Alertmanager with the generated config: a page mutes the tickets of its own pod,
     not those of another pod."""
     binary = _binary("prometheus-alertmanager", "prometheus-alertmanager")
-    port = _free_port()
+    port = free_port()
     cfg = replace(DEFAULT, page_webhook_url="http://127.0.0.1:9/page",
                   ticket_webhook_url="http://127.0.0.1:9/ticket")
     build.build(tmp_path / "am", cfg)

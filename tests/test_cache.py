@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from mrc_agent.reference_service.cache import AnswerCache, CacheKey, make_key, prompt_prefix
+from tests.support import Clock as FakeClock
 
 IMG = b"\xff\xd8\xff" + bytes(range(256)) * 10
 GEN = {"max_new_tokens": 64, "do_sample": False}
@@ -16,14 +17,6 @@ GEN = {"max_new_tokens": 64, "do_sample": False}
 def key(prompt: str = "What is damaged?", image: bytes = IMG, model: str = "m",
         revision: str | None = "r1", gen: dict[str, object] | None = None) -> CacheKey:
     return make_key(image, prompt, model, revision, GEN if gen is None else gen)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 # ---------------------------------------------------------------------------------------- keys

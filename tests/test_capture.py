@@ -23,6 +23,7 @@ from mrc_agent.agent.tools.capture.manager import CaptureManager
 from mrc_agent.agent.tools.capture.store import CaptureStore
 from mrc_agent.agent.tools.capture.webhook import Token, WebhookError, parse_webhook
 from tests.conftest import IDLE, REPO, Procs
+from tests.support import Clock
 from tests.test_diagnose import PTRACER_ANY, spawn_preprocess, starved_trace
 
 TOKEN = "s3cret-token-0123456789abcdef"
@@ -225,20 +226,12 @@ def test_run_rejects_bad_capture_settings(tmp_path: Path) -> None:
 
 
 # -- the parts on their own ------------------------------------------------------------------
-class Clock:
-    def __init__(self, t: float = 1_700_000_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def _fill(store: CaptureStore, cid: str, nbytes: int) -> None:
     (Path(store.root) / cid / "flamegraph.svg").write_bytes(b"x" * nbytes)
 
 
 def test_store_deletes_oldest_first_when_over_count_or_bytes(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = Clock(1_700_000_000.0)  # a wall clock: capture ids carry the date
     store = CaptureStore(str(tmp_path / "c"), max_count=3, max_bytes=10_000,
                          retention_s=3600, clock=clock)
     ids = []
@@ -263,7 +256,7 @@ def test_store_deletes_oldest_first_when_over_count_or_bytes(tmp_path: Path) -> 
 
 
 def test_store_retention_and_foreign_entries(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = Clock(1_700_000_000.0)  # a wall clock: capture ids carry the date
     store = CaptureStore(str(tmp_path / "c"), max_count=10, max_bytes=1 << 20,
                          retention_s=3600, clock=clock)
     old = store.create("MRCGPUStarved", 1)

@@ -12,16 +12,9 @@ from mrc_agent.agent.core.hw.base import GPUIdentity, HardwareError, SourceUnava
 from mrc_agent.agent.core.hw.cuda_driver import CudaDriver
 from mrc_agent.agent.core.hw.cupti_pm import BACKOFF_MAX_S, PROFILING_METRICS, CuptiPmSampler
 from tests.fakes.fake_cupti import FakeCupti, FakeDevice, Result, error, fake_uuid
+from tests.support import Clock
 
 SM, DRAM = PROFILING_METRICS
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def never_configures(needs_primary_context: bool = False) -> FakeDevice:

@@ -8,7 +8,6 @@ import dataclasses
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -43,6 +42,7 @@ from mrc_agent.dashboards.queries import (
     substitute_macros,
 )
 from mrc_agent.dashboards.validate import SCHEMA_DIR, validate
+from tests.support import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 GENERATED = REPO / "dashboards" / "generated"
@@ -386,12 +386,6 @@ def test_heatmap_order_survives_any_series_order() -> None:
 
 # -- queries against a real Prometheus ----------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Prometheus:
     def __init__(self, url: str) -> None:
         self.url = url
@@ -414,7 +408,7 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]
     tmp = tmp_path_factory.mktemp("prometheus")
     config = tmp / "prometheus.yml"
     config.write_text("global:\n  scrape_interval: 15s\n")
-    port = _free_port()
+    port = free_port()
     log = (tmp / "prometheus.log").open("wb")
     proc = subprocess.Popen(
         [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}",

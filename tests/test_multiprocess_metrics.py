@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ import pytest
 
 from mrc_agent.exporters.instrumentation import prepare_multiproc_dir
 from tests.conftest import REPO, parse_metrics, series
+from tests.support import free_port
 
 N = 40
 
@@ -75,12 +75,6 @@ APP = textwrap.dedent('''
 ''')
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _client() -> httpx.Client:
     # A fresh connection per request (no keep-alive), or one worker would answer everything.
     return httpx.Client(trust_env=False, timeout=10, headers={"Connection": "close"})
@@ -108,7 +102,7 @@ def test_two_uvicorn_workers_aggregate_into_one_exposition(tmp_path: Path) -> No
     prepare_multiproc_dir(mpdir)  # what a launcher does before starting the workers
     assert not list(mpdir.iterdir())
 
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(mpdir), "PYTHONPATH": str(REPO)}
     log = (tmp_path / "uvicorn.log").open("w+")

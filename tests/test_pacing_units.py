@@ -7,14 +7,7 @@ from __future__ import annotations
 import pytest
 
 from mrc_agent.exporters.pacing import AddressBudgets, TokenBucket
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support import Clock
 
 
 def test_a_burst_passes_then_each_request_waits_its_turn() -> None:

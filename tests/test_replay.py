@@ -9,14 +9,7 @@ import pytest
 
 from mrc_agent.agent.core.hw.base import SourceUnavailable
 from mrc_agent.agent.core.hw.replay import ReplayBackend, ReplayFormatError, load_trace
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.support import Clock
 
 
 def _write(tmp_path, rows: Sequence[object]) -> str:

@@ -12,6 +12,7 @@ from mrc_agent.agent.core.hw.base import HardwareError, SourceUnavailable
 from mrc_agent.agent.core.runner import INTERVAL, SAMPLES, Runner
 from mrc_agent.agent.core.sample import Sample, Snapshot, first
 from mrc_agent.agent.core.targets import TargetResolver
+from tests.support import Clock as ManualClock
 
 
 class Scripted:
@@ -95,14 +96,6 @@ def test_collectors_register_in_an_order_that_honours_what_they_read() -> None:
     assert len({spec.name for spec in CATALOG}) == len(CATALOG)
 
 
-class ManualClock:
-    def __init__(self, t: float = 100.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
 class Stalling:
     """A gpu collector that, when told to, stays in update() for ``seconds`` of the runner's
     clock and lets a scrape look at the runner meanwhile."""
@@ -124,7 +117,7 @@ class Stalling:
 
 
 def test_a_stuck_collector_shows_as_failed_and_not_ready_while_it_is_stuck() -> None:
-    clock = ManualClock()
+    clock = ManualClock(100.0)
     stalling = Stalling(clock)
     runner = Runner([stalling], TargetResolver(), interval=1.0, clock=clock)
     stalling.runner = runner
@@ -145,7 +138,7 @@ def test_a_stuck_collector_shows_as_failed_and_not_ready_while_it_is_stuck() -> 
 
 
 def test_a_short_hiccup_is_not_a_stall() -> None:
-    clock = ManualClock()
+    clock = ManualClock(100.0)
     stalling = Stalling(clock)
     runner = Runner([stalling], TargetResolver(), interval=1.0, clock=clock)
     stalling.runner = runner
@@ -157,7 +150,7 @@ def test_a_short_hiccup_is_not_a_stall() -> None:
 
 
 def test_no_completed_pass_within_two_intervals_is_not_ready() -> None:
-    clock = ManualClock()
+    clock = ManualClock(100.0)
     runner = Runner([Scripted("gpu", [1.0])], TargetResolver(), interval=1.0, clock=clock)
     assert runner.not_ready_reason() == "no sample taken yet"
     runner.sample_once()
@@ -203,7 +196,7 @@ def test_readyz_says_why_it_is_not_ready() -> None:
     from mrc_agent.agent.core.config import AgentConfig
     from mrc_agent.agent.core.wiring import build_server
 
-    clock = ManualClock()
+    clock = ManualClock(100.0)
     runner = Runner([Scripted("gpu", [1.0])], TargetResolver(), interval=1.0, clock=clock)
     server = build_server(AgentConfig(listen="127.0.0.1:0"), runner)
     server.start()

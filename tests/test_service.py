@@ -8,7 +8,6 @@ import io
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,17 +21,12 @@ from PIL import Image
 
 from mrc_agent.reference_service.loadgen import make_photo
 from tests.conftest import REPO, parse_metrics, series
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.support import free_port
 
 
 class Service:
     def __init__(self, cache_dir: Path, *extra: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = cache_dir / f"service-{self.port}.log"
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
