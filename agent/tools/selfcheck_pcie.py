@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mrc_agent.agent.core.hw.base import HardwareError, SourceUnavailable
+from mrc_agent.agent.core.hw.nvml.pcie_counters import WRAP_BITS
 from mrc_agent.agent.core.hw.nvml.units import pcie_kb_per_s_to_bytes_per_s
 from mrc_agent.agent.tools import selfcheck_compare as cmp
 from mrc_agent.agent.tools.selfcheck_compare import TruthCheck
@@ -34,8 +35,6 @@ from mrc_agent.agent.tools.selfcheck_workload import WorkDone, Workload
 CADENCES_S = (1.0, 0.5)
 #: The throughput call's own pace while the copies run (each call blocks ~20 ms).
 THROUGHPUT_EVERY_S = 0.1
-_WIDTHS = {"NVML_VALUE_TYPE_UNSIGNED_INT": 32, "NVML_VALUE_TYPE_UNSIGNED_LONG": 64,
-           "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG": 64}
 
 
 @dataclass
@@ -93,8 +92,8 @@ def field_width(lib: Any, handle: Any) -> tuple[str | None, int | None]:
         return None, None
     if value.nvmlReturn != lib.NVML_SUCCESS:
         return None, None
-    names = [n for n in _WIDTHS if getattr(lib, n, None) == value.valueType]
-    return (names[0], _WIDTHS[names[0]]) if names else (str(value.valueType), None)
+    names = [n for n in WRAP_BITS if getattr(lib, n, None) == value.valueType]
+    return (names[0], WRAP_BITS[names[0]]) if names else (str(value.valueType), None)
 
 
 def throughput_loop(lib: Any, handle: Any, stop: threading.Event,

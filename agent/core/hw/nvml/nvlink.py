@@ -70,10 +70,11 @@ class NvlinkCounters:
             return
         tx: dict[int, float] = {}
         rx: dict[int, float] = {}
+        whole_gpu = {getattr(lib, n, None) for n in _WHOLE_GPU_FAILURES}
         for value in list(values)[: len(request)]:
             scope = int(value.scopeId)
             if scope == AGGREGATE_SCOPE and value.nvmlReturn != lib.NVML_SUCCESS and (
-                value.nvmlReturn not in {getattr(lib, n, None) for n in _WHOLE_GPU_FAILURES}
+                value.nvmlReturn not in whole_gpu
             ):
                 self._refuse_aggregate(lib, gpu, int(value.nvmlReturn))
                 continue

@@ -58,7 +58,7 @@ READS_PER_WRAP = 3
 _NARROW_PERIOD_MIN_S = 0.005
 _NARROW_PERIOD_MAX_S = 0.25
 #: Value types the byte-count fields may come back in, and the width each wraps at.
-_WRAP_BITS = {
+WRAP_BITS = {
     "NVML_VALUE_TYPE_UNSIGNED_INT": 32,
     "NVML_VALUE_TYPE_UNSIGNED_LONG": 64,
     "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG": 64,
@@ -232,7 +232,7 @@ class PcieCounters:
                 raise lib.NVMLError(value.nvmlReturn)
             got[int(value.fieldId)] = (
                 union_value(lib, value.valueType, value.value),
-                _bits(lib, value.valueType),
+                counter_bits(lib, value.valueType),
             )
         if tx_id not in got or rx_id not in got:
             raise HardwareError(f"GPU {gpu.index}: NVML answered other fields than asked")
@@ -372,8 +372,9 @@ class NarrowCounterReader:
                 )
 
 
-def _bits(lib: Any, value_type: int) -> int | None:
-    for const, bits in _WRAP_BITS.items():
+def counter_bits(lib: Any, value_type: int) -> int | None:
+    """The width a counter of this ``NVML_VALUE_TYPE_*`` wraps at; None for another type."""
+    for const, bits in WRAP_BITS.items():
         if value_type == getattr(lib, const, None):
             return bits
     return None

@@ -161,32 +161,26 @@ class Memo:
         except library_mismatch(lib) as err:
             # nvidia-ml-py 13 turns FUNCTION_NOT_FOUND from an unversioned call (whose newest
             # entry point this driver lacks) into NVMLLibraryMismatchError, not an NVMLError.
-            with self._lock:
-                self._unsupported.add(key)
-            self.log_once(
-                log, f"unsupported:{key}", logging.INFO,
-                "GPU %d (%s): %s not available (the driver lacks the entry point nvidia-ml-py "
-                "calls: %s); leaving it absent", gpu.index, gpu.identity.uuid, feature, err,
-            )
-            return None
+            why = f"the driver lacks the entry point nvidia-ml-py calls: {err}"
         except lib.NVMLError as err:
             if err.value in set(empty):
                 return None
             if err.value not in unsupported_codes(lib):
                 raise
-            with self._lock:
-                self._unsupported.add(key)
-            self.log_once(
-                log,
-                f"unsupported:{key}",
-                logging.INFO,
-                "GPU %d (%s): %s not available (%s); leaving it absent",
-                gpu.index,
-                gpu.identity.uuid,
-                feature,
-                err,
-            )
-            return None
+            why = str(err)
+        with self._lock:
+            self._unsupported.add(key)
+        self.log_once(
+            log,
+            f"unsupported:{key}",
+            logging.INFO,
+            "GPU %d (%s): %s not available (%s); leaving it absent",
+            gpu.index,
+            gpu.identity.uuid,
+            feature,
+            why,
+        )
+        return None
 
     def unsupported(self, uuid: str) -> list[str]:
         """The features remembered as not supported on this GPU, sorted (what doctor shows)."""
