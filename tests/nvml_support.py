@@ -67,3 +67,10 @@ UUID0, UUID1 = "GPU-00000000-fake-uuid", "GPU-00000001-fake-uuid"
 
 def messages(caplog: pytest.LogCaptureFixture, part: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if part in r.getMessage()]
+
+
+def counted(tx: float, rx: float,
+            value_type: str = "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG") -> dict[str, Any]:
+    """A fake GPU's ``pcie_count``: raw TX and RX byte counts and the value type they come
+    back as (the fake wraps an unsigned int at 2^32)."""
+    return {"tx_bytes": int(tx), "rx_bytes": int(rx), "value_type": value_type}

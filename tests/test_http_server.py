@@ -4,10 +4,13 @@ sockets on loopback against the real server; small limits so that nothing waits 
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import socket
 import time
 from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
 
 import pytest
 from prometheus_client.registry import CollectorRegistry
@@ -30,13 +33,23 @@ class Echo:
         return Response(200, f"{len(request.body)}\n".encode(), "text/plain")
 
 
+@contextlib.contextmanager
+def _serving(limits: Limits = LIMITS, routes: Any = None) -> Iterator[ExpositionServer]:
+    """A started server with ``limits`` and ``routes`` (:class:`Echo` by default), stopped
+    on leaving."""
+    srv = ExpositionServer(CollectorRegistry(), "127.0.0.1", 0, lambda: 1, lambda: None,
+                           routes=routes if routes is not None else Echo(), limits=limits)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
 @pytest.fixture
 def server() -> Iterator[ExpositionServer]:
-    srv = ExpositionServer(CollectorRegistry(), "127.0.0.1", 0, lambda: 1, lambda: None,
-                           routes=Echo(), limits=LIMITS)
-    srv.start()
-    yield srv
-    srv.stop()
+    with _serving() as srv:
+        yield srv
 
 
 def _connect(server: ExpositionServer) -> socket.socket:
@@ -137,20 +150,12 @@ def test_an_idle_kept_alive_connection_is_closed(server: ExpositionServer) -> No
 def test_after_a_response_the_idle_timeout_applies_not_the_head_timeout() -> None:
     """Head timeout 0.3 s, idle 2.5 s: a kept-alive connection outlives the head timeout after
     its answer (so the idle one is what applies) and is closed once the idle one runs out."""
-    limits = Limits(max_connections=8, idle_timeout_s=2.5, head_timeout_s=0.3,
-                    body_timeout_s=0.5, write_timeout_s=2.0, linger_s=0.5,
-                    linger_bytes=1 << 20)
-    srv = ExpositionServer(CollectorRegistry(), "127.0.0.1", 0, lambda: 1, lambda: None,
-                           routes=Echo(), limits=limits)
-    srv.start()
-    try:
-        with _connect(srv) as s:
-            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert _read_response(s)[0] == 200
-            assert not socket_closed(s, within=1.0)  # past the head timeout, still open
-            assert socket_closed(s, within=6.0)
-    finally:
-        srv.stop()
+    with _serving(replace(LIMITS, idle_timeout_s=2.5, head_timeout_s=0.3)) as srv, \
+            _connect(srv) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _read_response(s)[0] == 200
+        assert not socket_closed(s, within=1.0)  # past the head timeout, still open
+        assert socket_closed(s, within=6.0)
 
 
 def test_a_slow_body_is_cut(server: ExpositionServer) -> None:
@@ -185,49 +190,36 @@ def test_idle_connections_beyond_the_cap_make_room_and_metrics_answer() -> None:
     a scrape is answered. The head and idle timeouts are far longer than the socket's own
     5 s, so only eviction can make that room (with LIMITS' 0.5 s head timeout, a stall of the
     test under load could see its own connections timed out instead)."""
-    patient = Limits(max_connections=LIMITS.max_connections, idle_timeout_s=60.0,
-                     head_timeout_s=60.0, body_timeout_s=0.5, write_timeout_s=2.0,
-                     linger_s=2.0, linger_bytes=16 << 20)
-    srv = ExpositionServer(CollectorRegistry(), "127.0.0.1", 0, lambda: 1, lambda: None,
-                           routes=Echo(), limits=patient)
-    srv.start()
-    idle = [_connect(srv) for _ in range(3 * patient.max_connections)]
-    try:
-        for s in idle[-10:]:
-            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert _read_response(s)[0] == 200
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and srv.connections > patient.max_connections:
-            time.sleep(0.05)
-        assert srv.connections <= patient.max_connections
-        with _connect(srv) as s:  # answered within the socket's 5 s, not the 60 s timeouts
-            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert _read_response(s)[0] == 200
-        evicted = sum(socket_closed(s) for s in idle[:10])
-        assert evicted == 10  # the oldest idle ones made the room
-    finally:
-        for s in idle:
-            s.close()
-        srv.stop()
+    patient = replace(LIMITS, idle_timeout_s=60.0, head_timeout_s=60.0)
+    with _serving(patient) as srv:
+        idle = [_connect(srv) for _ in range(3 * patient.max_connections)]
+        try:
+            for s in idle[-10:]:
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert _read_response(s)[0] == 200
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and srv.connections > patient.max_connections:
+                time.sleep(0.05)
+            assert srv.connections <= patient.max_connections
+            with _connect(srv) as s:  # answered within the socket's 5 s, not the 60 s timeouts
+                s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert _read_response(s)[0] == 200
+            evicted = sum(socket_closed(s) for s in idle[:10])
+            assert evicted == 10  # the oldest idle ones made the room
+        finally:
+            for s in idle:
+                s.close()
 
 
 @pytest.mark.parametrize(("count", "status"), [(7, 200), (8, 200), (9, 431)])
 def test_the_header_count_limit_holds_at_its_boundary(count: int, status: int) -> None:
     """``max_headers`` 8: a request with 8 header lines (Host and 7 more) is read, one with 9
     is 431; off by one either way, one of the two would fail."""
-    limits = Limits(max_connections=8, idle_timeout_s=5.0, head_timeout_s=5.0,
-                    body_timeout_s=0.5, write_timeout_s=2.0, linger_s=0.5,
-                    linger_bytes=1 << 20, max_headers=8)
-    srv = ExpositionServer(CollectorRegistry(), "127.0.0.1", 0, lambda: 1, lambda: None,
-                           routes=Echo(), limits=limits)
-    srv.start()
-    try:
-        extra = "".join(f"X-H{i}: {i}\r\n" for i in range(count - 1))
-        with _connect(srv) as s:
-            s.sendall(f"GET /healthz HTTP/1.1\r\nHost: x\r\n{extra}\r\n".encode())
-            assert _read_response(s)[0] == status
-    finally:
-        srv.stop()
+    limits = replace(LIMITS, idle_timeout_s=5.0, head_timeout_s=5.0, max_headers=8)
+    extra = "".join(f"X-H{i}: {i}\r\n" for i in range(count - 1))
+    with _serving(limits) as srv, _connect(srv) as s:
+        s.sendall(f"GET /healthz HTTP/1.1\r\nHost: x\r\n{extra}\r\n".encode())
+        assert _read_response(s)[0] == status
 
 
 def test_a_route_that_raises_is_a_500_and_the_server_lives_on() -> None:
@@ -237,17 +229,11 @@ def test_a_route_that_raises_is_a_500_and_the_server_lives_on() -> None:
         def handle(self, request: Request) -> Response | None:
             raise RuntimeError("bug")
 
-    srv = ExpositionServer(CollectorRegistry(), "127.0.0.1", 0, lambda: 1, lambda: None,
-                           routes=Broken(), limits=LIMITS)
-    srv.start()
-    try:
-        with _connect(srv) as s:
-            s.sendall(b"GET /anything HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert _read_response(s)[0] == 500
-            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert _read_response(s)[0] == 200
-    finally:
-        srv.stop()
+    with _serving(routes=Broken()) as srv, _connect(srv) as s:
+        s.sendall(b"GET /anything HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _read_response(s)[0] == 500
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _read_response(s)[0] == 200
 
 
 def test_stop_closes_every_connection_and_the_port() -> None:

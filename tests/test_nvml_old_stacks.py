@@ -22,8 +22,8 @@ import pynvml
 import pytest
 
 from mrc_agent.agent.core.hw.base import HardwareError
-from mrc_agent.agent.core.hw.nvml import NvmlBackend
 from tests.fakes import fake_pynvml
+from tests.nvml_support import backend
 from tests.test_nvml_truth import _load_old_pynvml
 
 LOGGER = "mrc_agent.agent.core.hw.nvml"
@@ -38,11 +38,6 @@ def version(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any]]:
     else:
         old = _load_old_pynvml()
         yield old, fake_pynvml.load_fake_for(old)
-
-
-def backend(fake: Any) -> NvmlBackend:
-    return NvmlBackend(lib=fake, clock=lambda: 100.0, wall_clock=lambda: 1.7e9,
-                       pcie_thread=False)
 
 
 def test_a_driver_without_v3_process_lists_is_served_by_v2_through_the_real_call(

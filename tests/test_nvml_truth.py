@@ -27,7 +27,7 @@ from mrc_agent.agent.core.hw.nvml.units import CLOCK_MATCH_S, identify_clock
 from tests.conftest import REPO
 from tests.fakes import fake_pynvml
 from tests.fakes.fake_pynvml import FakeNvml, gpu, nvlink
-from tests.nvml_support import MONO_NOW, NVML_LOGGER, UUID0, UUID1, WALL_NOW
+from tests.nvml_support import MONO_NOW, NVML_LOGGER, UUID0, UUID1, WALL_NOW, counted
 from tests.nvml_support import FakeClock as Clock
 
 #: Where .ci/run puts the oldest nvidia-ml-py the project declares (pyproject: >=12.535).
@@ -38,10 +38,6 @@ OLD_PYNVML_WHEEL = Path(os.environ.get(
 def backend(fake: Any, clock: Clock | None = None, **kwargs: Any) -> NvmlBackend:
     return NvmlBackend(lib=fake, clock=clock or Clock(), wall_clock=lambda: WALL_NOW,
                        pcie_thread=False, **kwargs)
-
-
-def counted(tx: int, rx: int, value_type: str = "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG") -> dict:
-    return {"tx_bytes": tx, "rx_bytes": rx, "value_type": value_type}
 
 
 # --- PCIe byte counters ---------------------------------------------------------------------

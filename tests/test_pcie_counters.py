@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
 
 import pynvml
 import pytest
@@ -25,21 +24,13 @@ from mrc_agent.agent.core.hw.nvml.pcie_counters import (
 )
 from tests.fakes.fake_pynvml import FakeNvml, gpu
 from tests.nvml_support import NVML_LOGGER as LOGGER
-from tests.nvml_support import UUID0
+from tests.nvml_support import UUID0, backend, counted
 from tests.nvml_support import FakeClock as Clock
 
 U32 = "NVML_VALUE_TYPE_UNSIGNED_INT"
 U64 = "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG"
 #: Host->device copies on an H200, bytes per second: a 32-bit counter wraps every 81 ms.
 RATE = 53e9
-
-
-def counted(tx: float, rx: float, value_type: str = U32) -> dict[str, Any]:
-    return {"tx_bytes": int(tx), "rx_bytes": int(rx), "value_type": value_type}
-
-
-def backend(fake: FakeNvml, clock: Clock) -> NvmlBackend:
-    return NvmlBackend(lib=fake, clock=clock, wall_clock=lambda: 1.7e9, pcie_thread=False)
 
 
 def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -73,8 +64,8 @@ def test_unwrap_drops_what_the_link_cannot_explain() -> None:
 
 def test_the_narrow_thread_keeps_a_32_bit_total_right_across_a_dozen_wraps() -> None:
     clock = Clock()
-    fake = FakeNvml([gpu(pcie_count=counted(0, 0))])
-    b = backend(fake, clock)
+    fake = FakeNvml([gpu(pcie_count=counted(0, 0, U32))])
+    b = backend(fake, clock=clock)
     b.sample_devices()
     assert b._pcie_counters.narrow(UUID0)
     assert b._pcie_counters.narrow_period() == pytest.approx(2**32 / 64e9 / 3)
@@ -82,7 +73,7 @@ def test_the_narrow_thread_keeps_a_32_bit_total_right_across_a_dozen_wraps() -> 
     for _ in range(50):  # one second, read every 20 ms as the thread does
         clock.now += 0.02
         true += RATE * 0.02
-        fake.gpus[0]["pcie_count"] = counted(true, true / 2)
+        fake.gpus[0]["pcie_count"] = counted(true, true / 2, U32)
         b._narrow.run_round()
     [s] = b.sample_devices()
     assert true > 12 * 2**32
@@ -95,15 +86,15 @@ def test_a_narrow_counter_read_too_late_is_dropped_and_said_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     clock = Clock()
-    fake = FakeNvml([gpu(pcie_count=counted(0, 0))])
-    b = backend(fake, clock)
+    fake = FakeNvml([gpu(pcie_count=counted(0, 0, U32))])
+    b = backend(fake, clock=clock)
     true = 0.0
     with caplog.at_level(logging.INFO, logger=LOGGER):
         b.sample_devices()
         for _ in range(2):  # a second each with no thread: the wraps cannot be counted
             clock.now += 1.0
             true += RATE
-            fake.gpus[0]["pcie_count"] = counted(true, true)
+            fake.gpus[0]["pcie_count"] = counted(true, true, U32)
             [s] = b.sample_devices()
             assert s.pcie_tx_bytes_total == 0.0  # not the 1/13 of the truth one wrap gives
             assert s.pcie_tx_bytes_per_second is None
@@ -111,7 +102,7 @@ def test_a_narrow_counter_read_too_late_is_dropped_and_said_once(
         for _ in range(10):
             clock.now += 0.02
             true += RATE * 0.02
-            fake.gpus[0]["pcie_count"] = counted(true, true)
+            fake.gpus[0]["pcie_count"] = counted(true, true, U32)
             b._narrow.run_round()
         [s] = b.sample_devices()
     assert s.pcie_tx_bytes_total == pytest.approx(RATE * 0.2, abs=1)
@@ -129,7 +120,7 @@ def test_an_impossible_jump_of_a_64_bit_counter_is_dropped_not_exported(
 ) -> None:
     clock = Clock()
     fake = FakeNvml([gpu(pcie_count=counted(1_000, 1_000, U64))])
-    b = backend(fake, clock)
+    b = backend(fake, clock=clock)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         b.sample_devices()
         clock.now += 1.0
@@ -144,8 +135,8 @@ def test_an_impossible_jump_of_a_64_bit_counter_is_dropped_not_exported(
 def test_without_the_link_from_nvml_the_fastest_link_bounds_it() -> None:
     clock = Clock()
     fake = FakeNvml([gpu(pcie={"tx_kb_per_s": 0, "rx_kb_per_s": 0, "replays": 0},
-                         pcie_count=counted(0, 0))])
-    b = backend(fake, clock)
+                         pcie_count=counted(0, 0, U32))])
+    b = backend(fake, clock=clock)
     b.sample_devices()
     assert b._pcie_counters.narrow_period() == pytest.approx(2**32 / 128e9 / 3)
     assert fake.calls["nvmlDeviceGetMaxPcieLinkGeneration"] == 1
@@ -155,7 +146,7 @@ def test_without_the_link_from_nvml_the_fastest_link_bounds_it() -> None:
 
 def test_the_thread_runs_for_narrow_counters_only_and_stops_at_close() -> None:
     wide = NvmlBackend(lib=FakeNvml([gpu(pcie_count=counted(0, 0, U64))]))
-    narrow_fake = FakeNvml([gpu(pcie_count=counted(0, 0))])
+    narrow_fake = FakeNvml([gpu(pcie_count=counted(0, 0, U32))])
     narrow = NvmlBackend(lib=narrow_fake)
     try:
         wide.sample_devices()
