@@ -12,16 +12,17 @@ values), :mod:`~mrc_agent.exporters.instrumentation.buckets` (boundaries and lab
 :mod:`~mrc_agent.exporters.instrumentation.metrics` (``MRCMetrics`` and ``RequestTracker``),
 :mod:`~mrc_agent.exporters.instrumentation.stores` (where the values live, per mode),
 :mod:`~mrc_agent.exporters.instrumentation.multiprocess` (the multiprocess-mode helpers) and
-:mod:`~mrc_agent.exporters.instrumentation.asgi` (``GET /metrics``).
+:mod:`~mrc_agent.exporters.instrumentation.asgi` (``GET /metrics``; Starlette, loaded on first use).
+The OpenAI meter, for servers that do not import the library, is
+:mod:`~mrc_agent.exporters.instrumentation.meter` (what it reads from the wire),
+:mod:`~mrc_agent.exporters.instrumentation.jsonscan` (how, in bounded work) and
+:mod:`~mrc_agent.exporters.instrumentation.middleware` (``MRCMeterMiddleware``, the ASGI way in;
+``mrc-agent proxy`` is the other).
 """
 
+from typing import Any
+
 from mrc_agent.exporters.instrumentation import buckets
-from mrc_agent.exporters.instrumentation.asgi import (
-    exposition_registry,
-    metrics_app,
-    metrics_endpoint,
-    metrics_route,
-)
 from mrc_agent.exporters.instrumentation.families import (
     CHAIN_BREAK_STEPS,
     FAMILIES,
@@ -36,6 +37,7 @@ from mrc_agent.exporters.instrumentation.families import (
     outcome_for_status,
 )
 from mrc_agent.exporters.instrumentation.metrics import MRCMetrics, RequestTracker
+from mrc_agent.exporters.instrumentation.middleware import MRCMeterMiddleware
 from mrc_agent.exporters.instrumentation.multiprocess import (
     mark_process_dead,
     multiprocess_enabled,
@@ -51,6 +53,7 @@ __all__ = [
     "STAGES",
     "ChainBreakStep",
     "Family",
+    "MRCMeterMiddleware",
     "MRCMetrics",
     "Outcome",
     "RequestTracker",
@@ -65,3 +68,14 @@ __all__ = [
     "outcome_for_status",
     "prepare_multiproc_dir",
 ]
+
+#: The ``/metrics`` helpers import Starlette, which the proxy's light sidecar does not have: they
+#: load on first use.
+_ASGI = frozenset({"exposition_registry", "metrics_app", "metrics_endpoint", "metrics_route"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ASGI:
+        from mrc_agent.exporters.instrumentation import asgi
+        return getattr(asgi, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

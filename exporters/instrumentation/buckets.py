@@ -30,6 +30,9 @@ Histogram buckets (upper bounds, seconds or bytes; ``+Inf`` is added by promethe
   80, 96, 128, 144, 192 GiB) so "how close to this card's memory" is readable on L4/A10 through
   H100/H200/B200.
 
+* ``REQUEST_IMAGES_BUCKETS`` — images per request: 0 (text only), 1 (the usual MRC request), then
+  doubling to 16; OpenAI-compatible servers cap images per prompt in single digits by default.
+
 Label buckets (the ``prompt_length`` and ``resolution`` labels):
 
 * ``PROMPT_LENGTH_EDGES = (50, 100)`` characters of the text prompt (Unicode code points, i.e.
@@ -39,6 +42,11 @@ Label buckets (the ``prompt_length`` and ``resolution`` labels):
   decimal megapixels (``width * height / 1e6``): below 1 MP is a thumbnail or screenshot, 1-4 MP a
   resized photo, above 4 MP a phone camera original (12 MP) whose decode and resize dominate CPU.
   Values ``<1MP``, ``1-4MP``, ``>4MP``.
+
+A meter that cannot see an image's size (a remote ``image_url`` it never fetches) puts the
+request in the ``unknown`` resolution cell (``RESOLUTION_UNKNOWN``), which
+``MRCMetrics(resolution_unknown=True)`` creates; a request with no image at all has 0 pixels, so
+``<1MP``.
 
 Boundary rule, for both label buckets: intervals are half-open ``[lo, hi)`` — a value equal to an
 edge belongs to the bucket *above* it. So 49 characters is ``0-50``, 50 characters is ``50-100``,
@@ -92,7 +100,11 @@ PEAK_GPU_MEMORY_BUCKETS: tuple[float, ...] = tuple(
     )
 )
 
+REQUEST_IMAGES_BUCKETS: tuple[float, ...] = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0)
+
 PROMPT_LENGTH_EDGES: tuple[int, ...] = (50, 100)
+#: The ``resolution`` value of a request whose image size nobody measured.
+RESOLUTION_UNKNOWN = "unknown"
 RESOLUTION_EDGES_MP: tuple[float, ...] = (1.0, 4.0)
 
 assert TTFT_SLA_SECONDS in TIME_TO_FIRST_TOKEN_BUCKETS, "the 500 ms SLA must be a bucket boundary"

@@ -19,7 +19,8 @@ from typing import Literal, get_args
 
 from mrc_agent.exporters.instrumentation import buckets
 
-Stage = Literal["fetch", "decode", "preprocess", "ocr", "prefill", "generate", "postprocess"]
+Stage = Literal["receive", "fetch", "decode", "preprocess", "ocr", "prefill", "generate",
+                "postprocess"]
 Outcome = Literal["ok", "client_error", "overloaded", "timeout", "error"]
 ChainBreakStep = Literal["ocr", "fetch", "preprocess"]
 PreprocessPool = Literal["header", "decode"]
@@ -97,8 +98,8 @@ TIME_PER_OUTPUT_TOKEN = Family(
     _REQ_LABELS, buckets.TIME_PER_OUTPUT_TOKEN_BUCKETS)
 STAGE_DURATION = Family(
     "mrc_stage_duration_seconds", "histogram",
-    "Time spent in one stage of the reasoning chain (fetch, decode, preprocess, ocr, prefill, "
-    "generate, postprocess).",
+    "Time spent in one stage of the reasoning chain (receive: the request body arriving; fetch, "
+    "decode, preprocess, ocr, prefill, generate, postprocess).",
     ("stage",), buckets.STAGE_DURATION_BUCKETS)
 REQUESTS_IN_FLIGHT = Family(
     "mrc_requests_in_flight", "gauge",
@@ -145,8 +146,12 @@ PREPROCESS_ABANDONED_THREADS = Family(
     "still running it, by pool (header, decode); past a fixed number per pool, new images get "
     "503 until they finish.",
     ("pool",))
+REQUEST_IMAGES = Family(
+    "mrc_request_images", "histogram",
+    "Images per request, as the request carried them (the resolution label is the largest's).",
+    (), buckets.REQUEST_IMAGES_BUCKETS)
 #: Every metric of the contract, in exposition order.
 FAMILIES = (REQUEST_DURATION, TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, STAGE_DURATION,
             REQUESTS_IN_FLIGHT, REQUESTS_QUEUED, REQUESTS, PEAK_GPU_MEMORY, CACHE_LOOKUPS,
             CACHE_HITS, CHAIN_BREAKS, MODEL_INFO, QUEUE_TIME, PROMPT_TOKENS, GENERATION_TOKENS,
-            PREPROCESS_ABANDONED_THREADS)
+            PREPROCESS_ABANDONED_THREADS, REQUEST_IMAGES)

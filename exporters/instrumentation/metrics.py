@@ -53,6 +53,7 @@ from mrc_agent.exporters.instrumentation.families import (
     PROMPT_TOKENS,
     QUEUE_TIME,
     REQUEST_DURATION,
+    REQUEST_IMAGES,
     REQUESTS,
     REQUESTS_IN_FLIGHT,
     REQUESTS_QUEUED,
@@ -77,12 +78,14 @@ class MRCMetrics:
     ``registry`` defaults to a fresh ``CollectorRegistry`` (never the global one unless passed).
     ``prompt_edges`` (characters) and ``resolution_edges_mp`` (megapixels) set the label buckets;
     see :mod:`mrc_agent.exporters.instrumentation.buckets` for the ``[lo, hi)`` rule and the
-    generated label values.
+    generated label values. ``resolution_unknown`` adds the ``unknown`` resolution cell, for a
+    caller that cannot always see the image (the OpenAI meter: a remote ``image_url``).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None,
                  prompt_edges: Sequence[int] = buckets.PROMPT_LENGTH_EDGES,
-                 resolution_edges_mp: Sequence[float] = buckets.RESOLUTION_EDGES_MP) -> None:
+                 resolution_edges_mp: Sequence[float] = buckets.RESOLUTION_EDGES_MP,
+                 resolution_unknown: bool = False) -> None:
         self.multiprocess = multiprocess_enabled()
         if self.multiprocess and not Path(os.environ[_ENV]).is_dir():
             raise ValueError(f"{_ENV}={os.environ[_ENV]!r} is not a directory")
@@ -92,6 +95,11 @@ class MRCMetrics:
         self.prompt_edges = tuple(int(e) for e in prompt_edges)
         self.resolution_edges_mp = tuple(float(e) for e in resolution_edges_mp)
         self.resolution_values = buckets.resolution_values(self.resolution_edges_mp)
+        #: Index of the ``unknown`` resolution cell, or None when it was not asked for.
+        self.unknown_resolution_index: int | None = None
+        if resolution_unknown:
+            self.unknown_resolution_index = len(self.resolution_values)
+            self.resolution_values += (buckets.RESOLUTION_UNKNOWN,)
         self._pixel_edges = buckets.pixel_edges(self.resolution_edges_mp)
 
         # Every series, addressed by index: they all exist from the first scrape, and the hot
@@ -113,6 +121,8 @@ class MRCMetrics:
         hist.append((PEAK_GPU_MEMORY, ()))
         self._queue_time_id = len(hist)
         hist.append((QUEUE_TIME, ()))
+        self._images_id = len(hist)
+        hist.append((REQUEST_IMAGES, ()))
         counters: list[_Series] = [(REQUESTS, (o,)) for o in OUTCOMES]
         self._outcome_ids = {o: i for i, o in enumerate(OUTCOMES)}
         self._lookup_id, self._hit_id = len(counters), len(counters) + 1
@@ -302,7 +312,7 @@ class RequestTracker:
     """
 
     __slots__ = ("_m", "_p", "_r", "_t0", "_t_first", "_t_last", "_n_in", "_n_out", "_peak",
-                 "_queue", "_outcome", "_entered", "_obs")
+                 "_queue", "_outcome", "_entered", "_obs", "_images")
 
     def __init__(self, m: MRCMetrics, prompt_chars: int | None, width: int | None,
                  height: int | None) -> None:
@@ -319,6 +329,7 @@ class RequestTracker:
         self._n_in = 0
         self._n_out = 0
         self._peak: float | None = None
+        self._images: int | None = None
         #: Seconds waited for a slot (``queued()`` blocks), None if the request never waited.
         self._queue: float | None = None
         self._outcome: Outcome | None = None
@@ -356,6 +367,8 @@ class RequestTracker:
             observations.append((m._peak_id, self._peak))
         if self._queue is not None:
             observations.append((m._queue_time_id, self._queue))
+        if self._images is not None:
+            observations.append((m._images_id, float(self._images)))
         increments = [(cid, float(n)) for cid, n in ((m._prompt_tokens_id, self._n_in),
                                                       (m._generation_tokens_id, self._n_out))
                       if n]
@@ -384,6 +397,20 @@ class RequestTracker:
         """Set the image size as received (before any resize); known only after decode."""
         self._r = self._m.resolution_index(width, height)
 
+    def set_image_unknown(self) -> None:
+        """The request has an image whose size is not known (the ``unknown`` resolution cell,
+        which the metrics must have been made with: ``MRCMetrics(resolution_unknown=True)``)."""
+        if self._m.unknown_resolution_index is None:
+            raise ValueError("these metrics have no unknown resolution cell "
+                             "(MRCMetrics(resolution_unknown=True))")
+        self._r = self._m.unknown_resolution_index
+
+    def set_image_count(self, n: int) -> None:
+        """Set how many images the request carried (observed at exit)."""
+        if n < 0:
+            raise ValueError(f"image count must be >= 0, got {n}")
+        self._images = n
+
     def stage(self, stage: Stage) -> _StageTimer:
         """Context manager timing one stage of the chain; ValueError for an unknown stage."""
         try:
@@ -407,14 +434,17 @@ class RequestTracker:
         if self._t_first is None:
             self._t_first = perf_counter()
 
-    def tokens(self, n_output: int, n_prompt: int | None = None) -> None:
+    def tokens(self, n_output: int, n_prompt: int | None = None, *, now: bool = True) -> None:
         """Mark the end of generation now, with ``n_output`` tokens generated in all and, when
-        given, ``n_prompt`` prompt tokens processed (both counted at exit)."""
+        given, ``n_prompt`` prompt tokens processed (both counted at exit). With ``now=False``
+        only the counts change: the end stays where an earlier call put it (a stream's last
+        token, before the usage that counts them arrives)."""
         if n_output < 0:
             raise ValueError(f"token count must be >= 0, got {n_output}")
         if n_prompt is not None and n_prompt < 0:
             raise ValueError(f"prompt token count must be >= 0, got {n_prompt}")
-        self._t_last = perf_counter()
+        if now:
+            self._t_last = perf_counter()
         self._n_out = n_output
         if n_prompt is not None:
             self._n_in = n_prompt

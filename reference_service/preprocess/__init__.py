@@ -17,8 +17,8 @@ The rooms, one concern each (an arrow means "imports"):
 * :mod:`~mrc_agent.reference_service.preprocess.b64`: base64 and ``data:`` URL decoding, refused by
 length
   first (:func:`decode_base64`, :func:`max_encoded_len`).
-* :mod:`~mrc_agent.reference_service.preprocess.structure`: the bounded walk of a stream's structure
-  before Pillow parses it, and the magic numbers (:func:`~.structure.walk`).
+* :mod:`~mrc_agent.exporters.imagewalk` (shared with the OpenAI meter): the bounded walk of a
+  stream's structure before Pillow parses it, and the magic numbers (:func:`~.imagewalk.walk`).
 * :mod:`~mrc_agent.reference_service.preprocess.header`: the format allowlist and every limit the
 header
   decides (:func:`probe`). header → structure.

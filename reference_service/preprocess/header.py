@@ -4,7 +4,7 @@
 bytes, format (a fixed allowlist, so Pillow never hands a stream to Ghostscript or another exotic
 plugin) and pixel count (a 50000×50000 PNG is refused here from 33 bytes of IHDR, with no
 allocation). Before Pillow sees a byte,
-:func:`~mrc_agent.reference_service.preprocess.structure.walk` bounds the work of its header walk by
+:func:`~mrc_agent.exporters.imagewalk.walk` bounds the work of its header walk by
 count (a crafted header is refused in milliseconds) and reads the size, so the service's pixel limit
 applies first; Pillow's own decompression-bomb error (at twice ``Image.MAX_IMAGE_PIXELS``) stays as
 a backstop. No warnings filter and no lock: Pillow's DecompressionBombWarning (a size between its
@@ -23,8 +23,8 @@ import struct
 
 from PIL import Image, UnidentifiedImageError
 
+from mrc_agent.exporters.imagewalk import StructureError, sniff, walk
 from mrc_agent.reference_service.errors import ServiceError
-from mrc_agent.reference_service.preprocess.structure import sniff, walk
 from mrc_agent.reference_service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,10 @@ def _check_bytes(data: bytes, settings: Settings) -> None:
 def _open(data: bytes, settings: Settings) -> Image.Image:
     """Parse the header only and apply every limit that the header can decide."""
     _check_bytes(data, settings)
-    walk(data, functools.partial(_check_pixels, settings=settings))
+    try:
+        walk(data, functools.partial(_check_pixels, settings=settings))
+    except StructureError as e:
+        raise ServiceError.of("image_corrupt", str(e)) from e
     try:
         img = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
     except Image.DecompressionBombError as e:

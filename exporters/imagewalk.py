@@ -1,5 +1,10 @@
 """Bounded walks of an image's container structure, before Pillow parses a byte of it.
 
+Shared by the reference service (its header checks,
+:mod:`mrc_agent.reference_service.preprocess.header`) and the OpenAI meter
+(:mod:`mrc_agent.exporters.instrumentation.openai`, which reads an image's size from the first
+bytes of a base64 upload); plain Python, no Pillow.
+
 Pillow's openers walk some structures a byte, a block or a chunk at a time in Python, a few
 microseconds a step. Of 19 MB streams (``tests/test_preprocess_structure.py`` has each), JPEG
 fill bytes took 5.5 s to open, 1.6 million empty PNG chunks 3.1 s, a thousand iCCP chunks that
@@ -8,11 +13,12 @@ strip offsets 4.4 s; decoding a PNG walks every chunk after the image data the s
 
 :func:`walk` follows the same structure first, with searches that run in C (``bytes.find``,
 compiled patterns) over runs of bytes and one Python step per segment, chunk or block, and
-counts. Past a count no real image needs, the stream is refused as ``image_corrupt`` (422: it is
-a crafted or damaged image, whoever sent it), so a crafted header costs milliseconds and Pillow
-never sees it. On the way it reads the width and height and hands them to ``on_size`` at once,
-so the pixel limit applies before Pillow allocates anything (WebP's decoder allocates its canvas
-as it opens) and before the rest of the stream is walked.
+counts. Past a count no real image needs, the walk raises :class:`StructureError` (the reference
+service answers it as ``image_corrupt``, 422: a crafted or damaged image, whoever sent it), so a
+crafted header costs milliseconds and Pillow never sees it. On the way it reads the width and
+height and hands them to ``on_size`` at once, so the pixel limit applies before Pillow allocates
+anything (WebP's decoder allocates its canvas as it opens) and before the rest of the stream is
+walked.
 
 Where the walk cannot follow the structure (a length past the end, a marker Pillow does not
 know, a chunk name that is not one), it stops and returns what it has: Pillow's own walk stops
@@ -27,8 +33,6 @@ import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-
-from mrc_agent.reference_service.errors import ServiceError
 
 #: JPEG: fill (0xFF) and stray bytes between the segments before the image data, which Pillow
 #: steps over one at a time. Encoders write none, or a few to align a segment.
@@ -111,9 +115,13 @@ def sniff(data: bytes) -> str | None:
     return None
 
 
-def _too_many(fmt: str, what: str, limit: int) -> ServiceError:
-    return ServiceError.of("image_corrupt", f"{fmt} has more than {limit} {what} (at most "
-                           f"{limit} are accepted): a crafted or damaged image")
+class StructureError(ValueError):
+    """A stream whose structure goes past a count no real image reaches: crafted or damaged."""
+
+
+def _too_many(fmt: str, what: str, limit: int) -> StructureError:
+    return StructureError(f"{fmt} has more than {limit} {what} (at most "
+                          f"{limit} are accepted): a crafted or damaged image")
 
 
 def _no_check(width: int, height: int) -> None:
@@ -123,7 +131,7 @@ def _no_check(width: int, height: int) -> None:
 def walk(data: bytes, on_size: SizeCheck = _no_check) -> Layout | None:
     """Walk ``data``'s structure within the budgets above; None when no allowed format's magic
     number starts it. ``on_size(width, height)`` is called as soon as a size is read (it may
-    raise to refuse the image). Raises :class:`ServiceError` ``image_corrupt`` past a budget."""
+    raise to refuse the image). Raises :class:`StructureError` past a budget."""
     fmt = sniff(data)
     if fmt is None:
         return None

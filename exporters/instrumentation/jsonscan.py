@@ -1,0 +1,243 @@
+"""An incremental JSON scanner with bounded state: a few values read from a body as it streams by.
+
+The OpenAI meter (:mod:`mrc_agent.exporters.instrumentation.meter`) must know a request's prompt
+length, its images and whether it streams, and a response's ``usage``, without holding the body
+(it passes through, to the app or the upstream, which keeps its own copy) and without letting a
+hostile body cost more than a fixed amount per byte. So this is not a parser that builds values:
+it walks the bytes once, keeps a stack of container keys, and for each scalar it meets asks its
+owner (:meth:`JsonScanner.mode`) what to do with it:
+
+* ``SKIP`` — nothing (the default: most of a body, base64 images included, is skipped with
+  ``re.search`` over the string, which runs in C);
+* ``COUNT`` — count the string's characters as Python's ``len`` would count the decoded string
+  (UTF-8 continuation bytes are not characters; an escape is one; a surrogate pair is one);
+* ``CAPTURE`` — keep the decoded string up to ``capture_limit`` bytes, and say whether it was cut.
+
+Its state between chunks is the container stack (at most ``max_depth`` deep), the value being
+read, and at most a few bytes of an escape or literal cut by a chunk boundary. Past ``max_depth``
+(100,000 nested brackets), past ``max_tokens`` scalars and brackets (a million-element array) or
+at a byte that cannot be JSON, it stops and sets :attr:`JsonScanner.failed`: the rest passes
+unread, and the owner treats what it wanted as unknown. The scanner is permissive: it tracks
+structure, it does not validate grammar (the server that receives the body does).
+"""
+
+from __future__ import annotations
+
+import re
+
+SKIP, COUNT, CAPTURE = 0, 1, 2
+
+#: A path element for an array's item (object members are their key, decoded, as ``str``).
+ITEM = None
+#: Nesting deeper than this is no real request (a chat request nests six deep).
+MAX_DEPTH = 64
+#: Scalars and brackets scanned before giving up (a chat request has a few hundred).
+MAX_TOKENS = 100_000
+#: Bytes of an object key kept (longer keys are none the meter looks for).
+_KEY_LIMIT = 64
+
+_TOKEN = re.compile(rb"[ \t\r\n]*(?:([{}\[\]:,])|(\")|([^ \t\r\n{}\[\]:,\"]+))")
+_STRING_STOP = re.compile(rb'["\\]')
+#: UTF-8 continuation bytes: removing them leaves one byte per code point.
+_CONTINUATION = bytes(range(0x80, 0xC0))
+_ESCAPES = {ord('"'): b'"', ord("\\"): b"\\", ord("/"): b"/", ord("b"): b"\b",
+            ord("f"): b"\f", ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t"}
+_HEX = re.compile(rb"[0-9a-fA-F]{4}")
+#: A literal (number, true, false, null) longer than this is cut: no value the meter reads needs
+#: more, and a chunk boundary inside one carries at most this much.
+_LITERAL_LIMIT = 32
+
+
+class JsonScanner:
+    """Feed it chunks (:meth:`feed`), then :meth:`close`; override :meth:`mode`,
+    :meth:`string` and :meth:`literal` to receive the values wanted.
+
+    ``path`` arguments are tuples of keys (``str``) and :data:`ITEM` for array items, from the
+    root: ``("messages", ITEM, "content")``.
+    """
+
+    capture_limit = 4096
+
+    def __init__(self) -> None:
+        #: Why scanning stopped early, or None.
+        self.failed: str | None = None
+        self._keys: list[str | None] = []   # path: one entry per open container
+        self._is_obj: list[bool] = []
+        self._expect_key = False
+        self._carry = b""                    # an escape or literal cut by a chunk boundary
+        self._in_string = False
+        self._str_mode = SKIP
+        self._str_is_key = False
+        self._count = 0
+        self._buf = bytearray()
+        self._cut = False
+        self._tokens = 0
+        self._done = False
+
+    # --- the owner's hooks ------------------------------------------------------------------
+
+    def mode(self, path: tuple[str | None, ...]) -> int:
+        """What to do with the string value at ``path``: SKIP, COUNT or CAPTURE."""
+        return SKIP
+
+    def string(self, path: tuple[str | None, ...], value: bytes | int, cut: bool) -> None:
+        """A string value asked for: its character count (COUNT) or bytes (CAPTURE)."""
+
+    def literal(self, path: tuple[str | None, ...], text: bytes) -> None:
+        """A number, ``true``, ``false`` or ``null`` at ``path`` (cut at 32 bytes)."""
+
+    # --- feeding ----------------------------------------------------------------------------
+
+    def feed(self, chunk: bytes) -> None:
+        if self.failed is not None or self._done or not chunk:
+            return
+        if self._carry:
+            chunk = self._carry + chunk
+            self._carry = b""
+        pos, end = 0, len(chunk)
+        while pos < end and self.failed is None:
+            if self._in_string:
+                pos = self._string_part(chunk, pos, end)
+                continue
+            m = _TOKEN.match(chunk, pos)
+            if m is None:  # only whitespace left
+                return
+            self._tokens += 1
+            if self._tokens > MAX_TOKENS:
+                self.failed = f"more than {MAX_TOKENS} values"
+                return
+            if m.lastindex == 1:
+                self._structural(chunk[m.start(1)])
+                pos = m.end()
+            elif m.lastindex == 2:
+                self._start_string()
+                pos = m.end()
+            else:
+                if m.end() == end:  # may continue in the next chunk
+                    self._carry = chunk[m.start(3):end][:_LITERAL_LIMIT + 1]
+                    self._tokens -= 1
+                    return
+                self._literal(chunk[m.start(3):m.end()])
+                pos = m.end()
+
+    def close(self) -> None:
+        """The body ended: a literal waiting for its end is complete; an open string is not."""
+        if self.failed is None and self._carry and not self._in_string:
+            carry, self._carry = self._carry, b""
+            self._literal(carry)
+        elif self.failed is None and (self._in_string or self._keys):
+            self.failed = "the body ended inside a value"
+        self._done = True
+
+    # --- structure --------------------------------------------------------------------------
+
+    def _path(self) -> tuple[str | None, ...]:
+        return tuple(self._keys)
+
+    def _structural(self, c: int) -> None:
+        if c in (0x7B, 0x5B):  # { [
+            if len(self._keys) >= MAX_DEPTH:
+                self.failed = f"nested more than {MAX_DEPTH} deep"
+                return
+            obj = c == 0x7B
+            self._keys.append(ITEM)
+            self._is_obj.append(obj)
+            self._expect_key = obj
+        elif c in (0x7D, 0x5D):  # } ]
+            if not self._keys:
+                self.failed = "a closing bracket with nothing open"
+                return
+            self._keys.pop()
+            self._is_obj.pop()
+            self._expect_key = False
+            if not self._keys:
+                self._done = True
+        elif c == 0x2C and self._is_obj and self._is_obj[-1]:  # , in an object
+            self._expect_key = True
+            self._keys[-1] = ITEM
+        # ':' needs nothing: the key was set when its string ended.
+
+    def _literal(self, text: bytes) -> None:
+        if self._expect_key or not self._keys and self._tokens > 1:
+            self.failed = "a bare word where JSON has none"
+            return
+        self.literal(self._path(), text[:_LITERAL_LIMIT])
+
+    def _start_string(self) -> None:
+        self._in_string = True
+        self._count = 0
+        self._cut = False
+        self._buf.clear()
+        if self._keys and self._is_obj[-1] and self._expect_key:
+            self._str_is_key = True
+            self._str_mode = CAPTURE
+        else:
+            self._str_is_key = False
+            self._str_mode = self.mode(self._path())
+
+    def _end_string(self) -> None:
+        self._in_string = False
+        if self._str_is_key:
+            key = None if self._cut else self._buf.decode("utf-8", "replace")
+            self._keys[-1] = key if key is not None else "\x00"
+            self._expect_key = False
+        elif self._str_mode == COUNT:
+            self.string(self._path(), self._count, False)
+        elif self._str_mode == CAPTURE:
+            self.string(self._path(), bytes(self._buf), self._cut)
+
+    # --- strings ----------------------------------------------------------------------------
+
+    def _take(self, seg: bytes) -> None:
+        mode = self._str_mode
+        if mode == COUNT:
+            self._count += len(seg.translate(None, _CONTINUATION))
+        elif mode == CAPTURE:
+            limit = _KEY_LIMIT if self._str_is_key else self.capture_limit
+            room = limit - len(self._buf)
+            if len(seg) > room:
+                self._cut = True
+                seg = seg[:max(room, 0)]
+            self._buf += seg
+
+    def _string_part(self, data: bytes, pos: int, end: int) -> int:
+        m = _STRING_STOP.search(data, pos)
+        if m is None:
+            if self._str_mode != SKIP:
+                self._take(data[pos:end])
+            return end
+        stop = m.start()
+        if stop > pos and self._str_mode != SKIP:
+            self._take(data[pos:stop])
+        if data[stop] == 0x22:  # "
+            self._end_string()
+            return stop + 1
+        # A backslash: a two-byte escape or \uXXXX.
+        if stop + 1 >= end:
+            self._carry = data[stop:end]
+            return end
+        kind = data[stop + 1]
+        if kind == 0x75:  # u
+            if stop + 6 > end:
+                self._carry = data[stop:end]
+                return end
+            digits = data[stop + 2:stop + 6]
+            if not _HEX.fullmatch(digits):
+                self.failed = "a \\u escape without four hex digits"
+                return end
+            code = int(digits, 16)
+            if self._str_mode == COUNT:
+                self._count += 0 if 0xDC00 <= code <= 0xDFFF else 1  # a pair counts once
+            elif self._str_mode == CAPTURE:
+                ch = "\ufffd" if 0xD800 <= code <= 0xDFFF else chr(code)
+                self._take(ch.encode())
+            return stop + 6
+        plain = _ESCAPES.get(kind)
+        if plain is None:
+            self.failed = "an unknown escape in a string"
+            return end
+        if self._str_mode == COUNT:
+            self._count += 1
+        elif self._str_mode == CAPTURE:
+            self._take(plain)
+        return stop + 2

@@ -1,0 +1,380 @@
+"""The OpenAI meter: the MRC request metrics for any OpenAI-compatible server, from the wire.
+
+vLLM, SGLang, TGI and Triton's OpenAI frontend export no request metrics by prompt length × image
+resolution, and their time to first token starts after the upload and the image decode. The meter
+reads what crosses the wire of ``POST /v1/chat/completions`` and ``POST /v1/completions`` and
+records the library's own families (:mod:`mrc_agent.exporters.instrumentation.families`) under
+their own names and labels, so the shipped dashboards and alerts work unchanged. Two ways in share
+this module: the ASGI middleware (:mod:`mrc_agent.exporters.instrumentation.middleware`) and the
+streaming proxy (``mrc-agent proxy``); each hands an :class:`Exchange` the bytes it forwards.
+
+What it records, and from what:
+
+* **prompt length** — characters (``len`` of the decoded text, as the library counts) of every
+  text in ``messages`` (string contents and ``text`` parts, every role) or of ``prompt``;
+* **resolution** — of the largest image, read from its first bytes: a ``data:`` URL's (or bare)
+  base64 is decoded up to :data:`IMAGE_HEAD_BYTES` and its header walked by
+  :func:`mrc_agent.exporters.imagewalk.walk`, bounded by count. A remote ``http(s)`` URL is never
+  fetched: it puts the request in the ``unknown`` cell, as does an image whose size its first
+  bytes do not tell; when any image is unknown, so is the largest. No image at all is 0 pixels,
+  ``<1MP``. The image count goes to ``mrc_request_images``;
+* **time to first token** — the first server-sent event carrying content (``delta.content``,
+  ``delta.reasoning_content``/``reasoning``, ``delta.tool_calls`` or a completion's ``text``)
+  of a streamed answer. A non-streamed answer has no first token on the wire: its TTFT is not
+  observed (its duration is);
+* **time per output token** — from the first content event to the last, over the completion
+  tokens in ``usage`` (or, without ``usage``, the content events);
+* **tokens** — ``usage.prompt_tokens`` and ``usage.completion_tokens`` when the answer carries
+  them. The meter never changes a request to obtain them (a stream has ``usage`` only when the
+  client asked, with ``stream_options.include_usage``);
+* **outcome** — from the status: a client that leaves before the answer ends is 499
+  (``client_error``, as nginx counts it); an upstream that fails after its status, or an error
+  event in a stream, is ``error``;
+* **receive** stage — from the request's first byte seen to its last;
+* **in flight** — the tracker's gauge, while the exchange lasts.
+
+Work is bounded per byte and state per request (:mod:`~.jsonscan`): the body is never held
+(large ones stream through), an event of a stream is kept only up to :data:`EVENT_LIMIT` bytes,
+and an image's head only up to :data:`IMAGE_HEAD_BYTES`.
+"""
+
+from __future__ import annotations
+
+import binascii
+import json
+from collections.abc import Iterable
+from time import perf_counter
+from typing import Any
+
+from mrc_agent.exporters.imagewalk import StructureError, walk
+from mrc_agent.exporters.instrumentation.jsonscan import CAPTURE, COUNT, ITEM, SKIP, JsonScanner
+from mrc_agent.exporters.instrumentation.metrics import MRCMetrics, RequestTracker
+
+#: The request paths metered (a suffix match: a server under a root path is metered too).
+METERED_PATHS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions")
+#: Decoded bytes of an image read for its size: a JPEG's frame header follows its EXIF and ICC
+#: segments (64 KiB each at most, one ICC profile rarely more than a few).
+IMAGE_HEAD_BYTES = 192 * 1024
+#: Bytes of one server-sent event parsed for content and usage; a larger one (no real chunk is)
+#: counts as content without being parsed.
+EVENT_LIMIT = 64 * 1024
+#: The status a client gets counted with when it leaves before the answer ends (nginx's).
+CLIENT_CLOSED = 499
+_STATUS_FAILED = 502
+
+_MESSAGE_TEXT = {("messages", ITEM, "content"), ("messages", ITEM, "content", ITEM, "text"),
+                 ("prompt",), ("prompt", ITEM)}
+_IMAGE_URL = {("messages", ITEM, "content", ITEM, "image_url", "url"),
+              ("messages", ITEM, "content", ITEM, "image_url")}
+_B64_HEAD_CHARS = (IMAGE_HEAD_BYTES // 3) * 4
+_DATA_URL_HEADER = 512
+_WHITESPACE = b" \t\r\n"
+_URLSAFE = bytes.maketrans(b"-_", b"+/")
+
+
+class _Found(Exception):
+    def __init__(self, width: int, height: int) -> None:
+        super().__init__(width, height)
+        self.size = (width, height)
+
+
+def _stop_at_size(width: int, height: int) -> None:
+    raise _Found(width, height)
+
+
+def image_size(url: bytes) -> tuple[int, int] | None:
+    """Width and height of the image a request's ``url`` carries, from its first bytes; None when
+    they do not tell (a remote URL, not an image, a header past the head or a crafted one)."""
+    head = url[:16].lower()
+    if head.startswith((b"http://", b"https://")):
+        return None
+    if head.startswith(b"data:"):
+        comma = url.find(b",", 0, _DATA_URL_HEADER)
+        if comma < 0 or b";base64" not in url[:comma].lower():
+            return None
+        text = url[comma + 1:comma + 1 + _B64_HEAD_CHARS + 64]
+    else:
+        text = url[:_B64_HEAD_CHARS + 64]
+    text = text.translate(_URLSAFE, _WHITESPACE)
+    pad = text.find(b"=")
+    if pad >= 0:
+        text = text[:pad]
+    text = text[:len(text) - len(text) % 4]
+    try:
+        data = binascii.a2b_base64(text)
+    except (binascii.Error, ValueError):
+        return None
+    try:
+        layout = walk(data[:IMAGE_HEAD_BYTES], _stop_at_size)
+    except _Found as found:
+        return found.size
+    except StructureError:
+        return None
+    return layout.size if layout is not None else None
+
+
+class ChatRequestScan(JsonScanner):
+    """What the meter reads from a request body: prompt characters, images, ``stream``."""
+
+    capture_limit = _DATA_URL_HEADER + _B64_HEAD_CHARS + 64
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prompt_chars = 0
+        self.images = 0
+        #: Pixels of the largest image so far, and its size; None once an image is unknown.
+        self.largest: tuple[int, int] | None = (0, 0)
+        self.stream = False
+
+    def mode(self, path: tuple[str | None, ...]) -> int:
+        if path in _MESSAGE_TEXT:
+            return COUNT
+        if path in _IMAGE_URL:
+            return CAPTURE
+        return SKIP
+
+    def string(self, path: tuple[str | None, ...], value: bytes | int, cut: bool) -> None:
+        if isinstance(value, int):
+            self.prompt_chars += value
+            return
+        self.images += 1
+        size = image_size(value)
+        if size is None:
+            self.largest = None
+        elif self.largest is not None and size[0] * size[1] >= self.largest[0] * self.largest[1]:
+            self.largest = size
+
+    def literal(self, path: tuple[str | None, ...], text: bytes) -> None:
+        if path == ("stream",):
+            self.stream = text == b"true"
+
+
+class UsageScan(JsonScanner):
+    """``usage`` of a non-streamed answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+
+    def literal(self, path: tuple[str | None, ...], text: bytes) -> None:
+        if len(path) == 2 and path[0] == "usage":
+            n = _count(text)
+            if path[1] == "prompt_tokens":
+                self.prompt_tokens = n
+            elif path[1] == "completion_tokens":
+                self.completion_tokens = n
+
+
+def _count(text: bytes | Any) -> int | None:
+    if isinstance(text, bytes):
+        text = text.decode("ascii", "replace")
+    try:
+        n = int(text)
+    except (TypeError, ValueError):
+        return None
+    return n if n >= 0 else None
+
+
+def _has_content(choices: Any) -> bool:
+    if not isinstance(choices, list):
+        return False
+    for c in choices:
+        if not isinstance(c, dict):
+            continue
+        if c.get("text"):
+            return True
+        delta = c.get("delta")
+        if isinstance(delta, dict) and (delta.get("content") or delta.get("reasoning_content")
+                                        or delta.get("reasoning") or delta.get("tool_calls")):
+            return True
+    return False
+
+
+class EventScan:
+    """Server-sent events of a streamed answer: content events (the first is the first token),
+    ``usage``, error events. Keeps at most one event's data, up to :data:`EVENT_LIMIT`."""
+
+    def __init__(self, exchange: Exchange) -> None:
+        self._x = exchange
+        self._line = bytearray()
+        self._data = bytearray()
+        self._oversize = False
+        self._line_cut = False
+        self.events = 0
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+        self.error = False
+
+    def feed(self, chunk: bytes) -> None:
+        start = 0
+        while True:
+            nl = chunk.find(b"\n", start)
+            if nl < 0:
+                rest = chunk[start:]
+                if len(self._line) + len(rest) > EVENT_LIMIT:
+                    self._line_cut = True
+                    rest = rest[:max(EVENT_LIMIT - len(self._line), 0)]
+                self._line += rest
+                return
+            part = chunk[start:nl]
+            if not self._line_cut:
+                if len(self._line) + len(part) > EVENT_LIMIT:
+                    self._line_cut = True
+                else:
+                    self._line += part
+            self._end_line()
+            start = nl + 1
+
+    def close(self) -> None:
+        if self._line:
+            self._end_line()
+        self._end_line()  # a last event without its blank line
+
+    def _end_line(self) -> None:
+        line = bytes(self._line).rstrip(b"\r")
+        cut, self._line_cut = self._line_cut, False
+        self._line.clear()
+        if not line and not cut:
+            self._dispatch()
+        elif line.startswith(b"data:"):
+            value = line[5:]
+            if value.startswith(b" "):
+                value = value[1:]
+            if cut or self._oversize or len(self._data) + len(value) + 1 > EVENT_LIMIT:
+                self._oversize = True
+                self._data.clear()
+            else:
+                if self._data:
+                    self._data += b"\n"
+                self._data += value
+
+    def _dispatch(self) -> None:
+        data, oversize = bytes(self._data), self._oversize
+        self._data.clear()
+        self._oversize = False
+        if oversize:
+            self._content()
+            return
+        if not data or data == b"[DONE]":
+            return
+        try:
+            event = json.loads(data)
+        except (ValueError, RecursionError):
+            return
+        if not isinstance(event, dict):
+            return
+        if event.get("error") is not None:
+            self.error = True
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            p, c = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+            if p is not None:
+                self.prompt_tokens = p
+            if c is not None:
+                self.completion_tokens = c
+        if _has_content(event.get("choices")):
+            self._content()
+
+    def _content(self) -> None:
+        self.events += 1
+        t = self._x.tracker
+        t.first_token()
+        t.tokens(self.events)
+
+
+class Exchange:
+    """One metered request and its answer. The transport calls, in order: :meth:`request_body`
+    for each body chunk, :meth:`response_start`, :meth:`response_body` for each chunk, and always
+    :meth:`finish` (``client_left`` when the client went away before the answer ended). Each
+    call costs bounded work; none raises on what it is fed."""
+
+    __slots__ = ("tracker", "_t0", "_scan", "_received", "_status", "_resp", "_complete",
+                 "_finished")
+
+    def __init__(self, metrics: MRCMetrics) -> None:
+        self.tracker: RequestTracker = metrics.request()
+        self.tracker.__enter__()
+        self._t0 = perf_counter()
+        self._scan: ChatRequestScan | None = ChatRequestScan()
+        self._received = False
+        self._status: int | None = None
+        self._resp: UsageScan | EventScan | None = None
+        self._complete = False
+        self._finished = False
+
+    def request_body(self, chunk: bytes, more: bool) -> None:
+        scan = self._scan
+        if scan is None:
+            return
+        scan.feed(chunk)
+        if not more:
+            self._received_all()
+
+    def _received_all(self) -> None:
+        scan = self._scan
+        if scan is None or self._received:
+            return
+        self._received = True
+        scan.close()
+        t = self.tracker
+        t.observe_stage("receive", perf_counter() - self._t0)
+        if scan.failed is not None:
+            return
+        t.set_prompt(scan.prompt_chars)
+        t.set_image_count(scan.images)
+        if scan.largest is None:
+            t.set_image_unknown()
+        else:
+            t.set_image(*scan.largest)
+
+    def response_start(self, status: int, content_type: str) -> None:
+        self._received_all()
+        self._status = status
+        if status >= 400:
+            return
+        media = content_type.split(";", 1)[0].strip().lower()
+        if media == "text/event-stream":
+            self._resp = EventScan(self)
+        elif media == "application/json" or media.endswith("+json"):
+            self._resp = UsageScan()
+
+    def response_body(self, chunk: bytes, more: bool) -> None:
+        resp = self._resp
+        if resp is not None and chunk:
+            resp.feed(chunk)
+        if not more:
+            self._complete = True
+
+    def finish(self, client_left: bool = False) -> None:
+        """End the exchange: its outcome is the status when the answer ended, 499 when the
+        client left first (``client_left``), 502 when the server failed before it ended."""
+        if self._finished:
+            return
+        self._finished = True
+        t = self.tracker
+        resp = self._resp
+        if resp is not None and self._complete:
+            resp.close()
+        if isinstance(resp, UsageScan | EventScan):
+            prompt, completion = resp.prompt_tokens, resp.completion_tokens
+            if completion is not None:
+                t.tokens(completion, prompt, now=isinstance(resp, UsageScan))
+            elif prompt is not None:
+                t.tokens(getattr(resp, "events", 0), prompt, now=False)
+        if self._complete and self._status is not None:
+            status = self._status
+            if isinstance(resp, EventScan) and resp.error:
+                status = max(status, _STATUS_FAILED)
+        elif client_left:
+            status = CLIENT_CLOSED
+        else:
+            status = _STATUS_FAILED  # the server failed before its answer ended
+        t.set_status(status)
+        t.__exit__(None, None, None)
+
+
+def metered(method: str, path: str, paths: Iterable[str] = METERED_PATHS) -> bool:
+    """Whether a request is one the meter records (``POST`` to a path ending in one of
+    ``paths``)."""
+    return method == "POST" and path.endswith(tuple(paths))
