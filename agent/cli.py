@@ -5,8 +5,9 @@ an operator tool. The only place that turns bad input into exit code 2. The flag
 Subcommands: ``run`` (the sidecar), ``record`` (write a replay trace from a real GPU),
 ``doctor`` (what this host can deliver), ``demo`` (the agent on an embedded default, printing
 the golden triangle live), ``diagnose`` (flame graph, samples and a verdict for one process),
-``selfcheck`` (the agent's GPU readings against a reference measured in the same run) and
-``catalog`` (the metric catalogue as Markdown).
+``selfcheck`` (the agent's GPU readings against a reference measured in the same run),
+``proxy`` (the OpenAI meter in front of a server that takes no middleware) and ``catalog`` (the
+metric catalogue as Markdown).
 """
 
 from __future__ import annotations
@@ -148,6 +149,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="label that tells clusters apart, kept by the fleet rules and "
                     "Alertmanager's grouping (cluster; empty: none)")
 
+    proxy = sub.add_parser(
+        "proxy", help="meter an OpenAI-compatible server (vLLM, SGLang, TGI, Triton) from in "
+        "front of it: a streaming reverse proxy serving the request metrics")
+    proxy.add_argument("--listen", required=True, metavar="HOST:PORT",
+                       help="address the clients connect to")
+    proxy.add_argument("--upstream", required=True, metavar="URL",
+                       help="the server, http(s)://host:port (the request path is kept)")
+    proxy.add_argument("--metrics-listen", required=True, metavar="HOST:PORT",
+                       help="address serving /metrics")
+    proxy.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="give up connecting to the upstream after this long: 502")
+    proxy.add_argument("--log-level", default="info",
+                       choices=["debug", "info", "warning", "error"])
+
     dash = sub.add_parser("dashboards", help="Grafana dashboards as code")
     dash_sub = dash.add_subparsers(dest="dashboards_command", required=True, parser_class=_Parser)
     db = dash_sub.add_parser("build", help="write the dashboard JSON, the provisioning file and "
@@ -231,6 +246,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.duration <= 0 or not 0.01 <= args.interval <= 60:
                 raise ConfigError("--duration must be > 0 and --interval 0.01-60 seconds")
             return run_record(args.out, args.duration, args.interval, args.profiling)
+        if args.command == "proxy":
+            from mrc_agent.agent.tools.proxy import ProxyError, run_proxy
+
+            _setup_logging(args.log_level)
+            if not args.connect_timeout > 0:
+                raise ConfigError("--connect-timeout must be > 0")
+            try:
+                return run_proxy(args.listen, args.upstream, args.metrics_listen,
+                                 args.connect_timeout)
+            except ProxyError as exc:
+                raise ConfigError(str(exc)) from exc
         if args.command == "selfcheck":
             from mrc_agent.agent.tools.selfcheck import run_selfcheck_command
 

@@ -23,10 +23,12 @@ What it records, and from what:
   of a streamed answer. A non-streamed answer has no first token on the wire: its TTFT is not
   observed (its duration is);
 * **time per output token** — from the first content event to the last, over the completion
-  tokens in ``usage`` (or, without ``usage``, the content events);
+  tokens in ``usage``; a stream without ``usage`` has none (its events are not tokens: an engine
+  may put several tokens in one);
 * **tokens** — ``usage.prompt_tokens`` and ``usage.completion_tokens`` when the answer carries
-  them. The meter never changes a request to obtain them (a stream has ``usage`` only when the
-  client asked, with ``stream_options.include_usage``);
+  them, and nothing when it does not. The meter never changes a request to obtain them (a stream
+  has ``usage`` only when the client asked, with ``stream_options.include_usage``, and the server
+  honours it);
 * **outcome** — from the status: a client that leaves before the answer ends is 499
   (``client_error``, as nginx counts it); an upstream that fails after its status, or an error
   event in a stream, is ``error``;
@@ -280,7 +282,7 @@ class EventScan:
         self.events += 1
         t = self._x.tracker
         t.first_token()
-        t.tokens(self.events)
+        t.tokens(0, now=True)  # the last token so far; usage gives the counts
 
 
 class Exchange:
@@ -356,12 +358,10 @@ class Exchange:
         resp = self._resp
         if resp is not None and self._complete:
             resp.close()
-        if isinstance(resp, UsageScan | EventScan):
-            prompt, completion = resp.prompt_tokens, resp.completion_tokens
-            if completion is not None:
-                t.tokens(completion, prompt, now=isinstance(resp, UsageScan))
-            elif prompt is not None:
-                t.tokens(getattr(resp, "events", 0), prompt, now=False)
+        if resp is not None and (resp.prompt_tokens is not None
+                                 or resp.completion_tokens is not None):
+            t.tokens(resp.completion_tokens or 0, resp.prompt_tokens,
+                     now=isinstance(resp, UsageScan))
         if self._complete and self._status is not None:
             status = self._status
             if isinstance(resp, EventScan) and resp.error:

@@ -1,0 +1,464 @@
+"""``mrc-agent proxy``: the OpenAI meter as a streaming reverse proxy, for any server.
+
+TGI and Triton are not Python and take no ASGI middleware; the proxy sits in front of them (or of
+anything speaking HTTP/1.1) and hands every ``POST /v1/chat/completions`` and ``/v1/completions``
+it forwards to the meter (:mod:`mrc_agent.exporters.instrumentation.meter`), whose families it
+serves on ``--metrics-listen`` with the agent's exposition server.
+
+What it does to the traffic, and what it does not:
+
+* **bytes** — bodies and events pass byte for byte, each chunk forwarded as soon as it is read
+  (no buffering: a stream's events reach the client as the upstream writes them); the request
+  line's target is passed as received;
+* **headers** — the hop-by-hop ones (RFC 9110 §7.6.1: ``Connection`` and every header it names,
+  ``Keep-Alive``, ``Proxy-Connection``, ``TE``, ``Transfer-Encoding``, ``Upgrade``) are removed and
+  each hop frames its own message (a chunked request stays chunked); ``Host`` names the upstream,
+  as nginx sends it, and ``X-Forwarded-For``/``-Proto``/``-Host`` carry the client's view;
+* **back-pressure** — both ways: a chunk is read only after the previous one was written and
+  drained, so a slow reader slows its writer instead of filling memory;
+* **a client that leaves** — closes the upstream connection at once, which vLLM, SGLang and TGI
+  take as an abort of the request;
+* **an upstream that is down** — 502 with an OpenAI-shaped error body, counted (outcome
+  ``error``); one that fails mid-answer closes the client's connection, so the client sees a
+  truncated answer rather than a complete-looking one;
+* **limits** — none on bodies or durations of its own: the upstream's limits decide; a request
+  head is bounded (64 KiB, twice uvicorn's) and must arrive within ``head_timeout``.
+
+Upstream connections are kept alive and reused while idle for at most ``POOL_IDLE_S``, below
+uvicorn's five-second keep-alive, so a reused connection is not one the upstream is closing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import ssl
+import time
+from dataclasses import dataclass
+from http import HTTPStatus
+from urllib.parse import urlsplit
+
+import h11
+
+from mrc_agent.exporters.instrumentation.meter import METERED_PATHS, Exchange, metered
+from mrc_agent.exporters.instrumentation.metrics import MRCMetrics
+
+log = logging.getLogger(__name__)
+
+#: Bytes read from a socket at a time.
+CHUNK = 64 * 1024
+#: The largest request or response head accepted.
+MAX_HEAD = 64 * 1024
+#: Seconds an idle upstream connection is kept for reuse.
+POOL_IDLE_S = 2.0
+#: Idle upstream connections kept at most.
+POOL_SIZE = 64
+_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te",
+                         b"transfer-encoding", b"upgrade", b"proxy-authenticate",
+                         b"proxy-authorization", b"trailer"})
+
+
+class ProxyError(ValueError):
+    """A proxy setting that cannot work (exit code 2)."""
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """Where requests go: ``http(s)://host[:port]`` with no path."""
+
+    scheme: str
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, url: str) -> Upstream:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ProxyError(f"--upstream {url!r} is not an http(s)://host[:port] URL")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ProxyError(f"--upstream {url!r} has a path; give the origin only, the "
+                             "request's path is passed as received")
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError as e:
+            raise ProxyError(f"--upstream {url!r}: {e}") from None
+        return cls(parts.scheme, parts.hostname, port)
+
+    @property
+    def authority(self) -> bytes:
+        default = 443 if self.scheme == "https" else 80
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return (host if self.port == default else f"{host}:{self.port}").encode()
+
+
+class _UpstreamConn:
+    __slots__ = ("reader", "writer", "h11", "idle_since")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
+        self.idle_since = 0.0
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _UpstreamFailed(Exception):
+    pass
+
+
+async def _next(conn: h11.Connection, reader: asyncio.StreamReader,
+                timeout: float | None = None) -> object:
+    while True:
+        event = conn.next_event()
+        if event is not h11.NEED_DATA:
+            return event
+        if timeout is None:
+            data = await reader.read(CHUNK)
+        else:
+            data = await asyncio.wait_for(reader.read(CHUNK), timeout)
+        conn.receive_data(data)
+
+
+def _forward_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    named: set[bytes] = set()
+    for name, value in headers:
+        if name == b"connection":
+            named.update(v.strip().lower() for v in value.split(b","))
+    return [(n, v) for n, v in headers if n not in _HOP_BY_HOP and n not in named]
+
+
+def _error_body(status: int, message: str) -> bytes:
+    kind = "bad_gateway" if status == 502 else "invalid_request_error"
+    return json.dumps({"error": {"message": message, "type": kind, "param": None,
+                                 "code": status}}).encode()
+
+
+class Proxy:
+    """The proxy's server; :meth:`serve` runs it on the current event loop."""
+
+    def __init__(self, upstream: Upstream, metrics: MRCMetrics,
+                 paths: tuple[str, ...] = METERED_PATHS, connect_timeout: float = 10.0,
+                 head_timeout: float = 60.0, tls: ssl.SSLContext | None = None) -> None:
+        self.upstream = upstream
+        self.metrics = metrics
+        self.paths = paths
+        self.connect_timeout = connect_timeout
+        self.head_timeout = head_timeout
+        self._tls = tls if tls is not None else (ssl.create_default_context()
+                                                 if upstream.scheme == "https" else None)
+        self._pool: list[_UpstreamConn] = []
+        self._server: asyncio.Server | None = None
+        self._clients: set[asyncio.Task[None]] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0: a free port); returns the port."""
+        self._server = await asyncio.start_server(self._client, host.strip("[]"), port,
+                                                  limit=CHUNK, backlog=1024)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._clients):
+            task.cancel()
+        for c in self._pool:
+            c.close()
+        self._pool.clear()
+
+    # --- upstream connections ---------------------------------------------------------------
+
+    async def _connect(self) -> _UpstreamConn:
+        now = time.monotonic()
+        while self._pool:
+            c = self._pool.pop()
+            if now - c.idle_since < POOL_IDLE_S and not c.reader.at_eof() \
+                    and not c.writer.is_closing():
+                return c
+            c.close()
+        up = self.upstream
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(up.host, up.port, ssl=self._tls, limit=CHUNK),
+            self.connect_timeout)
+        return _UpstreamConn(reader, writer)
+
+    def _release(self, c: _UpstreamConn) -> None:
+        conn = c.h11
+        if (conn.our_state is h11.DONE and conn.their_state is h11.DONE
+                and len(self._pool) < POOL_SIZE):
+            conn.start_next_cycle()
+            c.idle_since = time.monotonic()
+            self._pool.append(c)
+        else:
+            c.close()
+
+    # --- one client connection --------------------------------------------------------------
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._clients.add(task)
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
+        peer = writer.get_extra_info("peername")
+        client_ip = peer[0] if isinstance(peer, tuple) else ""
+        try:
+            while True:
+                try:
+                    event = await _next(conn, reader, self.head_timeout)
+                except (TimeoutError, ConnectionError):
+                    return
+                except h11.RemoteProtocolError as e:
+                    await self._refuse(conn, writer, e.error_status_hint, str(e))
+                    return
+                if not isinstance(event, h11.Request):
+                    return  # ConnectionClosed or PAUSED: nothing more to serve
+                keep = await self._exchange(conn, reader, writer, event, client_ip)
+                if not keep or conn.our_state is not h11.DONE \
+                        or conn.their_state is not h11.DONE:
+                    return
+                conn.start_next_cycle()
+        finally:
+            with contextlib.suppress(Exception):
+                writer.close()
+            if task is not None:
+                self._clients.discard(task)
+
+    async def _refuse(self, conn: h11.Connection, writer: asyncio.StreamWriter, status: int,
+                      message: str) -> None:
+        if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return
+        body = _error_body(status, message)
+        with contextlib.suppress(Exception):
+            writer.write(conn.send(h11.Response(
+                status_code=status, reason=HTTPStatus(status).phrase.encode(),
+                headers=[(b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode()),
+                         (b"connection", b"close")])))
+            writer.write(conn.send(h11.Data(data=body)))
+            writer.write(conn.send(h11.EndOfMessage()))
+            await writer.drain()
+
+    async def _exchange(self, conn: h11.Connection, reader: asyncio.StreamReader,
+                        writer: asyncio.StreamWriter, request: h11.Request,
+                        client_ip: str) -> bool:
+        """Forward one request and its answer; False when the client connection must close."""
+        path = request.target.split(b"?", 1)[0].decode("latin-1")
+        exchange = (Exchange(self.metrics)
+                    if metered(request.method.decode("latin-1"), path, self.paths) else None)
+        client_left = False
+        try:
+            try:
+                up = await self._connect()
+            except (OSError, TimeoutError) as e:
+                log.warning("upstream %s:%d unreachable: %s", self.upstream.host,
+                            self.upstream.port, e or type(e).__name__)
+                if exchange is not None:
+                    exchange.response_start(502, "application/json")
+                await self._refuse(conn, writer, 502, "the upstream server is unreachable")
+                return False
+            try:
+                return await self._relay(conn, reader, writer, request, client_ip, up,
+                                         exchange)
+            except _ClientGone:
+                client_left = True
+                up.close()
+                return False
+            except _UpstreamFailed:
+                up.close()
+                return False
+        finally:
+            if exchange is not None:
+                exchange.finish(client_left=client_left)
+
+    async def _relay(self, conn: h11.Connection, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter, request: h11.Request, client_ip: str,
+                     up: _UpstreamConn, exchange: Exchange | None) -> bool:
+        headers = _forward_headers(list(request.headers))
+        headers = [(n, v) for n, v in headers if n not in (b"host", b"x-forwarded-for")]
+        forwarded = [v for n, v in request.headers if n == b"x-forwarded-for"]
+        host = next((v for n, v in request.headers if n == b"host"), b"")
+        chain = b", ".join([*forwarded, client_ip.encode()]) if client_ip else b""
+        headers = [(b"host", self.upstream.authority), *headers]
+        if chain:
+            headers.append((b"x-forwarded-for", chain))
+        if host:
+            headers.append((b"x-forwarded-host", host))
+        headers.append((b"x-forwarded-proto", b"http"))
+        if any(n == b"transfer-encoding" for n, _ in request.headers):
+            headers.append((b"transfer-encoding", b"chunked"))
+        try:
+            up.writer.write(up.h11.send(h11.Request(method=request.method,
+                                                    target=request.target, headers=headers,
+                                                    http_version=b"1.1")))
+        except h11.LocalProtocolError as e:
+            await self._refuse(conn, writer, 400, f"cannot forward this request: {e}")
+            raise _UpstreamFailed from e
+
+        body = asyncio.ensure_future(self._pump_request(conn, reader, up, exchange))
+        try:
+            return await self._pump_response(conn, reader, writer, up, exchange, body)
+        finally:
+            if not body.done():
+                body.cancel()
+                with contextlib.suppress(BaseException):
+                    await body
+
+    async def _pump_request(self, conn: h11.Connection, reader: asyncio.StreamReader,
+                            up: _UpstreamConn, exchange: Exchange | None) -> None:
+        """Client body to the upstream, chunk by chunk; then watch for the client leaving."""
+        while True:
+            try:
+                event = await _next(conn, reader)
+            except (ConnectionError, h11.RemoteProtocolError) as e:
+                raise _ClientGone from e
+            if isinstance(event, h11.Data):
+                if exchange is not None:
+                    exchange.request_body(bytes(event.data), True)
+                try:
+                    up.writer.write(up.h11.send(h11.Data(data=event.data)))
+                    await up.writer.drain()
+                except (ConnectionError, h11.LocalProtocolError) as e:
+                    raise _UpstreamFailed from e
+            elif isinstance(event, h11.EndOfMessage):
+                if exchange is not None:
+                    exchange.request_body(b"", False)
+                try:
+                    up.writer.write(up.h11.send(h11.EndOfMessage()))
+                    await up.writer.drain()
+                except (ConnectionError, h11.LocalProtocolError) as e:
+                    raise _UpstreamFailed from e
+                break
+            else:  # ConnectionClosed before the body ended
+                raise _ClientGone
+        # The request is whole. Until the answer ends, a read that returns nothing means the
+        # client left; bytes mean a pipelined request, which h11 keeps for the next cycle.
+        data = await reader.read(CHUNK)
+        if not data:
+            raise _ClientGone
+        conn.receive_data(data)
+        await asyncio.Event().wait()  # one pipelined chunk is enough: stop watching
+
+    async def _pump_response(self, conn: h11.Connection, reader: asyncio.StreamReader,
+                             writer: asyncio.StreamWriter, up: _UpstreamConn,
+                             exchange: Exchange | None, body: asyncio.Future[None]) -> bool:
+        started = False
+        while True:
+            read = asyncio.ensure_future(_next(up.h11, up.reader))
+            done, _ = await asyncio.wait({read, body}, return_when=asyncio.FIRST_COMPLETED)
+            if read not in done:
+                # The client side ended first: left, or failed writing the body upstream.
+                read.cancel()
+                with contextlib.suppress(BaseException):
+                    await read
+                exc = body.exception()
+                if isinstance(exc, _ClientGone | _UpstreamFailed):
+                    if isinstance(exc, _UpstreamFailed) and not started:
+                        await self._refuse(conn, writer, 502, "the upstream server failed")
+                    raise exc
+                raise _UpstreamFailed from exc
+            try:
+                event = read.result()
+            except (ConnectionError, h11.RemoteProtocolError, OSError) as e:
+                if not started:
+                    await self._refuse(conn, writer, 502, "the upstream server failed")
+                raise _UpstreamFailed from e
+            if isinstance(event, h11.InformationalResponse):
+                if event.status_code != 101:  # 100 Continue, 103 Early Hints; no upgrades
+                    await self._send(conn, writer, h11.InformationalResponse(
+                        status_code=event.status_code, headers=_forward_headers(
+                            list(event.headers)), reason=event.reason))
+                continue
+            if isinstance(event, h11.Response):
+                started = True
+                headers = _forward_headers(list(event.headers))
+                media = next((v for n, v in event.headers if n == b"content-type"), b"")
+                if exchange is not None:
+                    exchange.response_start(event.status_code, media.decode("latin-1"))
+                await self._send(conn, writer, h11.Response(
+                    status_code=event.status_code, headers=headers, reason=event.reason))
+            elif isinstance(event, h11.Data):
+                if exchange is not None:
+                    exchange.response_body(bytes(event.data), True)
+                await self._send(conn, writer, h11.Data(data=event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                if exchange is not None:
+                    exchange.response_body(b"", False)
+                if conn.their_state is not h11.DONE:
+                    # Answered before the whole body arrived: this client connection ends.
+                    await self._send(conn, writer, h11.EndOfMessage())
+                    up.close()
+                    return False
+                await self._send(conn, writer, h11.EndOfMessage())
+                self._release(up)
+                return True
+            else:  # ConnectionClosed before the answer ended
+                if not started:
+                    await self._refuse(conn, writer, 502, "the upstream server closed early")
+                raise _UpstreamFailed
+
+    @staticmethod
+    async def _send(conn: h11.Connection, writer: asyncio.StreamWriter, event: object) -> None:
+        try:
+            data = conn.send(event)  # type: ignore[arg-type]
+            if data:
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, h11.LocalProtocolError) as e:
+            raise _ClientGone from e
+
+
+def split_hostport(value: str, flag: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as a pair; ProxyError when it is not one."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ProxyError(f"{flag} {value!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def run_proxy(listen: str, upstream: str, metrics_listen: str,
+              connect_timeout: float = 10.0) -> int:
+    """``mrc-agent proxy``: serve until SIGTERM or SIGINT."""
+    from prometheus_client import CollectorRegistry
+
+    from mrc_agent.exporters.exposition.http import ExpositionServer
+
+    host, port = split_hostport(listen, "--listen")
+    m_host, m_port = split_hostport(metrics_listen, "--metrics-listen")
+    up = Upstream.parse(upstream)
+    registry = CollectorRegistry()
+    metrics = MRCMetrics(registry=registry, resolution_unknown=True)
+    try:
+        exposition = ExpositionServer(registry, m_host, m_port, version=time.monotonic_ns,
+                                      not_ready=lambda: None)
+    except OSError as e:
+        raise ProxyError(f"--metrics-listen {metrics_listen}: {e.strerror or e}") from None
+    proxy = Proxy(up, metrics, connect_timeout=connect_timeout)
+
+    async def main() -> None:
+        try:
+            bound = await proxy.start(host, port)
+        except OSError as e:
+            raise ProxyError(f"--listen {listen}: {e.strerror or e}") from None
+        log.info("proxying %s:%d to %s://%s:%d; metrics on %s:%d", host, bound, up.scheme,
+                 up.host, up.port, m_host, exposition.port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await proxy.stop()
+
+    exposition.start()
+    try:
+        asyncio.run(main())
+    finally:
+        exposition.stop()
+    return 0
