@@ -65,12 +65,7 @@ class FakeEngine:
 
     async def _echo(self, request: Request) -> Response:
         self.headers.append(dict(request.headers))
-
-        async def back() -> Any:
-            async for chunk in request.stream():
-                yield chunk
-
-        return StreamingResponse(back(), media_type="application/octet-stream")
+        return Response(await request.body(), media_type="application/octet-stream")
 
     async def _chat(self, request: Request) -> Response:
         raw = await request.body()
@@ -78,7 +73,7 @@ class FakeEngine:
         self.headers.append(dict(request.headers))
         try:
             body = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             return JSONResponse({"error": {"message": "bad JSON", "type": "invalid_request_error",
                                            "param": None, "code": 400}}, status_code=400)
         fail = body.get("x_fail")

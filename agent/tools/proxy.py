@@ -39,6 +39,7 @@ import ssl
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Any
 from urllib.parse import urlsplit
 
 import h11
@@ -308,8 +309,8 @@ class Proxy:
         finally:
             if not body.done():
                 body.cancel()
-                with contextlib.suppress(BaseException):
-                    await body
+            with contextlib.suppress(BaseException):
+                await body  # retrieves its exception, whichever way it ended
 
     async def _pump_request(self, conn: h11.Connection, reader: asyncio.StreamReader,
                             up: _UpstreamConn, exchange: Exchange | None) -> None:
@@ -351,8 +352,9 @@ class Proxy:
                              exchange: Exchange | None, body: asyncio.Future[None]) -> bool:
         started = False
         while True:
-            read = asyncio.ensure_future(_next(up.h11, up.reader))
-            done, _ = await asyncio.wait({read, body}, return_when=asyncio.FIRST_COMPLETED)
+            read: asyncio.Future[object] = asyncio.ensure_future(_next(up.h11, up.reader))
+            waits: set[asyncio.Future[Any]] = {read, body}
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if read not in done:
                 # The client side ended first: left, or failed writing the body upstream.
                 read.cancel()
@@ -405,9 +407,11 @@ class Proxy:
                 raise _UpstreamFailed
 
     @staticmethod
-    async def _send(conn: h11.Connection, writer: asyncio.StreamWriter, event: object) -> None:
+    async def _send(conn: h11.Connection, writer: asyncio.StreamWriter,
+                    event: h11.Response | h11.InformationalResponse | h11.Data
+                    | h11.EndOfMessage) -> None:
         try:
-            data = conn.send(event)  # type: ignore[arg-type]
+            data = conn.send(event)
             if data:
                 writer.write(data)
                 await writer.drain()
