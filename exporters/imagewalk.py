@@ -2,7 +2,7 @@
 
 Shared by the reference service (its header checks,
 :mod:`mrc_agent.reference_service.preprocess.header`) and the OpenAI meter
-(:mod:`mrc_agent.exporters.instrumentation.openai`, which reads an image's size from the first
+(:mod:`mrc_agent.exporters.instrumentation.meter`, which reads an image's size from the first
 bytes of a base64 upload); plain Python, no Pillow.
 
 Pillow's openers walk some structures a byte, a block or a chunk at a time in Python, a few
