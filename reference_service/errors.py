@@ -1,7 +1,9 @@
 """The reference service's own error type: one exception that carries its HTTP status and code.
 
 Every failure the service can put into words is a :class:`ServiceError`; the app turns it into
-``{"error": {"code": …, "message": …}}`` with :attr:`ServiceError.status`. Anything else reaching
+``{"error": {"code": …, "message": …}}`` with :attr:`ServiceError.status`, or, on the OpenAI
+API's paths (:data:`OPENAI_PREFIX`), into the OpenAI shape ``{"error": {"message", "type",
+"param", "code"}}`` with the same status and code (:func:`error_json`). Anything else reaching
 the app is a bug and becomes a 500 — bad input must never get there.
 
 Codes are short and stable (clients and the ``outcome`` metric depend on them); messages are
@@ -32,6 +34,15 @@ image_corrupt          422     a recognised format whose data cannot be decoded,
                                image (a crafted header, refused before it is parsed).
 invalid_request        422     schema errors: neither/both of ``image``/``image_url``,
                                ``max_new_tokens`` not an integer or out of range, wrong types.
+invalid_value          400     the OpenAI API's schema errors (``/v1/chat/completions``): a
+                               field missing, of the wrong type or out of range, no image.
+                               400, as the OpenAI API and vLLM answer them.
+unsupported            400     an OpenAI API request asks for what the model does not do: a
+                               second image, a content part other than text and image_url,
+                               tools, ``n`` > 1, stop sequences, log probabilities.
+model_not_found        404     ``model`` names a model other than the one served.
+client_closed          499     the client left before its streamed answer was complete
+                               (nginx's 499): nobody reads it; counted as a client error.
 overloaded             429     queue full; the app adds ``Retry-After``.
 fetch_failed           502     the ``image_url`` host failed us: DNS failure, connection
                                error, non-2xx answer, too many redirects.
@@ -68,6 +79,10 @@ STATUS_BY_CODE: dict[str, int] = {
     "image_truncated": 422,
     "image_corrupt": 422,
     "invalid_request": 422,
+    "invalid_value": 400,
+    "unsupported": 400,
+    "model_not_found": 404,
+    "client_closed": 499,
     "overloaded": 429,
     "fetch_failed": 502,
     "decode_unavailable": 503,
@@ -77,27 +92,35 @@ STATUS_BY_CODE: dict[str, int] = {
 }
 
 
+#: Paths answered in the OpenAI API's shapes, their errors included.
+OPENAI_PREFIX = "/v1/"
+
+
 class ServiceError(Exception):
     """A failure with an HTTP ``status``, a stable machine ``code`` and a human ``message``.
 
     ``ServiceError(status, code, message)`` states all three; :meth:`of` takes the status from
     :data:`STATUS_BY_CODE`, so modules raising table codes cannot drift from the table.
+    ``param`` names the request field at fault, for the OpenAI API's error shape (None: none
+    in particular).
     """
 
     status: int
     code: str
     message: str
+    param: str | None
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.status = status
         self.code = code
         self.message = message
+        self.param = param
 
     @classmethod
-    def of(cls, code: str, message: str) -> ServiceError:
+    def of(cls, code: str, message: str, param: str | None = None) -> ServiceError:
         """The error for a code of the table above (KeyError for an unknown code: a bug)."""
-        return cls(STATUS_BY_CODE[code], code, message)
+        return cls(STATUS_BY_CODE[code], code, message, param)
 
     @property
     def is_client_error(self) -> bool:
@@ -110,3 +133,21 @@ class ServiceError(Exception):
 
     def __repr__(self) -> str:
         return f"ServiceError(code={self.code!r}, status={self.status}, message={self.message!r})"
+
+
+def openai_error_type(status: int) -> str:
+    """The OpenAI error ``type`` of a status: ``invalid_request_error`` for the client's
+    mistakes, ``rate_limit_error`` for 429, ``server_error`` for the service's failures."""
+    if status == 429:
+        return "rate_limit_error"
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def error_json(path: str, status: int, code: str, message: str,
+               param: str | None = None) -> dict[str, Any]:
+    """The error body for a request to ``path``: the service's shape, or on the OpenAI API's
+    paths the OpenAI one (``code`` is the service's code either way)."""
+    if path.startswith(OPENAI_PREFIX):
+        return {"error": {"message": message, "type": openai_error_type(status),
+                          "param": param, "code": code}}
+    return {"error": {"code": code, "message": message}}

@@ -2,7 +2,8 @@
 
 The model loads once, in the lifespan, on a worker thread — so ``/health`` answers while it
 loads and ``/ready`` says 503 until it is loaded and warmed. Every error leaves as
-``{"error": {"code": …, "message": …}}``; 429 and 503 carry ``Retry-After``.
+``{"error": {"code": …, "message": …}}``, or in the OpenAI API's shape on its paths
+(:func:`~mrc_agent.reference_service.errors.error_json`); 429 and 503 carry ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mrc_agent.exporters.instrumentation import MRCMetrics, mark_process_dead, metrics_endpoint
 from mrc_agent.reference_service.cache import AnswerCache
-from mrc_agent.reference_service.errors import ServiceError
+from mrc_agent.reference_service.errors import ServiceError, error_json
 from mrc_agent.reference_service.limiter import Admission, BoundedStep, Overloaded
 from mrc_agent.reference_service.logs import escape
 from mrc_agent.reference_service.middleware import BodyLimit
@@ -34,7 +35,8 @@ from mrc_agent.reference_service.pipeline import (
     counted,
 )
 from mrc_agent.reference_service.preprocess import DecodePool, max_encoded_len
-from mrc_agent.reference_service.routers import health, mrc
+from mrc_agent.reference_service.routers import chat, health, mrc
+from mrc_agent.reference_service.routers.chat import CHAT_PATH
 from mrc_agent.reference_service.routers.mrc import MRC_PATHS
 from mrc_agent.reference_service.settings import Settings
 from mrc_agent.reference_service.state import ServiceState
@@ -160,13 +162,14 @@ def create_app(settings: Settings | None = None, loader: Loader | None = None) -
     app = FastAPI(title="MRC reference service", version="0.1.0", lifespan=lifespan)
     app.state.mrc = state
     app.include_router(mrc.router)
+    app.include_router(chat.router)
     app.include_router(health.router)
     app.add_route("/metrics", metrics_endpoint(state.metrics.registry), methods=["GET"],
                   include_in_schema=False)
     def count_refused(path: str, status: int, exc: BaseException | None = None) -> None:
         """Count an MRC request answered before the pipeline took it (bad JSON, a schema
         error, an oversized body, a wrong method): every request is counted once."""
-        if path in MRC_PATHS and (exc is None or not counted(exc)):
+        if (path in MRC_PATHS or path == CHAT_PATH) and (exc is None or not counted(exc)):
             with state.metrics.request() as r:
                 r.set_status(status)
 
@@ -181,19 +184,21 @@ def create_app(settings: Settings | None = None, loader: Loader | None = None) -
             headers["Retry-After"] = str(exc.retry_after_s)
         elif exc.status == 503:
             headers["Retry-After"] = "5"
-        return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
+        return JSONResponse(error_json(request.url.path, exc.status, exc.code, exc.message,
+                                       exc.param), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         count_refused(request.url.path, 422, exc)
-        return JSONResponse({"error": {"code": "invalid_request", "message": str(exc)}},
+        return JSONResponse(error_json(request.url.path, 422, "invalid_request", str(exc)),
                             status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         count_refused(request.url.path, exc.status_code, exc)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse({"error": {"code": code, "message": str(exc.detail)}},
+        return JSONResponse(error_json(request.url.path, exc.status_code, code,
+                                       str(exc.detail)),
                             status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
@@ -202,7 +207,7 @@ def create_app(settings: Settings | None = None, loader: Loader | None = None) -
         log.exception("unhandled error on %s", escape(request.url.path))
         # The server closes the connection after an unhandled error: say so, so that a
         # client's next request does not fail on a connection it believes kept alive.
-        return JSONResponse({"error": {"code": "internal", "message": "internal error"}},
+        return JSONResponse(error_json(request.url.path, 500, "internal", "internal error"),
                             status_code=500, headers={"Connection": "close"})
 
     return app

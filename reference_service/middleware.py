@@ -36,6 +36,7 @@ from collections.abc import Callable
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from mrc_agent.reference_service.errors import error_json
 from mrc_agent.reference_service.logs import escape
 
 log = logging.getLogger(__name__)
@@ -83,8 +84,8 @@ class BodyLimit:
             # Two framings that disagree: behind some proxies, a request-smuggling attempt.
             if self.on_refuse is not None:
                 self.on_refuse(path, 400)
-            await self._send_error(send, 400, "bad_request", "a request may not carry both "
-                                   "Content-Length and Transfer-Encoding")
+            await self._send_error(send, path, 400, "bad_request", "a request may not carry "
+                                   "both Content-Length and Transfer-Encoding")
             return
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
@@ -148,8 +149,9 @@ class BodyLimit:
                  "%g s): answering and closing", *_where(scope), seen, self.drain_max_bytes,
                  self.drain_timeout_s)
 
-    async def _send_error(self, send: Send, status: int, code: str, message: str) -> None:
-        body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    async def _send_error(self, send: Send, path: str, status: int, code: str,
+                          message: str) -> None:
+        body = json.dumps(error_json(path, status, code, message)).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode()),
@@ -159,5 +161,5 @@ class BodyLimit:
     async def _refuse(self, send: Send, path: str = "") -> None:
         if self.on_refuse is not None:
             self.on_refuse(path, 413)
-        await self._send_error(send, 413, "image_too_large",
+        await self._send_error(send, path, 413, "image_too_large",
                                f"the request body is over {self.max_bytes} bytes")

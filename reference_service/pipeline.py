@@ -13,6 +13,14 @@ every OCR thread taken takes over the thread of a call past :data:`OCR_PREEMPT_A
 An answer made with a degraded step (OCR failed, timed out or found no thread free) is not
 cached: it would be served for the cache's whole lifetime to requests made when the step works.
 Every request ends in exactly one structured log line.
+
+A streamed answer (``MRCRequest.on_text``, the OpenAI API's ``"stream": true``) runs the same
+chain; its text is handed on piece by piece as the model makes it, and its time to first token is
+the first piece of text (what its client first reads), not the first token (which may be
+whitespace, or half a character). A cached answer comes as one piece, and, as on ``/mrc``, with no
+time to first token: the model made none. When ``MRCRequest.cancel`` is set (the client left),
+the request is not given a model slot, or its generation stops at the next token, and it ends as
+499 ``client_closed``, uncached.
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +72,11 @@ class MRCRequest:
     max_new_tokens: int
     image: bytes | None = None
     image_url: str | None = None
+    #: Streams the answer: called on the event loop with each new piece of its text (a cached
+    #: answer in one piece). None: the answer comes whole.
+    on_text: Callable[[str], None] | None = None
+    #: Set when nobody waits for the answer any more (a stream's client left).
+    cancel: threading.Event | None = None
 
 
 def _chain_prompt(prompt: str, ocr_text: str) -> str:
@@ -139,6 +154,8 @@ async def _run(state: ServiceState, req: MRCRequest, r: Any,
     metrics.cache_lookup(hit is not None)
     if hit is not None:
         with r.stage("postprocess"):
+            if req.on_text is not None and hit["answer"]:
+                req.on_text(hit["answer"])
             return {**hit, "cached": True, "ttft_ms": 0.0, "request_id": req.request_id}
 
     async with state.admission.admit():
@@ -156,11 +173,14 @@ async def _run(state: ServiceState, req: MRCRequest, r: Any,
             if state.ocr is not None and ocr_image is not None:
                 ocr_text, degraded = await _read_text(state, ocr_image, r, fields)
             del ocr_image
+            _check_client(req)
             async with state.admission.slot(waiting=r.queued()):
+                _check_client(req)
                 loop = asyncio.get_running_loop()
                 result = await loop.run_in_executor(state.model_pool, functools.partial(
                     vlm.generate, pixel_values, _chain_prompt(req.prompt, ocr_text),
-                    req.max_new_tokens, on_first_token=r.first_token, device_user=device_user))
+                    req.max_new_tokens, device_user=device_user,
+                    **_streaming(req, r, loop)))
             del pixel_values  # the request's last tensor on the device
         r.tokens(result.output_tokens, result.input_tokens)
         r.observe_stage("prefill", result.prefill_s)
@@ -171,6 +191,9 @@ async def _run(state: ServiceState, req: MRCRequest, r: Any,
             # The histogram cannot say whether a peak was the request's own: its log line can.
             fields["gpu_peak_shared_with"] = result.peak_gpu_memory_shared_with
 
+        if result.finish_reason == "abort":
+            raise _client_gone()
+
     with r.stage("postprocess"):
         body = {
             "answer": result.text.strip(),
@@ -179,12 +202,36 @@ async def _run(state: ServiceState, req: MRCRequest, r: Any,
             "truncated": result.truncated,
             "ocr_text": ocr_text,
             "meaningful": vlm.meaningful,
+            "finish_reason": result.finish_reason,
         }
         if not degraded:
             state.cache.put(key, body,
                             len(body["answer"].encode()) + len(ocr_text.encode()) + 128)
     return {**body, "cached": False, "ttft_ms": round(result.ttft_s * 1000, 1),
             "request_id": req.request_id}
+
+
+def _client_gone() -> ServiceError:
+    return ServiceError.of("client_closed", "the client left before its answer was complete")
+
+
+def _check_client(req: MRCRequest) -> None:
+    if req.cancel is not None and req.cancel.is_set():
+        raise _client_gone()
+
+
+def _streaming(req: MRCRequest, r: Any, loop: asyncio.AbstractEventLoop) -> dict[str, Any]:
+    """The model's keyword arguments for ``req``: a whole answer's TTFT is its first token; a
+    streamed one's its first piece of text, handed to the event loop as it is made."""
+    if req.on_text is None:
+        return {"on_first_token": r.first_token}
+    sink = req.on_text
+
+    def on_text(piece: str) -> None:  # on the model's thread
+        r.first_token()
+        loop.call_soon_threadsafe(sink, piece)
+
+    return {"on_text": on_text, "stop": req.cancel}
 
 
 async def _read_text(state: ServiceState, image: Image.Image, r: Any,

@@ -56,6 +56,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mrc_agent.exporters.pacing import TokenBucket
+from mrc_agent.reference_service.errors import error_json
 from mrc_agent.reference_service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -198,10 +199,10 @@ class ServiceH11Protocol(H11Protocol):
         self.transport.close()
 
     def _timeout_response(self) -> bytes:
-        body = json.dumps({"error": {
-            "code": "request_timeout",
-            "message": f"the request body stalled for more than "
-                       f"{self.limits.body_timeout_s:g} s"}}).encode()
+        path = str(self.cycle.scope.get("path", "")) if self.cycle is not None else ""
+        body = json.dumps(error_json(
+            path, 408, "request_timeout", f"the request body stalled for more than "
+            f"{self.limits.body_timeout_s:g} s")).encode()
         headers = [*self.server_state.default_headers,
                    (b"content-type", b"application/json"),
                    (b"content-length", str(len(body)).encode()),

@@ -116,6 +116,7 @@ STATUSES = {
     "url_not_allowed": 400, "image_too_large": 413, "decompression_bomb": 413,
     "fetch_too_large": 413, "prompt_too_long": 413, "not_an_image": 415,
     "image_truncated": 422, "image_corrupt": 422, "invalid_request": 422, "overloaded": 429,
+    "invalid_value": 400, "unsupported": 400, "model_not_found": 404, "client_closed": 499,
     "fetch_failed": 502, "decode_unavailable": 503, "model_not_ready": 503,
     "decode_timeout": 504, "fetch_timeout": 504,
 }

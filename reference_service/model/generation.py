@@ -2,7 +2,9 @@
 
 ``VLM.generate(pixel_values, prompt, max_new_tokens)`` answers "this image, this question" greedily
 and returns a :class:`GenerationResult` with the timings the service exports: time to first token
-(clocked by a streamer ``generate`` calls synchronously), prefill and decode time, token counts,
+(clocked by a streamer ``generate`` calls synchronously, which also hands a streamed answer's text
+on as it is made: :mod:`~mrc_agent.reference_service.model.streaming`), prefill and decode time,
+why it ended, token counts,
 peak GPU memory (process-wide, with how many other requests shared the device meanwhile:
 :func:`~mrc_agent.reference_service.device.peak_memory`). ``pixel_values`` arrive already resized
 and normalised (the preprocessing module uses ``image_size``, ``image_mean`` and ``image_std`` from
@@ -33,6 +35,7 @@ from mrc_agent.reference_service.model.attention import (
     probe_sdpa_backend,
 )
 from mrc_agent.reference_service.model.common import _CLIP_MEAN, _CLIP_STD, ModelLoadError
+from mrc_agent.reference_service.model.streaming import TextPieces, stop_criteria
 from mrc_agent.reference_service.settings import Settings
 
 #: One logger for the whole model layer, named as it was before the package split.
@@ -77,6 +80,9 @@ class GenerationResult:
     #: Other requests with work or tensors on the device during that peak's window: 0 means
     #: the peak is this request's own (None off CUDA).
     peak_gpu_memory_shared_with: int | None = None
+    #: Why the answer ended, in the OpenAI API's words: "stop" (the model's end-of-sequence
+    #: token), "length" (``max_new_tokens`` reached) or "abort" (``stop`` was set).
+    finish_reason: str = "stop"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -84,16 +90,19 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class _FirstTokenClock:
-    """A generate() streamer that only notes when the first new token arrives.
+    """A generate() streamer that notes when the first new token arrives and, for a streamed
+    answer, hands each token on to its :class:`TextPieces`.
 
     generate() calls ``put`` synchronously (no thread): once with the prompt, then once per
     step with the chosen token, already copied to the CPU (so on CUDA the time is real).
     """
 
-    def __init__(self, on_first_token: Callable[[], None] | None = None) -> None:
+    def __init__(self, on_first_token: Callable[[], None] | None = None,
+                 pieces: TextPieces | None = None) -> None:
         self.calls = 0
         self.first_token_at: float | None = None
         self.on_first_token = on_first_token
+        self.pieces = pieces
 
     def put(self, value: Any) -> None:
         self.calls += 1
@@ -102,9 +111,13 @@ class _FirstTokenClock:
             if self.on_first_token is not None:
                 # The request's own clock (its TTFT metric) is marked at the same moment.
                 self.on_first_token()
+        if self.calls >= 2 and self.pieces is not None:
+            for token in value.reshape(-1).tolist():
+                self.pieces.add(int(token))
 
     def end(self) -> None:
-        pass
+        if self.pieces is not None:
+            self.pieces.finish()
 
 
 @functools.lru_cache(maxsize=1)
@@ -160,6 +173,7 @@ class VLM:
         self._add_special = not self._prefix.startswith(str(self.tokenizer.bos_token or "\0"))
         self.max_input_tokens: int = self._input_limit(settings)
         self.pad_token_id = self._find_pad_id()
+        self._eos_ids = self._find_eos_ids()
         self.cpu_threads_hint: int | None = self._cpu_threads_hint()
         self.attention: AttentionReport | None = None
         self.info = ModelInfo(model_id=model_id, revision=revision, dtype=_dtype_name(dtype),
@@ -277,6 +291,17 @@ class VLM:
         hidden = getattr(text_config, "hidden_size", None)
         return 1 if isinstance(hidden, int) and hidden <= 256 else None
 
+    def _find_eos_ids(self) -> frozenset[int]:
+        """Every id that ends a generation: the generation config's (one or a list) and the
+        tokenizer's."""
+        found: set[int] = set()
+        for value in (getattr(self.model.generation_config, "eos_token_id", None),
+                      self.tokenizer.eos_token_id):
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(v, int):
+                    found.add(v)
+        return frozenset(found)
+
     def _find_pad_id(self) -> int | None:
         for value in (self.tokenizer.pad_token_id,
                       getattr(self.model.generation_config, "pad_token_id", None),
@@ -331,12 +356,17 @@ class VLM:
 
     def generate(self, pixel_values: torch.Tensor, prompt: str, max_new_tokens: int,
                  on_first_token: Callable[[], None] | None = None,
-                 device_user: int | None = None) -> GenerationResult:
+                 device_user: int | None = None,
+                 on_text: Callable[[str], None] | None = None,
+                 stop: threading.Event | None = None) -> GenerationResult:
         """Greedy answer to ``prompt`` about the image in ``pixel_values`` ([1, 3, H, W]).
 
         ``on_first_token`` is called (on this thread) when the first new token exists.
         ``device_user`` is the caller's token from ``device_users.occupy()``, so that the peak
         memory reading does not count the request itself as another user of the device.
+        ``on_text`` streams the answer: it is called (on this thread) with each new piece of its
+        text, the pieces joined being the result's ``text``. Setting ``stop`` ends the
+        generation after the token being made (``finish_reason`` "abort").
         """
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
@@ -351,22 +381,38 @@ class VLM:
                 input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
                 # Blocking copy: a non-blocking GPU-to-CPU copy could be read before it lands.
                 pixels = pixel_values.to(device=self.device, dtype=self.dtype)
-                clock = _streamer_class()(on_first_token)
+                pieces = None if on_text is None else TextPieces(self._decode, on_text)
+                clock = _streamer_class()(on_first_token, pieces)
+                extra: dict[str, Any] = {}
+                if stop is not None:
+                    extra["stopping_criteria"] = stop_criteria(stop)
                 started = time.perf_counter()
                 with torch.inference_mode():
                     out = self.model.generate(
                         input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                         pixel_values=pixels, max_new_tokens=max_new_tokens, do_sample=False,
-                        num_beams=1, streamer=clock, pad_token_id=self.pad_token_id)
+                        num_beams=1, streamer=clock, pad_token_id=self.pad_token_id, **extra)
                 new = out[0, input_ids.shape[1]:].tolist()
                 finished = time.perf_counter()
-        text = self.tokenizer.decode(new, skip_special_tokens=True).strip()
+        text = self._decode(new).strip()
         first = clock.first_token_at or finished
         return GenerationResult(
             text=text, input_tokens=len(ids), output_tokens=len(new),
             ttft_s=first - entered, prefill_s=first - started, generate_s=finished - first,
             peak_gpu_memory_bytes=peak.nbytes, truncated=truncated,
-            peak_gpu_memory_shared_with=peak.shared_with)
+            peak_gpu_memory_shared_with=peak.shared_with,
+            finish_reason=self._finish_reason(new, max_new_tokens, stop))
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def _finish_reason(self, new: list[int], max_new_tokens: int,
+                       stop: threading.Event | None) -> str:
+        if new and new[-1] in self._eos_ids:
+            return "stop"
+        if len(new) >= max_new_tokens:
+            return "length"
+        return "abort" if stop is not None and stop.is_set() else "stop"
 
     def blank_pixels(self) -> torch.Tensor:
         """A mid-grey image, normalised: what warmup and detection feed the model."""

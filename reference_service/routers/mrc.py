@@ -123,6 +123,24 @@ def _check_text(prompt: str, max_new_tokens: int, settings: Settings) -> None:
                               f"{settings.max_new_tokens_limit}, got {max_new_tokens}")
 
 
+def json_body(raw: bytes) -> Any:
+    """A request body as JSON: 400 ``invalid_utf8`` or ``bad_request`` when it is none."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ServiceError.of("invalid_utf8",
+                              f"the body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ServiceError.of("bad_request", f"the body is not valid JSON: {exc.msg} "
+                              f"(line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:
+        raise ServiceError.of("bad_request", "the body is nested too deeply") from None
+    except ValueError as exc:  # an integer literal longer than Python converts
+        raise ServiceError.of("bad_request", f"the body is not valid JSON: {exc}") from None
+
+
 def _validation_message(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
@@ -137,21 +155,7 @@ def _validation_message(exc: ValidationError) -> str:
     "required": True}})
 async def mrc_json(request: Request) -> dict[str, Any]:
     state = _state(request)
-    raw = await request.body()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ServiceError.of("invalid_utf8",
-                              f"the body is not valid UTF-8 (byte {exc.start})") from None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ServiceError.of("bad_request", f"the body is not valid JSON: {exc.msg} "
-                              f"(line {exc.lineno}, column {exc.colno})") from None
-    except RecursionError:
-        raise ServiceError.of("bad_request", "the body is nested too deeply") from None
-    except ValueError as exc:  # an integer literal longer than Python converts
-        raise ServiceError.of("bad_request", f"the body is not valid JSON: {exc}") from None
+    obj = json_body(await request.body())
     try:
         body = MRCBody.model_validate(obj)
     except ValidationError as exc:
