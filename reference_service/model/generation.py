@@ -394,7 +394,7 @@ class VLM:
                         num_beams=1, streamer=clock, pad_token_id=self.pad_token_id, **extra)
                 new = out[0, input_ids.shape[1]:].tolist()
                 finished = time.perf_counter()
-        text = self._decode(new).strip()
+        text = self._decode(new).strip() if pieces is None else pieces.sent
         first = clock.first_token_at or finished
         return GenerationResult(
             text=text, input_tokens=len(ids), output_tokens=len(new),

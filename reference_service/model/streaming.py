@@ -8,8 +8,10 @@ something follows it (and is dropped at the end), and a character whose bytes sp
 tokens (byte-level BPE) waits for its last byte instead of going out as U+FFFD. Decoding the
 whole answer again at each token costs O(n) per token, nothing next to a decoder step for the
 few hundred tokens an answer has at most. A tokenizer whose decoding of a longer answer
-rewrites text already sent (clean-up of spaces before punctuation) holds its pieces back until
-the text agrees again; what no longer agrees at the end is not sent.
+rewrites text already sent (clean-up of spaces before punctuation) cannot take it back: what was
+sent stands, new text follows once the decoded text agrees with it again, and the streamed
+answer's text is what was sent (:attr:`TextPieces.sent`), so the client's text and the answer
+the service keeps are one.
 
 :func:`stop_criteria` is a ``generate`` stopping criterion that ends the generation at the next
 token once an event is set: the service sets it when the client of a stream has left.
@@ -68,7 +70,7 @@ def _criterion_class() -> type:
         def __init__(self, event: threading.Event) -> None:
             self.event = event
 
-        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        def __call__(self, input_ids: torch.Tensor, _scores: Any, **kwargs: Any) -> torch.Tensor:
             return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool,
                               device=input_ids.device)
 
