@@ -27,6 +27,7 @@ from mrc_agent.agent.core.config import (
     add_flags,
     config_from_args,
 )
+from mrc_agent.reference_service.loadgen import API_CHOICES as LOADGEN_APIS
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the agent's address (127.0.0.1:9478)")
     demo.add_argument("--trace", metavar="PATH", help="replay this GPU trace instead of NVML "
                       "or the embedded synthetic one")
+    demo.add_argument("--api", choices=LOADGEN_APIS, default="mix",
+                      help="the load's request path: /mrc/upload, the OpenAI chat API whole or "
+                      "streamed, or the three in turn (mix, the default)")
 
     serve = sub.add_parser("serve", help="run the reference MRC service (needs the 'service' "
                            "extra); flags as python -m mrc_agent.reference_service", add_help=False)
@@ -83,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--max-new-tokens", type=int, default=16)
     load.add_argument("--max-in-flight", type=int, default=64)
     load.add_argument("--seed", type=int, default=1)
+    load.add_argument("--api", choices=LOADGEN_APIS, default="mix",
+                      help="upload: POST /mrc/upload; chat and chat-stream: POST "
+                      "/v1/chat/completions, whole or streamed; mix (the default): the three "
+                      "in turn")
 
     diag = sub.add_parser("diagnose", help="py-spy flame graph, golden-triangle samples and GPU "
                           "idle windows of one process over one window, and a verdict")
@@ -269,13 +277,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from mrc_agent.reference_service.loadgen import run_loadgen
 
             return run_loadgen(args.url, args.rate, args.duration, args.max_new_tokens,
-                               args.max_in_flight, args.seed)
+                               args.max_in_flight, args.seed, api=args.api)
         if args.command == "demo":
             from mrc_agent.agent.tools.demo import run_demo
 
             if args.duration <= 0 or args.rate <= 0 or not 0 < args.port < 65536:
                 raise ConfigError("--duration and --rate must be > 0, --port 1-65535")
-            return run_demo(args.duration, args.listen, args.trace, args.port, args.rate)
+            return run_demo(args.duration, args.listen, args.trace, args.port, args.rate,
+                            args.api)
     except ConfigError as exc:
         print(f"mrc-agent {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -6,6 +6,15 @@ synthetic JPEGs (gradients, noise, edges and printed text, so OCR has something 
 once per resolution; prompts are drawn from templates of the three lengths. About one request in
 ten repeats an earlier (image, question) pair, which the service's context-aware cache may answer.
 
+Requests go through the paths real clients take (``--api``, :data:`APIS`): ``upload`` is
+``POST /mrc/upload`` (multipart), ``chat`` and ``chat-stream`` the OpenAI chat API
+(``POST /v1/chat/completions``, the photo as a ``data:`` URL; streamed with
+``stream_options.include_usage``, read event by event). The default, ``mix``, takes the three in
+turn. A streamed answer's latency is to its ``[DONE]``; the time to its first content event is
+its client-side TTFT, summarised after the table. The model's id comes from ``GET /v1/models``
+(a service without it gets chat requests with no ``model``, which the reference service takes
+as its own).
+
 The generator is open-loop at ``--rate`` requests per second (a fixed schedule, so a slow server
 sees the queue build up as real users would make it), with at most ``--max-in-flight`` requests
 outstanding; requests that would exceed that are counted as "dropped by the client", not sent.
@@ -14,7 +23,9 @@ outstanding; requests that would exceed that are counted as "dropped by the clie
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
+import json
 import math
 import random
 import sys
@@ -22,11 +33,15 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Any, TextIO
 
 #: (label, width, height): one photo size per resolution bucket, as received by the service.
 RESOLUTIONS = [("<1MP", 800, 600), ("1-4MP", 2048, 1536), (">4MP", 4000, 3000)]
 PROMPT_BUCKETS = ["0-50", "50-100", "100+"]
+#: The request paths, as ``--api`` names them; ``mix`` takes them in turn.
+APIS = ("upload", "chat", "chat-stream")
+API_CHOICES = ("mix", *APIS)
+CHAT_PATH = "/v1/chat/completions"
 #: Realistic weights: most traffic is phone photos scaled by the app (1-4 MP) with short
 #: questions; every bucket still gets at least 5 % so all nine cells fill.
 RES_WEIGHTS = [0.35, 0.45, 0.20]
@@ -99,6 +114,10 @@ class Outcome:
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     dropped: int = 0
     sent: int = 0
+    #: Requests sent per API.
+    by_api: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: Client-side time to the first content event of each streamed answer, seconds.
+    ttfts: list[float] = field(default_factory=list)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -123,40 +142,133 @@ def table(outcome: Outcome) -> str:
     statuses = ", ".join(f"{k}: {v}" for k, v in sorted(outcome.statuses.items()))
     lines.append(f"\nsent {outcome.sent}, statuses {{{statuses}}}, cached answers "
                  f"{outcome.cached}, client-side drops {outcome.dropped}")
+    if outcome.by_api:
+        line = "by API: " + ", ".join(f"{k} {v}" for k, v in sorted(outcome.by_api.items()))
+        if outcome.ttfts:
+            line += (f"; streamed time to first content p50 "
+                     f"{percentile(outcome.ttfts, 50) * 1000:.0f} ms, p90 "
+                     f"{percentile(outcome.ttfts, 90) * 1000:.0f} ms")
+        lines.append(line)
     if outcome.errors:
         lines.append("errors: " + ", ".join(f"{k}: {v}" for k, v in outcome.errors.items()))
     return "\n".join(lines)
 
 
-async def run_load(url: str, rate: float, duration: float, max_new_tokens: int = 16,
-                   max_in_flight: int = 64, seed: int = 1, timeout: float = 120.0,
-                   on_progress: Callable[[Outcome], None] | None = None) -> Outcome:
+def chat_body(prompt: str, data_url: str, max_tokens: int, model: str | None,
+              stream: bool) -> dict[str, Any]:
+    """An OpenAI chat request: the question and the photo in one user message."""
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": prompt},
+            {"type": "image_url", "image_url": {"url": data_url}}]}],
+        "max_tokens": max_tokens, "stream": stream}
+    if model is not None:
+        body["model"] = model
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def read_stream(lines: Any, t0: float) -> tuple[float | None, bool, str | None]:
+    """Read a chat stream's server-sent events: (seconds from ``t0``, a ``perf_counter``
+    reading, to the first content event; whether ``[DONE]`` ended it; the code of an error
+    event)."""
+    first: float | None = None
+    async for line in lines:
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return first, True, None
+        event = json.loads(payload)
+        if "error" in event:
+            return first, False, str(event["error"].get("code"))
+        choices = event.get("choices") or []
+        if first is None and choices and choices[0].get("delta", {}).get("content"):
+            first = time.perf_counter() - t0
+    return first, False, None
+
+
+async def served_model(client: Any, url: str) -> str | None:
+    """The id ``GET /v1/models`` lists first, or None where there is none."""
     import httpx
 
+    try:
+        r = await client.get(url.rstrip("/") + "/v1/models")
+        data = r.json().get("data") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    return str(data[0]["id"]) if isinstance(data, list) and data else None
+
+
+async def run_load(url: str, rate: float, duration: float, max_new_tokens: int = 16,
+                   max_in_flight: int = 64, seed: int = 1, timeout: float = 120.0,
+                   on_progress: Callable[[Outcome], None] | None = None,
+                   api: str = "mix") -> Outcome:
+    import httpx
+
+    if api not in API_CHOICES:
+        raise ValueError(f"api must be one of {', '.join(API_CHOICES)}, got {api!r}")
     rng = random.Random(seed)
     photos = {label: make_photo(w, h, seed + i) for i, (label, w, h) in enumerate(RESOLUTIONS)}
+    data_urls = {label: "data:image/jpeg;base64," + base64.b64encode(photo).decode()
+                 for label, photo in photos.items()}
     outcome = Outcome()
     history: list[tuple[str, str]] = []
     in_flight: set[asyncio.Task[None]] = set()
     endpoint = url.rstrip("/") + "/mrc/upload"
+    chat = url.rstrip("/") + CHAT_PATH
+    model: str | None = None
 
-    async def one(client: httpx.AsyncClient, res: str, prompt: str) -> None:
-        t0 = time.perf_counter()
-        try:
-            r = await client.post(endpoint, files={"file": ("photo.jpg", photos[res],
-                                                            "image/jpeg")},
-                                  data={"text_prompt": prompt,
-                                        "max_new_tokens": str(max_new_tokens)})
+    def answered(res: str, prompt: str, t0: float, cached: bool) -> None:
+        outcome.latencies[(res, prompt_bucket(len(prompt)))].append(time.perf_counter() - t0)
+        outcome.cached += cached
+
+    async def upload(client: httpx.AsyncClient, res: str, prompt: str, t0: float) -> None:
+        r = await client.post(endpoint, files={"file": ("photo.jpg", photos[res],
+                                                        "image/jpeg")},
+                              data={"text_prompt": prompt,
+                                    "max_new_tokens": str(max_new_tokens)})
+        outcome.statuses[r.status_code] += 1
+        if r.status_code == 200:
+            answered(res, prompt, t0, bool(r.json().get("cached")))
+
+    async def whole(client: httpx.AsyncClient, res: str, prompt: str, t0: float) -> None:
+        r = await client.post(chat, json=chat_body(prompt, data_urls[res], max_new_tokens,
+                                                   model, False))
+        outcome.statuses[r.status_code] += 1
+        if r.status_code == 200:
+            answered(res, prompt, t0, r.headers.get("x-mrc-cached") == "true")
+
+    async def streamed(client: httpx.AsyncClient, res: str, prompt: str, t0: float) -> None:
+        body = chat_body(prompt, data_urls[res], max_new_tokens, model, True)
+        async with client.stream("POST", chat, json=body) as r:
             outcome.statuses[r.status_code] += 1
-            if r.status_code == 200:
-                outcome.latencies[(res, prompt_bucket(len(prompt)))].append(
-                    time.perf_counter() - t0)
-                outcome.cached += bool(r.json().get("cached"))
+            if r.status_code != 200:
+                await r.aread()
+                return
+            first, done, error = await read_stream(r.aiter_lines(), t0)
+        if error is not None:
+            outcome.errors[f"stream error {error}"] += 1
+        elif not done:
+            outcome.errors["stream ended without [DONE]"] += 1
+        else:
+            if first is not None:
+                outcome.ttfts.append(first)
+            answered(res, prompt, t0, r.headers.get("x-mrc-cached") == "true")
+
+    senders = {"upload": upload, "chat": whole, "chat-stream": streamed}
+
+    async def one(client: httpx.AsyncClient, kind: str, res: str, prompt: str) -> None:
+        try:
+            await senders[kind](client, res, prompt, time.perf_counter())
         except httpx.HTTPError as exc:
             outcome.errors[type(exc).__name__] += 1
 
     limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        if api != "upload":
+            model = await served_model(client, url)
         start = time.monotonic()
         n = 0
         next_progress = start + 1.0
@@ -178,8 +290,10 @@ async def run_load(url: str, rate: float, duration: float, max_new_tokens: int =
                 res = rng.choices([r for r, _, _ in RESOLUTIONS], RES_WEIGHTS)[0]
                 prompt = make_prompt(rng.choices(PROMPT_BUCKETS, PROMPT_WEIGHTS)[0], rng)
                 history.append((res, prompt))
+            kind = APIS[outcome.sent % len(APIS)] if api == "mix" else api
             outcome.sent += 1
-            task = asyncio.create_task(one(client, res, prompt))
+            outcome.by_api[kind] += 1
+            task = asyncio.create_task(one(client, kind, res, prompt))
             in_flight.add(task)
             task.add_done_callback(in_flight.discard)
         if in_flight:
@@ -188,7 +302,9 @@ async def run_load(url: str, rate: float, duration: float, max_new_tokens: int =
 
 
 def run_loadgen(url: str, rate: float, duration: float, max_new_tokens: int,
-                max_in_flight: int, seed: int, out: TextIO = sys.stdout) -> int:
-    outcome = asyncio.run(run_load(url, rate, duration, max_new_tokens, max_in_flight, seed))
+                max_in_flight: int, seed: int, out: TextIO = sys.stdout, *,
+                api: str = "mix") -> int:
+    outcome = asyncio.run(run_load(url, rate, duration, max_new_tokens, max_in_flight, seed,
+                                   api=api))
     out.write(table(outcome) + "\n")
     return 0 if outcome.sent and not outcome.errors else 1

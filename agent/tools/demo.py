@@ -1,8 +1,10 @@
 """``mrc-agent demo``: the whole thing on the embedded default, live in the terminal.
 
 It starts the reference MRC service (embedded tiny Llava, built on first run with a progress
-display), the agent beside it watching the service's process, and the load generator; it prints
-the golden triangle once a second and the per-bucket latency table at the end. Where NVML
+display), the agent beside it watching the service's process, and the load generator (by default
+through the paths real clients take: ``/mrc/upload`` and the OpenAI chat API, whole and
+streamed, in turn); it prints the golden triangle once a second and the per-bucket latency table
+at the end. Where NVML
 answers, the GPU side is the real GPU; elsewhere it replays the embedded synthetic trace of a
 starved H200 and says so. The agent's ``/metrics`` and the service's stay up while it runs.
 """
@@ -124,8 +126,15 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], log_path: str,
     return False
 
 
+#: How the load's request path is told, by ``--api``.
+_API_TOLD = {"mix": "in turn through /mrc/upload and the OpenAI chat API (POST "
+                    "/v1/chat/completions), whole and streamed",
+             "upload": "through /mrc/upload", "chat": "through POST /v1/chat/completions",
+             "chat-stream": "through POST /v1/chat/completions, streamed"}
+
+
 def run_demo(duration: float, listen: str, trace: str | None, port: int = 8000,
-             rate: float = 2.0) -> int:
+             rate: float = 2.0, api: str = "mix") -> int:
     from mrc_agent.reference_service.loadgen import Outcome, percentile, run_load, table
 
     url = f"http://127.0.0.1:{port}"
@@ -151,7 +160,8 @@ def run_demo(duration: float, listen: str, trace: str | None, port: int = 8000,
         print(f"agent watching the service (pid {service.pid}); {told}.\n"
               f"agent metrics: http://{host}:{server.port}/metrics   service metrics: "
               f"{url}/metrics\nload: {rate:g} requests/s for {duration:g} s over all nine "
-              "prompt-length x resolution buckets (Ctrl-C stops)\n", flush=True)
+              f"prompt-length x resolution buckets, {_API_TOLD.get(api, api)} (Ctrl-C "
+              "stops)\n", flush=True)
 
         live: dict[str, Outcome] = {}
         result: dict[str, Any] = {}
@@ -161,7 +171,8 @@ def run_demo(duration: float, listen: str, trace: str | None, port: int = 8000,
 
         def load() -> None:
             result["outcome"] = asyncio.run(run_load(
-                url, rate, duration, max_new_tokens=16, max_in_flight=32, on_progress=keep))
+                url, rate, duration, max_new_tokens=16, max_in_flight=32, on_progress=keep,
+                api=api))
 
         loader = threading.Thread(target=load, name="mrc-demo-load", daemon=True)
         loader.start()
