@@ -162,6 +162,29 @@ def test_the_largest_image_decides_and_an_unknown_one_makes_it_unknown() -> None
     assert s.prompt_chars == 13
 
 
+@pytest.mark.parametrize("body", [
+    json.dumps(chat("q" * 70, data_url(100, 100), data_url(2000, 1500), stream=True)),
+    json.dumps(chat("", data_url(100, 100), "https://example.com/a.png")),
+    json.dumps({"messages": [{"role": "system", "content": "sys é😀"},
+                             {"role": "user", "content": [{"type": "text", "text": "x"},
+                                                          {"image_url": data_url(64, 64)}]}]}),
+    json.dumps({"prompt": ["one", "two", 3], "stream": False}),
+    json.dumps({"messages": "not a list", "stream": "true"}),
+    json.dumps([1, 2, 3]),
+    r'{"messages": [{"content": "ab\udcff \ud83d\ude00 \ud83d"}]}',
+])
+def test_a_whole_body_reads_as_the_scan_reads_it(body: str) -> None:
+    raw = body.encode("utf-8", "surrogatepass")
+    whole, scanned = ChatRequestScan(), ChatRequestScan()
+    whole.whole(raw)
+    for i in range(0, len(raw), 5):
+        scanned.feed(raw[i:i + 5])
+    scanned.close()
+    assert whole.failed is None and scanned.failed is None
+    assert (whole.prompt_chars, whole.images, whole.largest, whole.stream) == (
+        scanned.prompt_chars, scanned.images, scanned.largest, scanned.stream)
+
+
 def test_an_image_head_is_read_only_up_to_its_bound() -> None:
     s = ChatRequestScan()
     huge = "data:image/png;base64," + "A" * (8 << 20)

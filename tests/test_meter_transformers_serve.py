@@ -108,12 +108,12 @@ def test_the_proxy_counts_what_clients_of_transformers_serve_saw(serve: tuple[st
         outcomes["client_error"] += 1
 
         # A client that leaves mid-stream.
-        body = json.dumps(chat("Tell a long story.", small, stream=True, model=model,
-                               max_tokens=400)).encode()
+        raw = json.dumps(chat("Tell a long story.", small, stream=True, model=model,
+                              max_tokens=400)).encode()
         with socket.create_connection(("127.0.0.1", int(proxy.url.rsplit(":", 1)[1]))) as s:
             s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                      b"application/json\r\nContent-Length: " + str(len(body)).encode()
-                      + b"\r\n\r\n" + body)
+                      b"application/json\r\nContent-Length: " + str(len(raw)).encode()
+                      + b"\r\n\r\n" + raw)
             got = b""
             while b'"content"' not in got:
                 chunk = s.recv(65536)

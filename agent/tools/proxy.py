@@ -39,7 +39,6 @@ import ssl
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
 from urllib.parse import urlsplit
 
 import h11
@@ -110,6 +109,15 @@ class _UpstreamConn:
 
 class _ClientGone(Exception):
     pass
+
+
+class _Answer:
+    """How far the answer got: whether its status line went to the client."""
+
+    __slots__ = ("started",)
+
+    def __init__(self) -> None:
+        self.started = False
 
 
 class _UpstreamFailed(Exception):
@@ -303,10 +311,35 @@ class Proxy:
             await self._refuse(conn, writer, 400, f"cannot forward this request: {e}")
             raise _UpstreamFailed from e
 
+        # The request body goes up in a task of its own, which then watches for the client
+        # leaving; the answer comes down here. When the body task fails (the client left, the
+        # upstream stopped reading) it cancels this one: no task and no wait per event.
         body = asyncio.ensure_future(self._pump_request(conn, reader, up, exchange))
+        main = asyncio.current_task()
+        failed: list[BaseException] = []
+        state = _Answer()
+
+        def body_ended(task: asyncio.Future[None]) -> None:
+            if not task.cancelled() and task.exception() is not None and main is not None:
+                failed.append(task.exception())  # type: ignore[arg-type]
+                main.cancel()
+
+        body.add_done_callback(body_ended)
         try:
-            return await self._pump_response(conn, reader, writer, up, exchange, body)
+            return await self._pump_response(conn, writer, up, exchange, state)
+        except asyncio.CancelledError:
+            if not failed:
+                raise
+            if main is not None and hasattr(main, "uncancel"):
+                main.uncancel()
+            exc = failed[0]
+            if isinstance(exc, _ClientGone):
+                raise exc from None
+            if not state.started:
+                await self._refuse(conn, writer, 502, "the upstream server failed")
+            raise _UpstreamFailed from exc
         finally:
+            body.remove_done_callback(body_ended)
             if not body.done():
                 body.cancel()
             with contextlib.suppress(BaseException):
@@ -347,29 +380,14 @@ class Proxy:
         conn.receive_data(data)
         await asyncio.Event().wait()  # one pipelined chunk is enough: stop watching
 
-    async def _pump_response(self, conn: h11.Connection, reader: asyncio.StreamReader,
-                             writer: asyncio.StreamWriter, up: _UpstreamConn,
-                             exchange: Exchange | None, body: asyncio.Future[None]) -> bool:
-        started = False
+    async def _pump_response(self, conn: h11.Connection, writer: asyncio.StreamWriter,
+                             up: _UpstreamConn, exchange: Exchange | None,
+                             state: _Answer) -> bool:
         while True:
-            read: asyncio.Future[object] = asyncio.ensure_future(_next(up.h11, up.reader))
-            waits: set[asyncio.Future[Any]] = {read, body}
-            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            if read not in done:
-                # The client side ended first: left, or failed writing the body upstream.
-                read.cancel()
-                with contextlib.suppress(BaseException):
-                    await read
-                exc = body.exception()
-                if isinstance(exc, _ClientGone | _UpstreamFailed):
-                    if isinstance(exc, _UpstreamFailed) and not started:
-                        await self._refuse(conn, writer, 502, "the upstream server failed")
-                    raise exc
-                raise _UpstreamFailed from exc
             try:
-                event = read.result()
+                event = await _next(up.h11, up.reader)
             except (ConnectionError, h11.RemoteProtocolError, OSError) as e:
-                if not started:
+                if not state.started:
                     await self._refuse(conn, writer, 502, "the upstream server failed")
                 raise _UpstreamFailed from e
             if isinstance(event, h11.InformationalResponse):
@@ -379,7 +397,7 @@ class Proxy:
                             list(event.headers)), reason=event.reason))
                 continue
             if isinstance(event, h11.Response):
-                started = True
+                state.started = True
                 headers = _forward_headers(list(event.headers))
                 media = next((v for n, v in event.headers if n == b"content-type"), b"")
                 if exchange is not None:
@@ -402,7 +420,7 @@ class Proxy:
                 self._release(up)
                 return True
             else:  # ConnectionClosed before the answer ended
-                if not started:
+                if not state.started:
                     await self._refuse(conn, writer, 502, "the upstream server closed early")
                 raise _UpstreamFailed
 

@@ -434,17 +434,17 @@ class RequestTracker:
         if self._t_first is None:
             self._t_first = perf_counter()
 
-    def tokens(self, n_output: int, n_prompt: int | None = None, *, now: bool = True) -> None:
+    def tokens(self, n_output: int, n_prompt: int | None = None, *,
+               at: float | None = None) -> None:
         """Mark the end of generation now, with ``n_output`` tokens generated in all and, when
-        given, ``n_prompt`` prompt tokens processed (both counted at exit). With ``now=False``
-        only the counts change: the end stays where an earlier call put it (a stream's last
-        token, before the usage that counts them arrives)."""
+        given, ``n_prompt`` prompt tokens processed (both counted at exit). ``at`` puts the end
+        at an earlier ``perf_counter()`` reading instead (a stream's last token, when the usage
+        that counts the tokens arrives after it)."""
         if n_output < 0:
             raise ValueError(f"token count must be >= 0, got {n_output}")
         if n_prompt is not None and n_prompt < 0:
             raise ValueError(f"prompt token count must be >= 0, got {n_prompt}")
-        if now:
-            self._t_last = perf_counter()
+        self._t_last = perf_counter() if at is None else at
         self._n_out = n_output
         if n_prompt is not None:
             self._n_in = n_prompt

@@ -1,0 +1,401 @@
+"""Benchmark: the OpenAI meter's cost, side by side, in one run.
+
+Run as ``python3 benchmarks/bench_meter.py [--quick] [--out benchmarks/results/meter.md]``. A
+measurement, not a test: it prints a Markdown table, writes it to ``--out`` and exits 0 whether
+or not the goals are met (1 only when it cannot measure: a server that does not start).
+
+Goals (issue: request metrics for the servers people run):
+
+* ``mrc-agent proxy`` adds at most 2x the p99 latency nginx adds as a reverse proxy, and at most
+  1 ms at p50, at 1, 16 and 64 concurrent streams;
+* the ASGI middleware costs at most 30 us of CPU per request, the library's figure.
+
+**Proxy.** One upstream (uvicorn, one process, an OpenAI-shaped handler streaming 16 content
+events 2 ms apart and a ``usage`` event) is reached three ways: directly, through
+``mrc-agent proxy`` and through nginx (``proxy_buffering off`` so events stream, HTTP/1.1 and a
+keep-alive pool to the upstream, one worker process: the proxy is one process too). Clients in
+this process keep one connection each and send a chat request with a small data-URL image; a
+request's latency runs from its first byte sent to the stream's last byte, its TTFT to the first
+content event. Per concurrency and round the three ways take turns (order rotated each round);
+"added" is the median over rounds of the per-round difference to direct access.
+
+**Middleware.** The same Starlette app, with and without ``MRCMeterMiddleware``, called in
+process through a hand-written ASGI ``receive``/``send`` (no HTTP, so the figure is the
+middleware's and the app's alone); ``time.process_time`` per request, apps interleaved per
+round, overhead = median of per-round differences. Two requests: a question with a 640x480 PNG
+(a few KB) and one with a 12 MP phone photo as a 2.3 MB JPEG data URL.
+
+Needs nginx (Debian's ``nginx-light``), uvicorn and starlette (``pip install -e '.[all]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
+
+EVENTS = 16
+EVENT_GAP_S = 0.002
+GOAL_P50_MS = 1.0
+GOAL_P99_RATIO = 2.0
+GOAL_CPU_US = 30.0
+
+
+# --- the upstream -------------------------------------------------------------------------------
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def upstream_app(gap: float) -> Any:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    chunk = [_sse({"id": "c", "object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": {"content": f"w{i} "}}]}) for i in range(EVENTS)]
+    usage = _sse({"choices": [], "usage": {"prompt_tokens": 80, "completion_tokens": EVENTS}})
+
+    async def chat(request: Request) -> StreamingResponse:
+        await request.body()
+
+        async def events() -> Any:
+            yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+            for c in chunk:
+                if gap:
+                    await asyncio.sleep(gap)
+                yield c
+            yield usage
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+def serve_upstream(port: int) -> None:
+    import uvicorn
+
+    uvicorn.run(upstream_app(EVENT_GAP_S), host="127.0.0.1", port=port, log_level="warning",
+                access_log=False, timeout_keep_alive=30)
+
+
+# --- processes ----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{what} did not listen on {port} within 60 s") from None
+            time.sleep(0.05)
+
+
+NGINX_CONF = """
+worker_processes 1;
+pid {tmp}/nginx.pid;
+error_log {tmp}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    upstream up {{ server 127.0.0.1:{up}; keepalive 128; }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://up;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+        }}
+    }}
+}}
+"""
+
+
+def start_nginx(tmp: Path, up: int, port: int) -> subprocess.Popen[bytes]:
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not Path(nginx).exists():
+        raise SystemExit("nginx is needed (Debian's nginx-light)")
+    conf = tmp / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(tmp=tmp, up=up, port=port))
+    proc = subprocess.Popen([nginx, "-p", str(tmp), "-c", str(conf), "-g", "daemon off;"],
+                            stderr=subprocess.DEVNULL)
+    wait_port(port, proc, "nginx")
+    return proc
+
+
+# --- clients ------------------------------------------------------------------------------------
+
+
+def png_data_url(width: int, height: int) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (40, 80, 120)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def photo_data_url() -> str:
+    """A 4000x3000 photo-like JPEG (noise compresses like a photo's detail)."""
+    from PIL import Image
+
+    rnd = Image.frombytes("RGB", (1000, 750), os.urandom(1000 * 750 * 3))
+    buf = io.BytesIO()
+    rnd.resize((4000, 3000)).save(buf, "JPEG", quality=85)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def chat_body(url: str) -> bytes:
+    return json.dumps({"model": "m", "stream": True, "stream_options": {"include_usage": True},
+                       "max_tokens": EVENTS, "messages": [{"role": "user", "content": [
+                           {"type": "text", "text": "What is damaged on this parcel?"},
+                           {"type": "image_url", "image_url": {"url": url}}]}]}).encode()
+
+
+def request_bytes(port: int, body: bytes) -> bytes:
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            ).encode() + body
+
+
+async def one_client(port: int, raw: bytes, n: int, out: list[tuple[float, float]]) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            writer.write(raw)
+            await writer.drain()
+            buf = b""
+            first = 0.0
+            while not buf.endswith(b"\r\n0\r\n\r\n"):
+                data = await reader.read(65536)
+                if not data:
+                    raise ConnectionError("the server closed the connection")
+                buf += data
+                if not first and b'"content"' in buf:
+                    first = time.perf_counter()
+            out.append((time.perf_counter() - t0, first - t0))
+    finally:
+        writer.close()
+
+
+async def load(port: int, body: bytes, concurrency: int, per_client: int
+               ) -> tuple[list[tuple[float, float]], float]:
+    raw = request_bytes(port, body)
+    out: list[tuple[float, float]] = []
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one_client(port, raw, per_client, out) for _ in range(concurrency)))
+    return out, time.perf_counter() - t0
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def bench_proxy(rounds: int, per_client: int) -> list[str]:
+    tmp = Path(tempfile.mkdtemp(prefix="bench-meter-"))
+    up, px, pxm, ng = free_port(), free_port(), free_port(), free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs.append(subprocess.Popen([sys.executable, __file__, "--serve-upstream", str(up)]))
+        wait_port(up, procs[-1], "the upstream")
+        env = {**os.environ, "PYTHONPATH": str(REPO / ".ci" / "namespace")}
+        procs.append(subprocess.Popen([sys.executable, "-m", "mrc_agent.agent", "proxy",
+                                       "--listen", f"127.0.0.1:{px}", "--upstream",
+                                       f"http://127.0.0.1:{up}", "--metrics-listen",
+                                       f"127.0.0.1:{pxm}", "--log-level", "warning"], env=env))
+        wait_port(px, procs[-1], "mrc-agent proxy")
+        procs.append(start_nginx(tmp, up, ng))
+        ways = {"direct": up, "mrc-agent proxy": px, "nginx": ng}
+        body = chat_body(png_data_url(640, 480))
+        rows = ["| concurrent streams | way | latency p50 (ms) | p99 (ms) | TTFT p50 (ms) | "
+                "streams/s | added p50 (ms) | added p99 (ms) |",
+                "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        verdicts: list[str] = []
+        for conc in (1, 16, 64):
+            stats: dict[str, list[tuple[float, float, float, float]]] = {w: [] for w in ways}
+            asyncio.run(load(up, body, conc, 2))  # warm every connection pool
+            for r in range(rounds):
+                order = list(ways)[r % 3:] + list(ways)[:r % 3]
+                for way in order:
+                    out, wall = asyncio.run(load(ways[way], body, conc, per_client))
+                    lat = [o[0] * 1e3 for o in out]
+                    ttft = [o[1] * 1e3 for o in out]
+                    stats[way].append((pct(lat, 0.5), pct(lat, 0.99), pct(ttft, 0.5),
+                                       len(out) / wall))
+            added: dict[str, tuple[float, float]] = {}
+            for way, per_round in stats.items():
+                med = [statistics.median(x[i] for x in per_round) for i in range(4)]
+                d50 = statistics.median(a[0] - b[0] for a, b in
+                                        zip(per_round, stats["direct"], strict=True))
+                d99 = statistics.median(a[1] - b[1] for a, b in
+                                        zip(per_round, stats["direct"], strict=True))
+                added[way] = (d50, d99)
+                extra = ("-", "-") if way == "direct" else (f"{d50:.2f}", f"{d99:.2f}")
+                rows.append(f"| {conc} | {way} | {med[0]:.2f} | {med[1]:.2f} | {med[2]:.2f} | "
+                            f"{med[3]:.0f} | {extra[0]} | {extra[1]} |")
+            p50, p99 = added["mrc-agent proxy"]
+            n99 = max(added["nginx"][1], 0.05)
+            ok50 = p50 <= GOAL_P50_MS
+            ok99 = p99 <= GOAL_P99_RATIO * n99
+            verdicts.append(
+                f"- {conc} streams: proxy adds {p50:.2f} ms at p50 (goal <= {GOAL_P50_MS:g} ms: "
+                f"{'met' if ok50 else 'NOT met'}) and {p99:.2f} ms at p99, {p99 / n99:.2f}x "
+                f"nginx's {added['nginx'][1]:.2f} ms (goal <= {GOAL_P99_RATIO:g}x: "
+                f"{'met' if ok99 else 'NOT met'}; nginx's added p99 floored at 0.05 ms)")
+        return rows + [""] + verdicts
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --- the middleware's CPU -----------------------------------------------------------------------
+
+
+async def call(app: Any, body: bytes) -> None:
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            await asyncio.sleep(3600)
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        return None
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/chat/completions",
+             "raw_path": b"/v1/chat/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    await app(scope, receive, send)
+
+
+def bench_middleware(rounds: int, requests: int) -> list[str]:
+    from prometheus_client import CollectorRegistry
+
+    from mrc_agent.exporters.instrumentation import MRCMeterMiddleware, MRCMetrics
+
+    plain = upstream_app(0.0)
+    metered = upstream_app(0.0)
+    metered.add_middleware(MRCMeterMiddleware, metrics=MRCMetrics(
+        registry=CollectorRegistry(), resolution_unknown=True))
+    bodies = {"question + 640x480 PNG": chat_body(png_data_url(640, 480)),
+              "question + 12 MP JPEG": chat_body(photo_data_url())}
+    rows = ["| request | body (bytes) | app alone (us) | with the middleware (us) | "
+            "overhead (us) | IQR (us) | goal |", "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
+
+    async def per_request(app: Any, body: bytes, n: int) -> float:
+        t0 = time.process_time()
+        for _ in range(n):
+            await call(app, body)
+        return (time.process_time() - t0) / n * 1e6
+
+    loop = asyncio.new_event_loop()
+    for name, body in bodies.items():
+        n = requests if len(body) < 100_000 else max(requests // 20, 20)
+        loop.run_until_complete(per_request(metered, body, 20))
+        loop.run_until_complete(per_request(plain, body, 20))
+        base, with_mw, diff = [], [], []
+        for r in range(rounds):
+            pair = [("plain", plain), ("metered", metered)]
+            if r % 2:
+                pair.reverse()
+            got = {k: loop.run_until_complete(per_request(a, body, n)) for k, a in pair}
+            base.append(got["plain"])
+            with_mw.append(got["metered"])
+            diff.append(got["metered"] - got["plain"])
+        q = statistics.quantiles(diff, n=4)
+        over = statistics.median(diff)
+        goal = f"<= {GOAL_CPU_US:g} us: {'met' if over <= GOAL_CPU_US else 'NOT met'}"
+        rows.append(f"| {name} | {len(body)} | {statistics.median(base):.1f} | "
+                    f"{statistics.median(with_mw):.1f} | **{over:.1f}** | {q[0]:.1f} .. "
+                    f"{q[2]:.1f} | {goal} |")
+    loop.close()
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds (~1 min)")
+    ap.add_argument("--out", type=Path, help="also write the table here")
+    ap.add_argument("--serve-upstream", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_upstream:
+        serve_upstream(args.serve_upstream)
+        return 0
+    rounds = 3 if args.quick else 7
+    proxy = bench_proxy(rounds, 10 if args.quick else 25)
+    mw = bench_middleware(rounds * 2 + 1, 400 if args.quick else 1000)
+    import h11
+    import starlette
+    import uvicorn
+
+    nginx = subprocess.run([shutil.which("nginx") or "/usr/sbin/nginx", "-v"],
+                           capture_output=True, text=True).stderr.strip()
+    text = "\n".join([
+        "# OpenAI meter: proxy latency and middleware CPU", "",
+        "Generated by `python3 benchmarks/bench_meter.py`" + (" --quick" if args.quick else "")
+        + f"; {rounds} rounds, the ways interleaved. Loopback, one upstream process streaming "
+        f"{EVENTS} content events {EVENT_GAP_S * 1e3:g} ms apart plus a usage event; latency "
+        "from the request's first byte to the stream's last, TTFT to the first content event. "
+        "Added = median over rounds of the per-round difference to direct access.", "",
+        *proxy, "",
+        "Middleware CPU per request (`time.process_time`, in process, no HTTP; the app streams "
+        f"{EVENTS} events and usage), {rounds * 2 + 1} rounds:", "", *mw, "",
+        f"Host: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()};"
+        f" {nginx}, uvicorn {uvicorn.__version__}, starlette {starlette.__version__}, h11 "
+        f"{h11.__version__}. The clients, the upstream and the proxy share the machine's cores.",
+    ])
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
