@@ -7,7 +7,8 @@ library, so the sidecar has a realistic service to watch. ``python -m mrc_agent.
 routers, error handlers, and the lifespan that loads the model.
 
 * :mod:`~mrc_agent.reference_service.routers`: HTTP routers, one per concern (``/mrc`` endpoints;
-  ``/health`` and ``/ready``).
+  the OpenAI chat API, whose shapes :mod:`~mrc_agent.reference_service.chat` holds; ``/health``
+  and ``/ready``).
 * :mod:`~mrc_agent.reference_service.pipeline`: one request's chain, each stage timed.
 * :mod:`~mrc_agent.reference_service.model`: the VLM layer (embedded tiny model or a local
 checkpoint,
