@@ -1,7 +1,8 @@
 """The drop-in sidecar (``deploy/components/sidecar``) and its worked examples (vLLM, TGI,
-Triton), rendered by the real ``kubectl kustomize`` and validated offline: strict Kubernetes
-schemas, the operator's typed PodMonitor, the agent's real command line, and what a sidecar
-must never do to the pod it joins (ask for a GPU, gate its readiness, reorder its containers).
+Triton, TGI behind the meter proxy), rendered by the real ``kubectl kustomize`` and validated
+offline: strict Kubernetes schemas, the operator's typed PodMonitor, the agent's real command
+line, and what a sidecar must never do to the pod it joins (ask for a GPU, gate its readiness,
+reorder its containers).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ TARGETS: dict[str, tuple[list[str], list[str]]] = {
                 "/models/preprocess/1/model.py triton_python_backend_shm_region_1 1048576"],
                ["perf_analyzer -m ensemble -u localhost:8001", "tritonclient-install"]),
 }
+TARGETS["tgi-metered"] = TARGETS["tgi"]  # the same server, behind the meter proxy
+#: Containers that other components of an example append after the agent
+#: (tests/test_meter_proxy_component.py checks them).
+AFTER_AGENT = {"tgi-metered": ["mrc-meter-proxy"]}
 
 
 def kustomize(path: Path) -> list[dict[str, Any]]:
@@ -62,10 +67,11 @@ def _workload(objs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _source(name: str) -> dict[str, Any]:
-    """The example's workload as written, before the component."""
+    """The example's workload as written, before the components (its other resources, such
+    as a Service, are not workloads)."""
     k = yaml.safe_load((EXAMPLES / name / "kustomization.yaml").read_text())
-    (res,) = k["resources"]
-    doc: dict[str, Any] = yaml.safe_load((EXAMPLES / name / res).read_text())
+    docs = [yaml.safe_load((EXAMPLES / name / res).read_text()) for res in k["resources"]]
+    (doc,) = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
     return doc
 
 
@@ -91,7 +97,8 @@ def test_rendered_core_kinds_validate_strictly(name: str, version: str) -> None:
 @pytest.mark.parametrize("name", sorted(TARGETS))
 def test_the_podmonitor_scrapes_the_agent_of_the_labelled_pods(name: str) -> None:
     objs = RENDERED[name]
-    (pm,) = [o for o in objs if o["kind"] == "PodMonitor"]
+    (pm,) = [o for o in objs if o["kind"] == "PodMonitor"
+             and o["metadata"]["name"] == "mrc-agent-sidecar"]
     assert _round_trip(pm) == pm, "fields the operator does not know"
     pod_labels = _workload(objs)["spec"]["template"]["metadata"]["labels"]
     assert pm["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
@@ -104,7 +111,7 @@ def test_the_server_is_untouched_and_stays_first(name: str) -> None:
     src = _source(name)["spec"]["template"]["spec"]
     pod = _workload(RENDERED[name])["spec"]["template"]["spec"]
     assert [c["name"] for c in pod["containers"]] == [
-        *(c["name"] for c in src["containers"]), AGENT]
+        *(c["name"] for c in src["containers"]), AGENT, *AFTER_AGENT.get(name, [])]
     for before, after in zip(src["containers"], pod["containers"], strict=False):
         assert after == before
     assert pod["shareProcessNamespace"] is True
