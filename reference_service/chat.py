@@ -24,7 +24,8 @@ field at fault as ``param``. The model answers one question about one image, so:
 * **stream** (a boolean) and **stream_options** (``{"include_usage": bool}``, only with a
   stream, as the OpenAI API requires).
 * What would change the answer's meaning and is not done is refused, 400 ``unsupported``:
-  ``n`` other than 1, ``tools``/``functions``, ``stop`` sequences, ``logprobs``. Sampling knobs
+  ``n`` other than 1, ``tools``/``functions``, ``stop`` sequences, ``logprobs``, a
+  ``response_format`` other than text. Sampling knobs
   (``temperature``, ``top_p``, ``seed``, penalties) and unknown fields are accepted and ignored:
   the service decodes greedily.
 
@@ -45,9 +46,12 @@ from mrc_agent.reference_service.settings import Settings
 #: ``max_completion_tokens`` when the request gives none: ``/mrc``'s ``max_new_tokens`` default.
 DEFAULT_MAX_TOKENS = 64
 _ROLES = frozenset({"system", "developer", "user", "assistant"})
-_REFUSED = {"n": "one choice per request (n = 1)", "tools": "tools", "functions": "functions",
-            "stop": "stop sequences", "logprobs": "log probabilities",
-            "top_logprobs": "log probabilities"}
+_REFUSED = {"n": "one choice per request (n = 1)", "tools": "no tools",
+            "functions": "no functions", "stop": "no stop sequences",
+            "logprobs": "no log probabilities", "top_logprobs": "no log probabilities",
+            "response_format": "text answers"}
+#: The values of refused fields that ask for nothing more than the service does.
+_HARMLESS: dict[str, Any] = {"n": 1, "top_logprobs": 0, "response_format": {"type": "text"}}
 #: Codes of the image's own faults: their ``param`` is the image part.
 IMAGE_CODES = frozenset({"bad_base64", "image_empty", "url_not_allowed", "image_too_large",
                          "decompression_bomb", "fetch_too_large", "not_an_image",
@@ -79,11 +83,12 @@ def _unsupported(param: str, message: str) -> ServiceError:
 
 
 def _refused_present(name: str, value: Any) -> bool:
-    """Whether a refused field asks for something: absent, null, false, empty and ``n: 1`` do
-    not."""
+    """Whether a refused field asks for something: absent, null, false, empty and the
+    :data:`_HARMLESS` values do not."""
     if value is None or value is False or value == [] or value == "":
         return False
-    return not (name == "n" and type(value) is int and value == 1)
+    harmless = _HARMLESS.get(name)
+    return not (harmless is not None and type(value) is type(harmless) and value == harmless)
 
 
 def _integer(body: dict[str, Any], name: str, limit: int) -> int | None:
@@ -181,7 +186,7 @@ def parse_chat(body: Any, settings: Settings, served_model: str | None) -> ChatR
                                   f"this service serves {served_model!r}", "model")
     for name, what in _REFUSED.items():
         if _refused_present(name, body.get(name)):
-            raise _unsupported(name, f"{name}: {what} only, the service does no more")
+            raise _unsupported(name, f"{name}: this service gives {what}")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise _invalid("stream", f"stream must be a boolean, got {json_type(stream)}")

@@ -39,7 +39,7 @@ invalid_value          400     the OpenAI API's schema errors (``/v1/chat/comple
                                400, as the OpenAI API and vLLM answer them.
 unsupported            400     an OpenAI API request asks for what the model does not do: a
                                second image, a content part other than text and image_url,
-                               tools, ``n`` > 1, stop sequences, log probabilities.
+                               tools, ``n`` > 1, stop sequences, log probabilities, JSON mode.
 model_not_found        404     ``model`` names a model other than the one served.
 client_closed          499     the client left before its streamed answer was complete
                                (nginx's 499): nobody reads it; counted as a client error.

@@ -288,6 +288,8 @@ BAD: list[tuple[str, Any, int, str, str | None]] = [
     ("a tool message", {"messages": [*_GOOD, {"role": "tool", "content": "42"}]}, 400,
      "unsupported", "messages[1].role"),
     ("n = 2", {"n": 2, "messages": _GOOD}, 400, "unsupported", "n"),
+    ("JSON mode", {"response_format": {"type": "json_object"}, "messages": _GOOD}, 400,
+     "unsupported", "response_format"),
     ("max_tokens 0", {"max_tokens": 0, "messages": _GOOD}, 400, "invalid_value", "max_tokens"),
     ("max_tokens true", {"max_tokens": True, "messages": _GOOD}, 400, "invalid_value",
      "max_tokens"),
@@ -316,6 +318,15 @@ def test_a_bad_request_gets_its_4xx_in_the_openai_shape_and_is_counted_once(
     d = _delta(before, _totals(service))
     assert (d["client_error"], d["ok"], d["error"], d["generated"], d["in_flight"]) == \
         (1, 0, 0, 0, 0)
+
+
+def test_fields_that_ask_for_nothing_more_than_the_service_does_are_accepted(
+        service: InProcessService) -> None:
+    r = httpx.post(service.url + CHAT, timeout=60, json={
+        "messages": _GOOD, "max_tokens": 2, "n": 1, "logprobs": False, "top_logprobs": 0,
+        "stop": None, "tools": [], "response_format": {"type": "text"}, "temperature": 0.7,
+        "seed": 3, "user": "someone", "model": None, "stream": False})
+    assert r.status_code == 200, r.text
 
 
 def test_a_wrong_method_and_a_body_over_the_cap_get_the_openai_shape_too(
