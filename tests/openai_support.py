@@ -10,7 +10,7 @@ import io
 import json
 import threading
 import time
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import uvicorn
@@ -119,13 +119,13 @@ def _sse(obj: dict[str, Any]) -> bytes:
 class ServerThread:
     """An ASGI app on a real uvicorn server on 127.0.0.1, in a thread of this process."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, lifespan: Literal["on", "off"] = "off") -> None:
         config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical",
-                                access_log=False, lifespan="off")
+                                access_log=False, lifespan=lifespan)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 240  # an app's startup may build a model
         while not self.server.started:
             assert self.thread.is_alive() and time.monotonic() < deadline
             time.sleep(0.01)
