@@ -346,10 +346,11 @@ def test_a_wrong_method_and_a_body_over_the_cap_get_the_openai_shape_too(
 
 
 class _SlowStream:
-    """The served model, with each streamed piece 20 ms late: a stream long enough to leave."""
+    """The served model, with each streamed piece ``piece_s`` late and a stream's generation
+    ``start_s`` late: a stream long enough to leave."""
 
-    def __init__(self, vlm: Any) -> None:
-        self._vlm = vlm
+    def __init__(self, vlm: Any, piece_s: float = 0.02, start_s: float = 0.0) -> None:
+        self._vlm, self.piece_s, self.start_s = vlm, piece_s, start_s
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._vlm, name)
@@ -359,27 +360,31 @@ class _SlowStream:
             sink = on_text
 
             def on_text(piece: str) -> None:
-                time.sleep(0.02)
+                time.sleep(self.piece_s)
                 sink(piece)
+            time.sleep(self.start_s)
         return self._vlm.generate(*args, on_text=on_text, **kwargs)
+
+
+def _send_stream(service: InProcessService, request: dict[str, Any]) -> socket.socket:
+    body = json.dumps(request).encode()
+    sock = socket.create_connection(("127.0.0.1", int(service.url.rsplit(":", 1)[1])), timeout=30)
+    sock.sendall(b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                 + b"\r\n\r\n" + body)
+    return sock
 
 
 def test_a_client_that_leaves_mid_stream_stops_its_generation_and_the_service_goes_on(
         service: InProcessService, caplog: pytest.LogCaptureFixture) -> None:
     request = {"messages": _messages(_data_url(SMALL), "Describe every corner of the box."),
                "max_tokens": 256, "stream": True}
-    body = json.dumps(request).encode()
     state = service.state
     real = state.vlm
     state.vlm = _SlowStream(real)
     before = _totals(service)
     try:
-        port = int(service.url.rsplit(":", 1)[1])
-        with caplog.at_level(logging.INFO), \
-                socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-            sock.sendall(b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                         b"application/json\r\nContent-Length: " + str(len(body)).encode()
-                         + b"\r\n\r\n" + body)
+        with caplog.at_level(logging.INFO), _send_stream(service, request) as sock:
             seen = b""
             while seen.count(b"data: ") < 3:  # the role, then two pieces of text
                 chunk = sock.recv(65536)
@@ -399,6 +404,27 @@ def test_a_client_that_leaves_mid_stream_stops_its_generation_and_the_service_go
     r = httpx.post(service.url + CHAT, json={**request, "stream": False}, timeout=60)
     assert r.status_code == 200 and r.headers["x-mrc-cached"] == "false"
     assert r.json()["usage"]["completion_tokens"] > d["generated"]
+
+
+def test_a_client_that_leaves_before_its_first_text_stops_the_model_at_one_token(
+        service: InProcessService) -> None:
+    """Waiting for a slot or its first text, the request watches its client: gone, the
+    generation stops at its first token (a stream noticed only once it started would make
+    dozens at 1-2 ms each before the stop)."""
+    request = {"messages": _messages(_data_url(SMALL), "Describe the tape on the box."),
+               "max_tokens": 256, "stream": True}
+    state = service.state
+    real = state.vlm
+    state.vlm = _SlowStream(real, piece_s=0.0, start_s=1.0)
+    before = _totals(service)
+    try:
+        with _send_stream(service, request):
+            time.sleep(0.3)  # inside the model's late start, before any text
+        wait_until(lambda: _delta(before, _totals(service))["client_error"] == 1, timeout=20)
+    finally:
+        state.vlm = real
+    d = _delta(before, _totals(service))
+    assert (d["generated"], d["ok"], d["in_flight"]) == (1, 0, 0)
 
 
 # ------------------------------------------------------------------------- the text pieces

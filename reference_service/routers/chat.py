@@ -14,9 +14,10 @@ model makes it, then the ``finish_reason`` — a last chunk with ``usage`` and n
 before the first byte: the response starts once the answer's first text exists (or the answer
 ended), so an image the chain refuses is a 4xx with its error, never a 200 with an error event;
 only a failure after the text began is an error event (``data: {"error": …}``) before
-``[DONE]``. A client that leaves mid-stream stops its generation at the next token; the request
-ends as 499 ``client_closed`` (the ``client_error`` outcome), its partial answer uncached, and
-the service logs one line.
+``[DONE]``. A client that leaves a stream — mid-answer, or while its request waits for a model
+slot or its first text — stops its generation at the next token, or before it starts; the
+request ends as 499 ``client_closed`` (the ``client_error`` outcome), its partial answer
+uncached, in its one log line.
 
 ``X-MRC-Cached: true`` says the answer came from the service's answer cache (its ``usage`` then
 repeats the cached answer's; the model, and the token counters, processed none).
@@ -100,7 +101,7 @@ async def chat_completions(request: Request) -> Any:
         body = await _answer(state, req, parsed)
         return JSONResponse(completion(completion_id, served or "", body),
                             headers=_cached_header(bool(body["cached"])))
-    return await _stream(state, req, parsed, completion_id)
+    return await _stream(state, req, parsed, completion_id, request.receive)
 
 
 async def _answer(state: ServiceState, req: MRCRequest, parsed: ChatRequest) -> dict[str, Any]:
@@ -113,45 +114,67 @@ async def _answer(state: ServiceState, req: MRCRequest, parsed: ChatRequest) -> 
         raise
 
 
-async def _next(pieces: asyncio.Queue[str], task: asyncio.Task[Any]) -> str | None:
+async def _next(pieces: asyncio.Queue[str], task: asyncio.Task[Any],
+                gone: asyncio.Future[None] | None = None,
+                cancel: threading.Event | None = None) -> str | None:
     """The next piece of text, or None once the answer has ended and every piece was taken
-    (the model's thread queues each piece before its result reaches the task)."""
-    if not pieces.empty():
-        return pieces.get_nowait()
-    if task.done():
-        return None
-    getter = asyncio.ensure_future(pieces.get())
-    try:
-        await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not getter.done():
-            getter.cancel()
-    if getter.done() and not getter.cancelled():
-        return getter.result()
-    return pieces.get_nowait() if not pieces.empty() else None
+    (the model's thread queues each piece before its result reaches the task). When ``gone``
+    ends first (the client left), ``cancel`` is set and the answer's end awaited."""
+    while True:
+        if not pieces.empty():
+            return pieces.get_nowait()
+        if task.done():
+            return None
+        getter = asyncio.ensure_future(pieces.get())
+        waiting: set[asyncio.Future[Any]] = {getter, task}
+        if gone is not None and not gone.done():
+            waiting.add(gone)
+        try:
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not getter.done():
+                getter.cancel()
+        if getter.done() and not getter.cancelled():
+            return getter.result()
+        if gone is not None and gone.done() and cancel is not None:
+            cancel.set()
 
 
-def _reap(task: asyncio.Task[Any]) -> None:
-    """Mark the task's exception seen: a stream whose client left never reads it, and the
-    pipeline has logged and counted it already."""
-    if not task.cancelled():
-        task.exception()
+async def _client_gone(receive: Receive) -> None:
+    """Returns once the client has left (the request's body was read whole before)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _reap(future: asyncio.Future[Any]) -> None:
+    """Mark the future's exception seen: a stream whose client left never reads its answer's,
+    and the pipeline has logged and counted it already."""
+    if not future.cancelled():
+        future.exception()
 
 
 async def _stream(state: ServiceState, req: MRCRequest, parsed: ChatRequest,
-                  completion_id: str) -> StreamingResponse:
+                  completion_id: str, receive: Receive) -> StreamingResponse:
     pieces: asyncio.Queue[str] = asyncio.Queue()
     cancel = threading.Event()
     req.on_text, req.cancel = pieces.put_nowait, cancel
     task = asyncio.create_task(_answer(state, req, parsed))
     task.add_done_callback(_reap)
+    # Until the response starts, this watches for the client leaving (a request waiting for a
+    # slot or its first text); from then on Starlette's response does.
+    gone = asyncio.ensure_future(_client_gone(receive))
+    gone.add_done_callback(_reap)
     try:
-        first = await _next(pieces, task)
+        first = await _next(pieces, task, gone, cancel)
         if first is None:
             task.result()  # the chain refused the request: its error, with its status
     except BaseException:
         cancel.set()
         raise
+    finally:
+        gone.cancel()
     # A cache hit hands its text on and ends in one step of the task, so a task not done
     # by now is no cache hit.
     cached = task.done() and task.exception() is None and bool(task.result()["cached"])
