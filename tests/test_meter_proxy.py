@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from mrc_agent.exporters.instrumentation import MRCMeterMiddleware, MRCMetrics
-from tests.conftest import parse_metrics, series
+from tests.conftest import parse_metrics, series, wait_until
 from tests.openai_support import (
     FakeEngine,
     ProxyThread,
@@ -116,9 +116,20 @@ def _check(values: dict[tuple[str, frozenset[tuple[str, str]]], float],
     assert series(values, "mrc_requests_in_flight") == [0.0]
 
 
+def _settled(reg: CollectorRegistry, requests: int
+             ) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """The values once ``requests`` are counted: a request is recorded as its exchange ends,
+    just after the client read the last byte."""
+    deadline = time.monotonic() + 10
+    while sum(series(values := _values(reg), "mrc_requests_total")) < requests:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return values
+
+
 def test_the_proxy_counts_what_the_clients_saw(proxy: ProxyThread) -> None:
     cells, streams, prompt, completion = _drive(proxy.url)
-    _check(_values(proxy.metrics.registry), cells, streams, prompt, completion)
+    _check(_settled(proxy.metrics.registry, len(MIX)), cells, streams, prompt, completion)
 
 
 def test_the_middleware_counts_what_the_clients_saw(
@@ -127,7 +138,7 @@ def test_the_middleware_counts_what_the_clients_saw(
     before = _values(reg)
     assert sum(series(before, "mrc_requests_total")) == 0.0
     cells, streams, prompt, completion = _drive(server.url)
-    _check(_values(reg), cells, streams, prompt, completion)
+    _check(_settled(reg, len(MIX)), cells, streams, prompt, completion)
 
 
 def test_the_proxy_serves_its_metrics_on_its_own_port(
@@ -261,7 +272,7 @@ def test_a_refused_request_is_forwarded_and_counted_as_the_clients_error(
         r = httpx.post(proxy.url + "/v1/chat/completions", content=raw, timeout=30)
         assert r.status_code == 400
         assert engine[0].bodies[-1] == raw
-    v = _values(proxy.metrics.registry)
+    v = _settled(proxy.metrics.registry, 3)
     assert series(v, "mrc_requests_total", outcome="client_error") == [3.0]
     assert sum(series(v, "mrc_requests_total")) == 3.0
 
@@ -271,6 +282,7 @@ def test_connections_to_the_upstream_are_reused(proxy: ProxyThread) -> None:
         for _ in range(5):
             assert client.post(proxy.url + "/v1/chat/completions",
                                json=chat("x", SMALL)).status_code == 200
+    wait_until(lambda: len(proxy.proxy._pool) == 1)  # released as the last answer ends
     assert len(proxy.proxy._pool) == 1
 
 
@@ -327,4 +339,91 @@ def test_hostile_bodies_pass_unchanged_and_get_the_servers_own_answer(
         r = httpx.post(url + "/v1/chat/completions", content=raw, timeout=60)
         assert r.status_code == direct.status_code < 500, (url, r.status_code)
         assert fake.bodies[-1] == raw
-    assert series(_values(proxy.metrics.registry), "mrc_requests_in_flight") == [0.0]
+    wait_until(lambda: series(_values(proxy.metrics.registry), "mrc_requests_in_flight")
+               == [0.0])
+
+
+class RawUpstream:
+    """A server that answers every request with the same bytes, written by hand (and then
+    closes the connection, when ``close``)."""
+
+    def __init__(self, answer: bytes, close: bool = False) -> None:
+        self.answer, self.close_after = answer, close
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        with conn:
+            buf = b""
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                length = int(next((line.split(b":")[1] for line in head.split(b"\r\n")
+                                   if line.lower().startswith(b"content-length")), b"0"))
+                while len(buf) < length:
+                    buf += conn.recv(65536)
+                buf = buf[length:]
+                conn.sendall(self.answer)
+                if self.close_after:
+                    return
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _chunked(*chunks: bytes, tail: bytes = b"0\r\n\r\n") -> bytes:
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+            + b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + tail)
+
+
+def test_chunked_answers_pass_chunk_by_chunk_with_extensions_trailers_and_big_chunks() -> None:
+    big = b"data: " + json.dumps({"choices": [{"delta": {"content": "x" * 300_000}}]}).encode()
+    events = [b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', big + b"\n\n",
+              b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n']
+    answer = _chunked(*events, tail=b"0;ext=1\r\nx-trailer: 1\r\n\r\n")
+    answer = answer.replace(b"%x\r\n" % len(events[0]), b"%x;name=value\r\n" % len(events[0]), 1)
+    up = RawUpstream(answer)
+    p = ProxyThread(up.url)
+    try:
+        with httpx.Client(timeout=30) as client:
+            for _ in range(2):  # the second over the connection the first released
+                r = client.post(p.url + "/v1/chat/completions", json=chat("x", SMALL,
+                                                                         stream=True))
+                assert r.status_code == 200 and r.content == b"".join(events)
+        v = _settled(p.metrics.registry, 2)
+        assert series(v, "mrc_requests_total", outcome="ok") == [2.0]
+        assert series(v, "mrc_generation_tokens_total") == [4.0]
+        assert sum(series(v, "mrc_time_to_first_token_seconds_count")) == 2.0
+        wait_until(lambda: len(p.proxy._pool) == 1)
+    finally:
+        p.stop()
+        up.close()
+
+
+@pytest.mark.parametrize("tail", [b"zz\r\nbad\r\n0\r\n\r\n", b"5\r\nabc", b"3\r\nabcXY"])
+def test_a_broken_chunked_answer_is_cut_for_the_client_and_counted(tail: bytes) -> None:
+    up = RawUpstream(_chunked(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', tail=tail),
+                     close=True)
+    p = ProxyThread(up.url)
+    try:
+        with pytest.raises(httpx.RemoteProtocolError):
+            httpx.post(p.url + "/v1/chat/completions", json=chat("x", stream=True), timeout=5)
+        v = _settled(p.metrics.registry, 1)
+        assert series(v, "mrc_requests_total", outcome="error") == [1.0]
+    finally:
+        p.stop()
+        up.close()
