@@ -137,6 +137,28 @@ async def _next(conn: h11.Connection, reader: asyncio.StreamReader,
         conn.receive_data(data)
 
 
+def _chunk_size(buf: bytearray, pos: int, end: int) -> int:
+    """The size of a chunk from its size line ``buf[pos:end]`` (extensions ignored)."""
+    text = bytes(buf[pos:end]).split(b";", 1)[0].strip()
+    if not text or len(text) > 16 or not text.isalnum():
+        raise _UpstreamFailed
+    try:
+        return int(text, 16)
+    except ValueError as e:
+        raise _UpstreamFailed from e
+
+
+async def _read_more(up: _UpstreamConn, buf: bytearray) -> None:
+    """Append the upstream's next bytes to ``buf``; _UpstreamFailed at its end."""
+    try:
+        more = await up.reader.read(CHUNK)
+    except OSError as e:
+        raise _UpstreamFailed from e
+    if not more:
+        raise _UpstreamFailed
+    buf.extend(more)
+
+
 def _forward_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     named: set[bytes] = set()
     for name, value in headers:
@@ -436,69 +458,60 @@ class Proxy:
 
     async def _relay_chunks(self, conn: h11.Connection, writer: asyncio.StreamWriter,
                             up: _UpstreamConn, exchange: Exchange | None) -> bool:
-        """The body of a chunked answer, chunk by chunk, without h11 on either side: each
-        chunk's bytes (size line, payload, CRLF) are written to the client as read, the
-        payload handed to the meter; the last chunk is the client side's h11 ``EndOfMessage``
-        (trailers are dropped, as h11 drops them). A fifth of the CPU per event of parsing
-        and framing every event through h11 twice."""
+        """The body of a chunked answer, without h11 on either side: the chunks the upstream
+        wrote (size line, payload, CRLF) go to the client as they are, every whole chunk read
+        so far in one write, each payload handed to the meter; a chunk larger than a read goes
+        piece by piece. The last chunk is the client side's h11 ``EndOfMessage`` (trailers are
+        dropped, as h11 drops them). About half the CPU per event of parsing and framing every
+        event through h11 twice, with a third of the writes."""
         data, closed = up.h11.trailing_data
         buf = bytearray(data)
         pos = 0
-
-        async def fill(n: int) -> None:
-            nonlocal pos
-            while len(buf) - pos < n:
-                if pos:
-                    del buf[:pos]
-                    pos = 0
-                try:
-                    more = await up.reader.read(CHUNK)
-                except OSError as e:
-                    raise _UpstreamFailed from e
-                if not more:
+        done = False
+        while not done:
+            start = pos
+            big = 0  # the size of a chunk too large to wait for whole
+            while True:
+                end = buf.find(b"\r\n", pos)
+                if end < 0:
+                    if len(buf) - pos > MAX_HEAD:
+                        raise _UpstreamFailed  # no size line in 64 KiB
+                    break
+                size = _chunk_size(buf, pos, end)
+                if size == 0:
+                    done = True
+                    break
+                stop = end + 2 + size
+                if len(buf) < stop + 2:
+                    big = size if size > CHUNK else 0
+                    break
+                if buf[stop:stop + 2] != b"\r\n":
                     raise _UpstreamFailed
-                buf.extend(more)
-
-        async def line() -> int:
-            """The end of the next line (its CRLF's index); bounded like a head."""
-            while (i := buf.find(b"\r\n", pos)) < 0:
+                if exchange is not None:
+                    exchange.response_body(bytes(buf[end + 2:stop]), True)
+                pos = stop + 2
+            if pos > start:
+                await self._write(writer, bytes(buf[start:pos]))
+            if done:
+                break
+            if big:
+                pos = await self._relay_big_chunk(writer, up, exchange, buf, pos, big)
+                del buf[:pos]
+                pos = 0
+                continue  # what followed the big chunk may be whole already
+            del buf[:pos]
+            pos = 0
+            await _read_more(up, buf)
+        # The last chunk, then trailers up to an empty line.
+        pos = buf.find(b"\r\n", pos) + 2
+        while (end := buf.find(b"\r\n", pos)) != pos:
+            if end < 0:
                 if len(buf) - pos > MAX_HEAD:
                     raise _UpstreamFailed
-                await fill(len(buf) - pos + 1)
-            return i
-
-        while True:
-            end = await line()
-            try:
-                size = int(bytes(buf[pos:end]).split(b";", 1)[0].strip(), 16)
-            except ValueError as e:
-                raise _UpstreamFailed from e
-            if size < 0:
-                raise _UpstreamFailed
-            if size == 0:  # the last chunk, then trailers up to an empty line
+                await _read_more(up, buf)
+            else:
                 pos = end + 2
-                while (end := await line()) != pos:
-                    pos = end + 2
-                pos = end + 2
-                break
-            head, pos = bytes(buf[pos:end + 2]), end + 2
-            await self._write(writer, head)
-            left = size
-            while left:
-                if len(buf) == pos:
-                    await fill(1)
-                take = min(left, len(buf) - pos)
-                piece = bytes(buf[pos:pos + take])
-                pos += take
-                left -= take
-                if exchange is not None:
-                    exchange.response_body(piece, True)
-                await self._write(writer, piece)
-            await fill(2)
-            if buf[pos:pos + 2] != b"\r\n":
-                raise _UpstreamFailed
-            pos += 2
-            await self._write(writer, b"\r\n")
+        pos += 2
         if exchange is not None:
             exchange.response_body(b"", False)
         await self._send(conn, writer, h11.EndOfMessage())
@@ -508,6 +521,31 @@ class Proxy:
         up.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
         self._pool_add(up)
         return True
+
+    async def _relay_big_chunk(self, writer: asyncio.StreamWriter, up: _UpstreamConn,
+                               exchange: Exchange | None, buf: bytearray, pos: int,
+                               size: int) -> int:
+        """One chunk larger than a read, forwarded piece by piece as it arrives; returns the
+        position after it (its CRLF included)."""
+        end = buf.find(b"\r\n", pos)
+        await self._write(writer, bytes(buf[pos:end + 2]))
+        del buf[:end + 2]
+        left = size
+        while left:
+            if not buf:
+                await _read_more(up, buf)
+            piece = bytes(buf[:left])
+            del buf[:len(piece)]
+            left -= len(piece)
+            if exchange is not None:
+                exchange.response_body(piece, True)
+            await self._write(writer, piece)
+        while len(buf) < 2:
+            await _read_more(up, buf)
+        if buf[:2] != b"\r\n":
+            raise _UpstreamFailed
+        await self._write(writer, b"\r\n")
+        return 2
 
     @staticmethod
     async def _write(writer: asyncio.StreamWriter, data: bytes) -> None:
