@@ -22,8 +22,6 @@ from mrc_agent.reference_service.settings import Settings
 from tests.conftest import parse_metrics, series
 from tests.openai_support import ServerThread, chat
 
-Values = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
 
 @pytest.fixture(scope="module")
 def metered(cache_dir: Path) -> Iterator[tuple[str, CollectorRegistry]]:
