@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="address serving /metrics")
     proxy.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS",
                        help="give up connecting to the upstream after this long: 502")
+    proxy.add_argument("--drain-timeout", type=float, default=25.0, metavar="SECONDS",
+                       help="on SIGTERM, let answers under way finish for this long (below "
+                       "the pod's terminationGracePeriodSeconds, 30 by default)")
     proxy.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
 
@@ -258,11 +261,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from mrc_agent.agent.tools.proxy import ProxyError, run_proxy
 
             _setup_logging(args.log_level)
-            if not args.connect_timeout > 0:
-                raise ConfigError("--connect-timeout must be > 0")
+            if not args.connect_timeout > 0 or not args.drain_timeout >= 0:
+                raise ConfigError("--connect-timeout must be > 0 and --drain-timeout >= 0")
             try:
                 return run_proxy(args.listen, args.upstream, args.metrics_listen,
-                                 args.connect_timeout)
+                                 args.connect_timeout, args.drain_timeout)
             except ProxyError as exc:
                 raise ConfigError(str(exc)) from exc
         if args.command == "selfcheck":

@@ -47,7 +47,8 @@ class FakeEngine:
     """An OpenAI-compatible server's answers, written by hand. ``words`` content events per
     answer, ``prompt_tokens`` fixed; a request's ``"x_fail"`` asks for a failure:
     ``"status"`` (400 before any byte), ``"midstream"`` (the connection dies after the first
-    event), ``"slow"`` (an event every 50 ms for 10 s, recording whether the client left)."""
+    event), ``"slow"`` (an event every 50 ms for 10 s, or ``"x_slow_events"`` of them, recording
+    whether the client left)."""
 
     def __init__(self, words: int = 3, prompt_tokens: int = 11) -> None:
         self.words = words
@@ -93,7 +94,7 @@ class FakeEngine:
                                                             "content": ""}}]})
             if fail == "slow":
                 try:
-                    for _ in range(200):
+                    for _ in range(int(body.get("x_slow_events", 200))):
                         yield _sse({"choices": [{"index": 0, "delta": {"content": "w"}}]})
                         await asyncio.sleep(0.05)
                 finally:

@@ -177,6 +177,45 @@ def test_the_proxy_serves_its_metrics_on_its_own_port(
     assert bad.returncode == 2 and "is not an http(s)://host[:port] URL" in bad.stderr
 
 
+def test_on_sigterm_the_proxy_lets_streams_under_way_finish(
+        engine: tuple[FakeEngine, ServerThread]) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    listen, metrics = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mrc_agent.agent", "proxy", "--listen",
+                             f"127.0.0.1:{listen}", "--upstream", engine[1].url,
+                             "--metrics-listen", f"127.0.0.1:{metrics}", "--drain-timeout",
+                             "20"], stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: _listening(listen), timeout=60)
+        idle = socket.create_connection(("127.0.0.1", listen))
+        body = chat("x", stream=True, x_fail="slow", x_slow_events=20)
+        with httpx.stream("POST", f"http://127.0.0.1:{listen}/v1/chat/completions", json=body,
+                          timeout=30) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        events = [x for x in [first, *rest] if x.startswith("data: ")]
+        assert len(events) == 1 + 20, "the stream under way was cut"
+        assert proc.wait(20) == 0
+        assert idle.recv(1) == b""  # the idle keep-alive connection was closed, not kept
+        idle.close()
+        assert not _listening(listen)
+    finally:
+        proc.kill()
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
 def test_bodies_pass_byte_for_byte_and_hop_by_hop_headers_do_not(
         proxy: ProxyThread, engine: tuple[FakeEngine, ServerThread]) -> None:
     fake = engine[0]

@@ -189,6 +189,9 @@ class Proxy:
         self._pool: list[_UpstreamConn] = []
         self._server: asyncio.Server | None = None
         self._clients: set[asyncio.Task[None]] = set()
+        #: The client connections with a request being answered now.
+        self._busy: set[asyncio.Task[None]] = set()
+        self._draining = False
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0: a free port); returns the port."""
@@ -196,9 +199,17 @@ class Proxy:
                                                   limit=CHUNK, backlog=1024)
         return int(self._server.sockets[0].getsockname()[1])
 
-    async def stop(self) -> None:
+    async def stop(self, drain: float = 0.0) -> None:
+        """Stop accepting; close idle client connections at once and give the ones being
+        answered up to ``drain`` seconds to finish (a stream is not cut at a rollout), then
+        close the rest."""
+        self._draining = True
         if self._server is not None:
             self._server.close()
+        for task in self._clients - self._busy:
+            task.cancel()
+        if drain > 0 and self._busy:
+            await asyncio.wait(set(self._busy), timeout=drain)
         for task in list(self._clients):
             task.cancel()
         for c in self._pool:
@@ -256,8 +267,14 @@ class Proxy:
                     return
                 if not isinstance(event, h11.Request):
                     return  # ConnectionClosed or PAUSED: nothing more to serve
-                keep = await self._exchange(conn, reader, writer, event, client_ip)
-                if not keep or conn.our_state is not h11.DONE \
+                if task is not None:
+                    self._busy.add(task)
+                try:
+                    keep = await self._exchange(conn, reader, writer, event, client_ip)
+                finally:
+                    if task is not None:
+                        self._busy.discard(task)
+                if not keep or self._draining or conn.our_state is not h11.DONE \
                         or conn.their_state is not h11.DONE:
                     return
                 conn.start_next_cycle()
@@ -577,8 +594,9 @@ def split_hostport(value: str, flag: str) -> tuple[str, int]:
 
 
 def run_proxy(listen: str, upstream: str, metrics_listen: str,
-              connect_timeout: float = 10.0) -> int:
-    """``mrc-agent proxy``: serve until SIGTERM or SIGINT."""
+              connect_timeout: float = 10.0, drain_timeout: float = 25.0) -> int:
+    """``mrc-agent proxy``: serve until SIGTERM or SIGINT, then let the answers under way
+    finish for up to ``drain_timeout`` seconds."""
     from prometheus_client import CollectorRegistry
 
     from mrc_agent.exporters.exposition.http import ExpositionServer
@@ -607,7 +625,9 @@ def run_proxy(listen: str, upstream: str, metrics_listen: str,
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        await proxy.stop()
+        log.info("stopping: %d answers under way, up to %g s to finish", len(proxy._busy),
+                 drain_timeout)
+        await proxy.stop(drain_timeout)
 
     exposition.start()
     try:
