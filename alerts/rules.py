@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from mrc_agent.alerts.config import Config
+from mrc_agent.alerts.engines import EngineQueries
 from mrc_agent.alerts.queries import RuleQueries, check_duration, num
 
 Rule = dict[str, Any]
@@ -268,9 +269,18 @@ def fleet(cfg: Config) -> Group:
     return {"name": "mrc-fleet", "rules": rules}
 
 
+def engines(cfg: Config) -> Group:
+    """Recording rules only: the inference engines' own view (vLLM, SGLang, TGI) under
+    ``mrc:engine_*`` names, whichever of their names a version exports (alerts/engines.py,
+    docs/engines.md). The service dashboard draws it beside the client-observed TTFT."""
+    return {"name": "mrc-engines",
+            "rules": [record(name, expr) for name, expr in EngineQueries(cfg).recording_rules()]}
+
+
 def groups(cfg: Config) -> list[Group]:
     """All rule groups, in a fixed order."""
-    return [golden_triangle(cfg), service_slo(cfg), service(cfg), agent_health(cfg), fleet(cfg)]
+    return [golden_triangle(cfg), service_slo(cfg), service(cfg), agent_health(cfg), fleet(cfg),
+            engines(cfg)]
 
 
 def alerts(cfg: Config) -> list[Rule]:

@@ -1,12 +1,13 @@
-"""promtool unit tests of the alerting and fleet recording rules, kept as readable files.
+"""promtool unit tests of the alerting and the recording rules, kept as readable files.
 
 ``python -m mrc_agent.alerts.unit_tests`` writes, from the scenarios below,
-``alerts/tests/<Alert>.yaml`` (one per alert) and ``alerts/tests/fleet.yaml`` (the fleet recording
-rules). They are committed; ``tests/test_alerts.py`` fails when they drift from a fresh generation
-and runs ``promtool test rules`` on them. Run them by hand with ``promtool test rules
-alerts/tests/*.yaml`` (from the repository root) or ``promtool test rules *.yaml`` (in
-``alerts/tests``): promtool resolves ``rule_files`` relative to each test file, so every file names
-``../generated/mrc-rules.yaml``, the committed build.
+``alerts/tests/<Alert>.yaml`` (one per alert), ``alerts/tests/fleet.yaml`` (the fleet recording
+rules) and ``alerts/tests/engines.yaml`` (the engine recording rules, on the engines' own
+expositions: :mod:`mrc_agent.alerts.engine_tests`). They are committed; ``tests/test_alerts.py``
+fails when they drift from a fresh generation and runs ``promtool test rules`` on them. Run them
+by hand with ``promtool test rules alerts/tests/*.yaml`` (from the repository root) or ``promtool
+test rules *.yaml`` (in ``alerts/tests``): promtool resolves ``rule_files`` relative to each test
+file, so every file names ``../generated/mrc-rules.yaml``, the committed build.
 
 Every alert has scenarios in promtool's ``input_series`` notation: one where it fires — with
 its ``for`` boundary, not firing one evaluation before ``for`` has passed and firing at it — and
@@ -27,6 +28,7 @@ from typing import Any
 
 from mrc_agent.alerts import build, rules
 from mrc_agent.alerts.config import DEFAULT, Config
+from mrc_agent.alerts.engine_tests import ENGINES_FILE, engine_tests
 
 #: Where the committed test files live, and the rule file they test, relative to them.
 OUT = Path(__file__).resolve().parent / "tests"
@@ -536,7 +538,7 @@ def fleet_tests(rule_file: Path | str = RULE_FILE) -> dict[str, Any]:
 
 def file_names() -> list[str]:
     """The files a generation writes, sorted."""
-    return sorted([*(f"{alert}.yaml" for alert in CASES), FLEET_FILE])
+    return sorted([*(f"{alert}.yaml" for alert in CASES), FLEET_FILE, ENGINES_FILE])
 
 
 def _header(what: str) -> str:
@@ -552,6 +554,8 @@ def render_files(cfg: Config = DEFAULT) -> dict[str, str]:
              + build.dump(promtool_tests(alert, CASES[alert], RULE_FILE, cfg))
              for alert in CASES}
     files[FLEET_FILE] = _header("fleet recording rules") + build.dump(fleet_tests(RULE_FILE))
+    files[ENGINES_FILE] = (_header("engine recording rules, on alerts/tests/engines/*.prom")
+                           + build.dump(engine_tests(RULE_FILE)))
     assert sorted(files) == file_names()
     return dict(sorted(files.items()))
 
