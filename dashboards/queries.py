@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from prometheus_client.utils import floatToGoString
 
 from mrc_agent.alerts.config import Config
+from mrc_agent.alerts.engines import QUEUE, TTFT, EngineQueries
 from mrc_agent.exporters.instrumentation.buckets import prompt_length_values, resolution_values
 
 #: Template variables every dashboard has (besides ``datasource``), and their label.
@@ -301,6 +302,61 @@ class PanelQueries:
     @property
     def model_info(self) -> Query:
         return Query(f"mrc_model_info{self.pod()} == 1", "")
+
+    # -- the engines' view beside the client's (alerts/engines.py, docs/engines.md) -----------
+    # The engine series are recorded over the request window (5m), so the client's side is read
+    # over the same window here: both lines then cover the same requests.
+
+    _POD_KEYS = "cluster, namespace, pod"
+
+    @property
+    def _engine(self) -> EngineQueries:
+        return EngineQueries(self.cfg)
+
+    def _client_ttft(self, part: str) -> str:
+        w = self.cfg.thresholds.request_rate_window
+        return f"rate(mrc_time_to_first_token_seconds_{part}{self.pod()}[{w}])"
+
+    def client_ttft(self, q: float) -> Query:
+        """The meter's (client-observed) TTFT quantile per pod, over the engine rules' window."""
+        return Query(f"histogram_quantile({q:g}, sum by ({self._POD_KEYS}, le) "
+                     f"({self._client_ttft('bucket')}))", f"{{{{pod}}}} client P{q * 100:g}")
+
+    def _engine_quantile(self, signal: str, q: float, what: str) -> Query:
+        buckets = self._engine.histogram(signal, "bucket") + self.pod()
+        return Query(f"histogram_quantile({q:g}, sum by ({self._POD_KEYS}, engine, le) "
+                     f"({buckets}))", f"{{{{pod}}}} {{{{engine}}}} {what}P{q * 100:g}")
+
+    def engine_ttft(self, q: float) -> Query:
+        return self._engine_quantile(TTFT, q, "")
+
+    def engine_queue(self, q: float) -> Query:
+        return self._engine_quantile(QUEUE, q, "queue ")
+
+    @property
+    def ttft_outside_engine(self) -> Query:
+        """Mean client-observed TTFT minus the engine's mean TTFT, per pod and engine: the time
+        the engine's clock does not see. Means subtract exactly; quantiles would not."""
+        by = f"sum by ({self._POD_KEYS})"
+        by_engine = f"sum by ({self._POD_KEYS}, engine)"
+        e = self._engine
+        client = (f"{by} ({self._client_ttft('sum')})\n  / {by} ({self._client_ttft('count')})")
+        engine = (f"{by_engine} ({e.histogram(TTFT, 'sum')}{self.pod()})\n"
+                  f"  / {by_engine} ({e.histogram(TTFT, 'count')}{self.pod()})")
+        return Query(f"(\n  {client}\n)\n- on ({self._POD_KEYS}) group_right ()\n(\n  {engine}\n)",
+                     "{{pod}} outside {{engine}}")
+
+    @property
+    def engine_kv_usage(self) -> Query:
+        return Query(f"max by ({self._POD_KEYS}, engine) "
+                     f"({self._engine.kv_usage}{self.pod()})", "{{pod}} {{engine}}")
+
+    @property
+    def engine_mm_hit_ratio(self) -> Query:
+        by = f"sum by ({self._POD_KEYS}, engine)"
+        e = self._engine
+        return Query(f"{by} ({e.mm_hits}{self.pod()})\n/ {by} ({e.mm_queries}{self.pod()})",
+                     "{{pod}} {{engine}}")
 
     # -- latency heatmap ----------------------------------------------------------------------
 

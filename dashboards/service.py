@@ -1,8 +1,9 @@
 """The *MRC service* dashboard: the request side of an MRC service (``exporters`` metrics).
 
-Latency and time to first token against their SLOs, throughput and errors, where a request's
-time goes (stages), what it costs (peak GPU memory), and the service's state (cache, chain
-breaks, in flight and queued, the model and attention backend actually serving).
+Latency and time to first token against their SLOs, the engine's own view beside the client's
+(its TTFT, queue, KV cache and multimodal cache: alerts/engines.py), throughput and errors, where
+a request's time goes (stages), what it costs (peak GPU memory), and the service's state (cache,
+chain breaks, in flight and queued, the model and attention backend actually serving).
 """
 
 from __future__ import annotations
@@ -64,6 +65,50 @@ def build(cfg: Config) -> dict[str, Any]:
             description=f"Share of first tokens within {sla_ms:g} ms over the whole selected "
                         f"range; red below the {t.ttft_objective:.0%} objective.",
             thresholds=below(t.ttft_objective), links=ttft_runbooks),
+    ])
+    w = t.request_rate_window
+    engines = Section("Engine view beside the client's", [
+        timeseries(
+            "Time to first token: client and engine P50/P99",
+            [q.client_ttft(0.5), q.client_ttft(0.99), q.engine_ttft(0.5), q.engine_ttft(0.99)],
+            "s", min_value=0, w=12,
+            description=(
+                "The meter's time to first token, from the request's first byte, beside the "
+                "engine's own (vLLM, SGLang: from when its frontend takes the request over), "
+                f"per pod, both over {w}. The engine's clock does not see the upload, the "
+                "parsing, image fetches and what the server decodes before it starts. TGI has "
+                "no TTFT metric. The meter counts streamed answers only, the engine every "
+                f"request. The dashed line is the {sla_ms:g} ms SLA. docs/engines.md."),
+            thresholds=above(t.ttft_seconds), links=ttft_runbooks),
+        timeseries(
+            "Time to first token outside the engine (mean)", [q.ttft_outside_engine], "s", w=12,
+            description=(
+                "Mean client-observed TTFT minus the engine's mean TTFT, per pod, over "
+                f"{w}: the time before the engine's clock starts (upload, parsing, image "
+                "fetch and decode). Means, because they subtract exactly; quantiles do not. "
+                "Empty for TGI (no TTFT metric) and for pods without streamed answers.")),
+        timeseries(
+            "Engine queue time P50/P99", [q.engine_queue(0.5), q.engine_queue(0.99)], "s",
+            min_value=0, w=8,
+            description=(
+                "Time a request waits in the engine's queue before it is scheduled (vLLM's "
+                "WAITING phase, SGLang's queue, TGI's queue; TGI counts successful requests "
+                f"only), over {w}.")),
+        timeseries(
+            "Engine KV-cache usage", [q.engine_kv_usage], "percentunit", min_value=0,
+            max_value=1, w=8,
+            description=(
+                "The fullest KV cache of the pod's engine (vLLM's engine cores, SGLang's "
+                "ranks). TGI: the share of its batch token budget the running batch has "
+                "reserved, which reaches 100 % when TGI stops admitting, before the cache is "
+                "physically full.")),
+        timeseries(
+            "Engine multimodal-cache hit ratio", [q.engine_mm_hit_ratio], "percentunit",
+            min_value=0, max_value=1, w=8,
+            description=(
+                "Multimodal items found in the engine's cache over items looked up: vLLM's "
+                "processor cache, SGLang's EPD encoder cache. A repeated image skips its "
+                "preprocessing (vLLM) or its vision encoder (SGLang). TGI has no such metric.")),
     ])
     traffic = Section("Throughput and errors", [
         timeseries("Throughput", [q.throughput], "reqps", min_value=0, w=8,
@@ -128,9 +173,10 @@ def build(cfg: Config) -> dict[str, Any]:
     ])
     return dashboard(
         TITLE, UID,
-        "Request side of an MRC service: latency and TTFT against the SLOs, throughput, "
-        "errors, stages, peak GPU memory, cache, chain breaks, load and model.",
+        "Request side of an MRC service: latency and TTFT against the SLOs, the engine's "
+        "view beside the client's, throughput, errors, stages, peak GPU memory, cache, chain "
+        "breaks, load and model.",
         variables({"cluster": q.service_variable_query("cluster"),
                    "namespace": q.service_variable_query("namespace"),
                    "pod": q.service_variable_query("pod")}),
-        [latency, traffic, stages, state])
+        [latency, engines, traffic, stages, state])
