@@ -31,6 +31,10 @@ def data_url(width: int, height: int, fmt: str = "PNG") -> str:
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+#: A 640x480 PNG: the <1MP cell.
+SMALL_PNG = data_url(640, 480)
+
+
 def chat(text: str, *urls: str, stream: bool = False, usage: bool = True,
          **extra: Any) -> dict[str, Any]:
     """A chat completions request: one user message, ``text`` then the images."""

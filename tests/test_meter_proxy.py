@@ -466,3 +466,41 @@ def test_a_broken_chunked_answer_is_cut_for_the_client_and_counted(tail: bytes) 
     finally:
         p.stop()
         up.close()
+
+
+def test_slow_clients_hold_up_no_one(proxy: ProxyThread,
+                                    engine: tuple[FakeEngine, ServerThread]) -> None:
+    """A head sent a byte at a time and a stream nobody reads, while requests pass; the
+    reader that leaves with bytes unread (a reset) still stops the server."""
+    engine[0].disconnected.clear()
+    slow_head = socket.create_connection(("127.0.0.1", int(proxy.url.rsplit(":", 1)[1])))
+    slow_reader = socket.create_connection(("127.0.0.1", int(proxy.url.rsplit(":", 1)[1])))
+    slow_reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    body = json.dumps(chat("x", stream=True, x_fail="slow")).encode()
+    slow_reader.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                        + str(len(body)).encode() + b"\r\n\r\n" + body)
+    try:
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        for i in range(10):
+            slow_head.send(head[i:i + 1])
+            t0 = time.monotonic()
+            r = httpx.post(proxy.url + "/v1/chat/completions", json=chat("x", SMALL),
+                           timeout=10)
+            assert r.status_code == 200 and time.monotonic() - t0 < 5.0
+    finally:
+        slow_head.close()
+        slow_reader.close()
+    assert engine[0].disconnected.wait(10), "the server went on for a client that left"
+
+
+def test_a_stopped_proxy_closes_the_upstream_streams_it_carried(
+        engine: tuple[FakeEngine, ServerThread]) -> None:
+    engine[0].disconnected.clear()
+    p = ProxyThread(engine[1].url)
+    body = json.dumps(chat("x", stream=True, x_fail="slow")).encode()
+    with socket.create_connection(("127.0.0.1", int(p.url.rsplit(":", 1)[1]))) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert b"data: " in s.recv(65536) or b"data: " in s.recv(65536)
+        p.stop()
+        assert engine[0].disconnected.wait(5), "the upstream stream outlived the proxy"

@@ -327,6 +327,9 @@ class Proxy:
             except _UpstreamFailed:
                 up.close()
                 return False
+            except BaseException:  # cancelled (the proxy stops): the upstream stops too
+                up.close()
+                raise
         finally:
             if exchange is not None:
                 exchange.finish(client_left=client_left)
@@ -418,7 +421,10 @@ class Proxy:
                 raise _ClientGone
         # The request is whole. Until the answer ends, a read that returns nothing means the
         # client left; bytes mean a pipelined request, which h11 keeps for the next cycle.
-        data = await reader.read(CHUNK)
+        try:
+            data = await reader.read(CHUNK)
+        except ConnectionError as e:  # a reset: it left with bytes unread
+            raise _ClientGone from e
         if not data:
             raise _ClientGone
         conn.receive_data(data)
