@@ -95,32 +95,32 @@ def image_size(url: bytes) -> tuple[int, int] | None:
     head = url[:16].lower()
     if head.startswith((b"http://", b"https://")):
         return None
+    begin = 0
     if head.startswith(b"data:"):
         comma = url.find(b",", 0, _DATA_URL_HEADER)
         if comma < 0 or b";base64" not in url[:comma].lower():
             return None
-        text = url[comma + 1:comma + 1 + _B64_HEAD_CHARS + 64]
-    else:
-        text = url[:_B64_HEAD_CHARS + 64]
-    text = text.translate(_URLSAFE, _WHITESPACE)
-    pad = text.find(b"=")
-    if pad >= 0:
-        text = text[:pad]
+        begin = comma + 1
     # Most headers (PNG, GIF, WebP, BMP, a JPEG without a large EXIF) tell the size within the
     # first 768 bytes: decode those first, the whole head only when they do not.
     for chars in (_B64_FIRST_CHARS, _B64_HEAD_CHARS):
-        part = text[:min(chars, len(text) - len(text) % 4)]
+        text = url[begin:begin + chars + 64].translate(_URLSAFE, _WHITESPACE)
+        pad = text.find(b"=")
+        if pad >= 0:
+            text = text[:pad]
+        short = len(text) < chars
+        text = text[:min(chars, len(text) - len(text) % 4)]
         try:
-            data = binascii.a2b_base64(part)
+            data = binascii.a2b_base64(text)
         except (binascii.Error, ValueError):
             return None
         try:
-            layout = walk(data[:IMAGE_HEAD_BYTES], _stop_at_size)
+            layout = walk(data, _stop_at_size)
         except _Found as found:
             return found.size
         except StructureError:
             return None
-        if layout is None or len(part) < chars:
+        if layout is None or short or pad >= 0:
             return layout.size if layout is not None else None
     return None
 
@@ -208,7 +208,18 @@ class UsageScan(JsonScanner):
                 self.completion_tokens = n
 
     def whole(self, body: bytes) -> None:
-        """Read an answer that arrived whole and small with the C parser."""
+        """Read an answer that arrived whole and small: ``usage`` comes last in the answers
+        of OpenAI, vLLM, SGLang and TGI, so only what follows its last ``"usage"`` key is read
+        (generated text cannot hold that key unescaped); the C parser reads the rest when the
+        numbers are not there."""
+        at = body.rfind(b'"usage"')
+        if at < 0:
+            return
+        found = dict(_USAGE_NUMBERS.findall(body, at))
+        if b"completion" in found:
+            self.completion_tokens = int(found[b"completion"])
+            self.prompt_tokens = int(found[b"prompt"]) if b"prompt" in found else None
+            return
         doc = _loads(body)
         usage = doc.get("usage") if isinstance(doc, dict) else None
         if isinstance(usage, dict):
@@ -240,6 +251,7 @@ def _count(text: bytes | Any) -> int | None:
 #: cannot match, and ``logprobs.content`` holds a list, not a string.
 _CONTENT = re.compile(rb'"(?:content|reasoning_content|reasoning|text)"[ \t]*:[ \t]*"(?!")'
                       rb'|"tool_calls"[ \t]*:[ \t]*\[[ \t]*\{')
+_USAGE_NUMBERS = re.compile(rb'"(prompt|completion)_tokens"[ \t\r\n]*:[ \t\r\n]*(\d{1,18})\b')
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _LINE = re.compile(rb"\r\n|\n|\r")
 
