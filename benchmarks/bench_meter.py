@@ -377,7 +377,7 @@ def main() -> int:
     if args.serve_upstream:
         serve_upstream(args.serve_upstream)
         return 0
-    rounds = 3 if args.quick else 7
+    rounds = 3 if args.quick else 11
     proxy = bench_proxy(rounds, 10 if args.quick else 25)
     mw = bench_middleware(rounds * 2 + 1, 400 if args.quick else 1000)
     import h11
