@@ -210,8 +210,11 @@ class Proxy:
             task.cancel()
         if drain > 0 and self._busy:
             await asyncio.wait(set(self._busy), timeout=drain)
-        for task in list(self._clients):
+        left = list(self._clients)
+        for task in left:
             task.cancel()
+        if left:  # let them close their sockets, upstream ones included, before returning
+            await asyncio.wait(left, timeout=5)
         for c in self._pool:
             c.close()
         self._pool.clear()

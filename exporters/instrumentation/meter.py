@@ -236,14 +236,13 @@ def _loads(body: bytes) -> Any:
         return None
 
 
-def _count(text: bytes | Any) -> int | None:
-    if isinstance(text, bytes):
-        text = text.decode("ascii", "replace")
-    try:
-        n = int(text)
-    except (TypeError, ValueError):
-        return None
-    return n if n >= 0 else None
+def _count(value: bytes | Any) -> int | None:
+    """A token count: a whole number >= 0 (as JSON bytes or as parsed), else None."""
+    if isinstance(value, bytes):
+        return int(value) if value.isdigit() and len(value) <= 18 else None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
 
 
 #: A content event: a non-empty string under one of the content keys, or a tool call. Matched on
@@ -251,7 +250,8 @@ def _count(text: bytes | Any) -> int | None:
 #: cannot match, and ``logprobs.content`` holds a list, not a string.
 _CONTENT = re.compile(rb'"(?:content|reasoning_content|reasoning|text)"[ \t]*:[ \t]*"(?!")'
                       rb'|"tool_calls"[ \t]*:[ \t]*\[[ \t]*\{')
-_USAGE_NUMBERS = re.compile(rb'"(prompt|completion)_tokens"[ \t\r\n]*:[ \t\r\n]*(\d{1,18})\b')
+_USAGE_NUMBERS = re.compile(
+    rb'"(prompt|completion)_tokens"[ \t\r\n]*:[ \t\r\n]*(\d{1,18})(?![\d.eE])')
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _LINE = re.compile(rb"\r\n|\n|\r")
 
