@@ -8,6 +8,7 @@ import asyncio
 import base64
 import io
 import json
+import socket
 import threading
 import time
 from typing import Any, Literal
@@ -169,6 +170,27 @@ class ProxyThread:
         asyncio.run_coroutine_threadsafe(self.proxy.stop(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+def send_chat(sock: socket.socket, body: dict[str, Any]) -> None:
+    """Write a chat completions request for ``body`` on a raw socket (the test owns the
+    connection: to leave mid-answer, or to read nothing)."""
+    raw = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: " + str(len(raw)).encode()
+                 + b"\r\n\r\n" + raw)
+
+
+def leave_after(url: str, body: dict[str, Any], seen: bytes = b"data: ") -> None:
+    """Send ``body`` to ``url``, read until ``seen`` arrives, then close the connection: a
+    client that leaves mid-stream."""
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as sock:
+        send_chat(sock, body)
+        got = b""
+        while seen not in got:
+            chunk = sock.recv(65536)
+            assert chunk, got
+            got += chunk
 
 
 def stream_lines(url: str, body: dict[str, Any]) -> tuple[int, list[str]]:

@@ -26,6 +26,8 @@ from tests.openai_support import (
     ServerThread,
     chat,
     data_url,
+    leave_after,
+    send_chat,
     stream_lines,
 )
 from tests.support import free_port
@@ -261,17 +263,7 @@ def test_a_client_that_leaves_mid_stream_is_counted_and_cancels_the_server(
                       else (wrapped[0], wrapped[1].url, wrapped[2]))
     fake.disconnected.clear()
     before = sum(series(_values(reg), "mrc_requests_total", outcome="client_error"))
-    body = json.dumps(chat("bye", SMALL, stream=True, x_fail="slow")).encode()
-    port = int(url.rsplit(":", 1)[1])
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                  b"application/json\r\nContent-Length: " + str(len(body)).encode()
-                  + b"\r\n\r\n" + body)
-        got = b""
-        while b"data: " not in got:
-            chunk = s.recv(65536)
-            assert chunk, got
-            got += chunk
+    leave_after(url, chat("bye", SMALL, stream=True, x_fail="slow"))
     assert fake.disconnected.wait(10), "the server went on generating for a client that left"
     deadline = time.monotonic() + 10
     while sum(series(_values(reg), "mrc_requests_total", outcome="client_error")) == before:
@@ -476,9 +468,7 @@ def test_slow_clients_hold_up_no_one(proxy: ProxyThread,
     slow_head = socket.create_connection(("127.0.0.1", int(proxy.url.rsplit(":", 1)[1])))
     slow_reader = socket.create_connection(("127.0.0.1", int(proxy.url.rsplit(":", 1)[1])))
     slow_reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    body = json.dumps(chat("x", stream=True, x_fail="slow")).encode()
-    slow_reader.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
-                        + str(len(body)).encode() + b"\r\n\r\n" + body)
+    send_chat(slow_reader, chat("x", stream=True, x_fail="slow"))
     try:
         head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
         for i in range(10):
@@ -497,10 +487,8 @@ def test_a_stopped_proxy_closes_the_upstream_streams_it_carried(
         engine: tuple[FakeEngine, ServerThread]) -> None:
     engine[0].disconnected.clear()
     p = ProxyThread(engine[1].url)
-    body = json.dumps(chat("x", stream=True, x_fail="slow")).encode()
     with socket.create_connection(("127.0.0.1", int(p.url.rsplit(":", 1)[1]))) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
-                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+        send_chat(s, chat("x", stream=True, x_fail="slow"))
         assert b"data: " in s.recv(65536) or b"data: " in s.recv(65536)
         p.stop()
         assert engine[0].disconnected.wait(5), "the upstream stream outlived the proxy"

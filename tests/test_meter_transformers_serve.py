@@ -6,7 +6,6 @@ outcome, and the token counters the sum of the ``usage`` the server reported."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import pytest
 
 from mrc_agent.reference_service.model.embedded import ensure_embedded
 from tests.conftest import parse_metrics, series
-from tests.openai_support import ProxyThread, chat, data_url
+from tests.openai_support import ProxyThread, chat, data_url, leave_after
 from tests.support import free_port
 
 
@@ -108,17 +107,8 @@ def test_the_proxy_counts_what_clients_of_transformers_serve_saw(serve: tuple[st
         outcomes["client_error"] += 1
 
         # A client that leaves mid-stream.
-        raw = json.dumps(chat("Tell a long story.", small, stream=True, model=model,
-                              max_tokens=400)).encode()
-        with socket.create_connection(("127.0.0.1", int(proxy.url.rsplit(":", 1)[1]))) as s:
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                      b"application/json\r\nContent-Length: " + str(len(raw)).encode()
-                      + b"\r\n\r\n" + raw)
-            got = b""
-            while b'"content"' not in got:
-                chunk = s.recv(65536)
-                assert chunk, got
-                got += chunk
+        leave_after(proxy.url, chat("Tell a long story.", small, stream=True, model=model,
+                                    max_tokens=400), seen=b'"content"')
         outcomes["client_error"] += 1
 
         deadline = time.monotonic() + 60
