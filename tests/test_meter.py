@@ -328,3 +328,32 @@ def test_metrics_without_the_unknown_cell_refuse_an_unknown_image() -> None:
     tracker = MRCMetrics().request()
     with pytest.raises(ValueError, match="unknown resolution cell"):
         tracker.set_image_unknown()
+
+
+@pytest.mark.parametrize("calls", [
+    "whole", "then_end", "two_then_end", "answer_before_end", "cut_off"])
+def test_the_same_exchange_however_a_transport_hands_it_over(calls: str) -> None:
+    """A proxy hands the body's end over as a call of its own, and may hand its answer over
+    before that end: the cells, tokens and outcome are the same each way."""
+    m, reg = _metrics()
+    x = Exchange(m)
+    raw = json.dumps(chat("q" * 60, data_url(1500, 1000))).encode()
+    answer = json.dumps({"choices": [{"message": {"content": "hi"}}], "usage": {
+        "prompt_tokens": 9, "completion_tokens": 4}}).encode()
+    pieces = {"whole": [(raw, False)], "then_end": [(raw, True), (b"", False)],
+              "two_then_end": [(raw[:50], True), (raw[50:], True), (b"", False)],
+              "answer_before_end": [(raw, True)], "cut_off": [(raw, True), (b"", False)]}
+    for chunk, more in pieces[calls]:
+        x.request_body(chunk, more)
+    x.response_start(200, "application/json")
+    x.response_body(answer, True)
+    if calls != "cut_off":
+        x.response_body(b"", False)
+    x.finish()
+    v = _values(reg)
+    assert series(v, "mrc_request_duration_seconds_count", prompt_length="50-100",
+                  resolution="1-4MP") == [1.0]
+    assert series(v, "mrc_prompt_tokens_total") == [9.0]
+    assert series(v, "mrc_generation_tokens_total") == [4.0]
+    assert series(v, "mrc_requests_total", outcome="ok" if calls != "cut_off" else "error") \
+        == [1.0]

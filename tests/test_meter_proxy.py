@@ -380,6 +380,7 @@ class RawUpstream:
 
     def __init__(self, answer: bytes, close: bool = False) -> None:
         self.answer, self.close_after = answer, close
+        self.sent = 0  # bytes of answers written so far
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         threading.Thread(target=self._serve, daemon=True).start()
@@ -407,7 +408,14 @@ class RawUpstream:
                 while len(buf) < length:
                     buf += conn.recv(65536)
                 buf = buf[length:]
-                conn.sendall(self.answer)
+                view = memoryview(self.answer)
+                while view:
+                    try:
+                        n = conn.send(view[:65536])
+                    except OSError:
+                        return
+                    self.sent += n
+                    view = view[n:]
                 if self.close_after:
                     return
 
@@ -458,6 +466,48 @@ def test_a_broken_chunked_answer_is_cut_for_the_client_and_counted(tail: bytes) 
     finally:
         p.stop()
         up.close()
+
+
+def test_an_answer_faster_than_its_reader_waits_upstream_not_in_the_proxy() -> None:
+    """Back-pressure down the stream: while the client reads nothing, the upstream's writes
+    stall once the sockets' buffers are full; the proxy holds no more than a read of it."""
+    event = b"data: " + json.dumps({"choices": [{"delta": {"content": "y" * 16_000}}]}
+                                   ).encode() + b"\n\n"
+    answer = _chunked(*[event] * 3000)  # 48 MB
+    up = RawUpstream(answer)
+    p = ProxyThread(up.url)
+    try:
+        with socket.create_connection(("127.0.0.1", int(p.url.rsplit(":", 1)[1]))) as s:
+            send_chat(s, chat("x", stream=True))
+            wait_until(lambda: up.sent > 0)
+            last = -1
+            while up.sent != last:  # until the upstream is blocked
+                last = up.sent
+                time.sleep(0.3)
+            # The sockets' buffers on the way hold some megabytes; the answer is 48.
+            assert up.sent < len(answer) // 2, up.sent
+            got = bytearray()
+            while not got.endswith(b"\r\n0\r\n\r\n"):
+                data = s.recv(1 << 20)
+                assert data, "the proxy closed the connection"
+                got += data
+        head, _, body = bytes(got).partition(b"\r\n\r\n")
+        assert b" 200 " in head.split(b"\r\n")[0]
+        assert _unchunk(body) == event * 3000
+    finally:
+        p.stop()
+        up.close()
+
+
+def _unchunk(body: bytes) -> bytes:
+    out, pos = bytearray(), 0
+    while True:
+        end = body.index(b"\r\n", pos)
+        size = int(body[pos:end].split(b";")[0], 16)
+        if size == 0:
+            return bytes(out)
+        out += body[end + 2:end + 2 + size]
+        pos = end + 2 + size + 2
 
 
 def test_slow_clients_hold_up_no_one(proxy: ProxyThread,

@@ -370,7 +370,7 @@ class Exchange:
     call costs bounded work; none raises on what it is fed."""
 
     __slots__ = ("tracker", "_t0", "_scan", "_received", "_status", "_resp", "_complete",
-                 "_finished", "_fed", "_whole", "_resp_fed", "_usage")
+                 "_finished", "_fed", "_whole", "_resp_fed", "_usage", "_held", "_resp_held")
 
     def __init__(self, metrics: MRCMetrics) -> None:
         self.tracker: RequestTracker = metrics.request()
@@ -384,10 +384,24 @@ class Exchange:
         self._finished = False
         self._fed = self._whole = self._resp_fed = False
         self._usage: UsageScan | None = None
+        # A first small chunk, kept (not copied) until the next call says whether the body
+        # ended with it: a proxy hands the end over as a call of its own.
+        self._held: bytes | None = None
+        self._resp_held: bytes | None = None
 
     def request_body(self, chunk: bytes, more: bool) -> None:
         scan = self._scan
         if scan is None or self._received:
+            return
+        held, self._held = self._held, None
+        if held is not None:
+            if not more and not chunk:
+                chunk = held  # the body came in one piece, then its end
+            else:
+                scan.feed(held)
+                self._fed = True
+        elif more and not self._fed and 0 < len(chunk) <= WHOLE_LIMIT:
+            self._held = chunk
             return
         if not more and not self._fed and len(chunk) <= WHOLE_LIMIT:
             scan.whole(chunk)
@@ -403,6 +417,9 @@ class Exchange:
         if scan is None or self._received:
             return
         self._received = True
+        held, self._held = self._held, None
+        if held is not None:
+            scan.feed(held)
         if not self._whole:
             scan.close()
         t = self.tracker
@@ -429,6 +446,17 @@ class Exchange:
 
     def response_body(self, chunk: bytes, more: bool) -> None:
         resp = self._resp
+        held, self._resp_held = self._resp_held, None
+        if held is not None and resp is not None:
+            if not more and not chunk:
+                chunk = held  # the answer came in one piece, then its end
+            else:
+                resp.feed(held)
+                self._resp_fed = True
+        elif (more and not self._resp_fed and isinstance(resp, UsageScan)
+              and 0 < len(chunk) <= WHOLE_LIMIT):
+            self._resp_held = chunk
+            return
         if resp is not None and chunk:
             if (not more and not self._resp_fed and isinstance(resp, UsageScan)
                     and len(chunk) <= WHOLE_LIMIT):
@@ -449,6 +477,9 @@ class Exchange:
         self._finished = True
         t = self.tracker
         resp = self._resp
+        held, self._resp_held = self._resp_held, None
+        if held is not None and resp is not None:
+            resp.feed(held)
         if resp is not None and self._complete:
             resp.close()
         if resp is None:
