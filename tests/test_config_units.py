@@ -111,7 +111,7 @@ def test_a_collector_switch_that_is_neither_says_so() -> None:
 
 def test_an_unknown_collector_lists_the_known_ones() -> None:
     known = ", ".join(COLLECTOR_NAMES)
-    assert known == "process, gpu, gpm, profiling, derived"
+    assert known == "process, gpu, gpm, profiling, derived, stacks"
     assert str(c._unknown_collector("warp")) == f"unknown collector 'warp' (known: {known})"
     assert _error({"collectors": "gpu,warp"}) == (
         f"command line: unknown collector 'warp' (known: {known})")
@@ -125,16 +125,18 @@ def test_collectors_from_a_mapping_switch_only_what_is_named() -> None:
     cfg = AgentConfig()
     out = c._collectors({"gpm": "off", "profiling": True}, cfg)
     assert out == {"process": True, "gpu": True, "gpm": False, "profiling": True,
-                   "derived": True}
+                   "derived": True, "stacks": False}
     assert cfg.collectors["gpm"] is True  # the config's own mapping is not changed
 
 
 def test_collectors_from_a_list_take_minus_plus_and_blank_items() -> None:
     cfg = AgentConfig()
     assert c._collectors(" profiling , ,-gpm,+gpu,", cfg) == {
-        "process": True, "gpu": True, "gpm": False, "profiling": True, "derived": True}
+        "process": True, "gpu": True, "gpm": False, "profiling": True, "derived": True,
+        "stacks": False}
     assert c._collectors(["-process", "profiling"], cfg) == {
-        "process": False, "gpu": True, "gpm": True, "profiling": True, "derived": True}
+        "process": False, "gpu": True, "gpm": True, "profiling": True, "derived": True,
+        "stacks": False}
 
 
 def test_collectors_build_on_what_an_earlier_source_switched(tmp_path) -> None:
@@ -143,7 +145,7 @@ def test_collectors_build_on_what_an_earlier_source_switched(tmp_path) -> None:
     cfg = load({"collectors": "profiling"}, env={"MRC_AGENT_COLLECTORS": "-process"},
                config_path=str(f))
     assert cfg.collectors == {"process": False, "gpu": True, "gpm": False, "profiling": True,
-                              "derived": True}
+                              "derived": True, "stacks": False}
     assert cfg.enabled == ["gpu", "profiling", "derived"]
 
 
@@ -529,15 +531,15 @@ def test_the_defaults_and_how_help_shows_them() -> None:
     assert default_of("interval") == 1.0
     assert default_of("pids") == []
     assert default_of("collectors") == {"process": True, "gpu": True, "gpm": True,
-                                        "profiling": False, "derived": True}
+                                        "profiling": False, "derived": True, "stacks": False}
     assert AgentConfig().pids is not AgentConfig().pids
     assert AgentConfig().collectors is not AgentConfig().collectors
     shown = {name: default_text(name) for name in SETTINGS}
     assert shown == {
         "pids": None, "pidfile": None, "process_name": None, "listen": "0.0.0.0:9478",
         "interval": "1", "gpu_backend": "auto", "gpus": "targets",
-        "profile_unattributed": "false", "gpm_interval": "1",
-        "collectors": "process,gpu,gpm,derived", "idle_util_threshold": "0.05",
+        "profile_unattributed": "false", "gpm_interval": "1", "stacks_interval": "0.1",
+        "stacks_top_k": "10", "collectors": "process,gpu,gpm,derived", "idle_util_threshold": "0.05",
         "starvation_cpu_threshold": "0.9",
         "starvation_gpu_threshold": "0.2", "log_level": "info", "web_config_file": None,
         "webhook_token_file": None, "webhook_token": None,
@@ -570,7 +572,7 @@ def test_each_flag_says_its_default_and_its_environment_name() -> None:
     assert shown["--pidfile"] == (
         "file holding the target PID, re-read every interval; env MRC_AGENT_PIDFILE")
     assert shown["--collector"] == (
-        "switch a collector on (repeatable: process, gpu, gpm, profiling, derived; "
+        "switch a collector on (repeatable: process, gpu, gpm, profiling, derived, stacks; "
         "default process,gpu,gpm,derived; env MRC_AGENT_COLLECTORS=profiling,-gpm)")
     assert shown["--no-collector"] == (
         "switch a collector off (repeatable; env MRC_AGENT_COLLECTORS)")

@@ -1,21 +1,18 @@
 """The agent's configuration: one typed object whose fields are the settings.
 
 Each field of :class:`AgentConfig` is declared once with :func:`setting`: its default, how a
-value from the config file, the environment or a flag is read, what range it must be in, its
-flag and ``--help`` text, and which subcommands take it. Coercion, validation, the environment
-names (``MRC_AGENT_<NAME>``) and the flags all follow from that declaration, so adding a setting
-is one edit here.
+value from the config file, the environment or a flag is read, its range, flag, ``--help`` text
+and subcommands. Coercion, validation, the environment names (``MRC_AGENT_<NAME>``) and the
+flags follow from that declaration, so adding a setting is one edit here.
 
 Precedence is config file < environment < command-line flags. Every problem becomes a
 :class:`ConfigError` with one line of text; ``agent/cli.py`` turns it into exit code 2.
 
-The config file and the web configuration file are read as plain data only, and not as all of
-YAML: anchors and aliases (``&a``/``*a``, merge keys) are refused, because a few hundred bytes
-of nested aliases ("billion laughs") stand for billions of items once anything walks the value
-— an error message showing it, a ``str()`` of a list. A key given no value (``listen:`` or
-``listen: null``) is refused too rather than read as the default: a template that rendered
-nothing, or a value lost in an edit, should be seen, as a wrong value is (Prometheus and
-exporter-toolkit refuse a null where they want a string). Leaving the key out is how to ask
+The config file and the web configuration file are read as plain data, not as all of YAML:
+anchors and aliases are refused (a few hundred bytes of nested aliases, a "billion laughs",
+stand for billions of items once an error message or a ``str()`` walks them). A key given no
+value (``listen:``, ``listen: null``) is refused rather than read as the default: a template that
+rendered nothing should be seen, as Prometheus and exporter-toolkit see it; leave the key out
 for the default. Every value shown in an error is cut to :data:`SHOWN_CHARS`.
 """
 
@@ -359,6 +356,11 @@ class AgentConfig:
         1.0, parse=_float, check=_between(0.2, 60.0, "seconds"), commands=(RUN,),
         metavar="SECONDS", help="GPM sampling window (0.2-60 s); shorter sampling intervals "
                                 "reuse the last window's values")
+    stacks_interval: float = setting(0.1, parse=_float, check=_between(0.01, 1.0, "seconds"),
+                                     commands=(RUN,), metavar="SECONDS",
+                                     help="seconds between two stack samples of a target")
+    stacks_top_k: int = setting(10, parse=_whole, check=_between(1, 100), commands=(RUN,),
+                                metavar="N", help="functions per target with a label of their own")
     collectors: dict[str, bool] = setting(
         default_factory=lambda: dict(DEFAULT_ON), parse=_collectors, commands=_AGENT,
         metavar="NAME",

@@ -223,3 +223,8 @@ class Runner:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        for collector in self.collectors:
+            # Collectors that own children (the stacks collector's samplers) end them here.
+            close = getattr(collector, "close", None)
+            if close is not None:
+                close()

@@ -12,7 +12,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from mrc_agent.agent.core.catalog import CATALOG
 from mrc_agent.agent.core.collectors import BY_NAME, PASS_FINISHERS
-from mrc_agent.agent.core.collectors.base import BuildContext, Collector
+from mrc_agent.agent.core.collectors.base import BuildContext, Collector, StackSettings
 from mrc_agent.agent.core.config import AgentConfig
 from mrc_agent.agent.core.hw.profiling import LazyProfiling
 from mrc_agent.agent.core.hw.sources import Closable, Sources
@@ -70,7 +70,8 @@ def build_collectors(cfg: AgentConfig, sources: Sources,
                      names: Iterable[str] | None = None) -> list[Collector]:
     """The collectors ``names`` (default: the enabled ones), in sampling order."""
     wanted = set(cfg.enabled if names is None else names)
-    ctx = BuildContext(sources, cfg.thresholds, gpus=cfg.gpus)
+    ctx = BuildContext(sources, cfg.thresholds, gpus=cfg.gpus,
+                       stacks=StackSettings(interval=cfg.stacks_interval, top_k=cfg.stacks_top_k))
     return [d.factory(ctx) for name, d in BY_NAME.items() if name in wanted]
 
 

@@ -8,7 +8,7 @@ import when a collector would run before one it reads from (derived reads proces
 
 from __future__ import annotations
 
-from mrc_agent.agent.core.collectors import derived, gpm, gpu, process, profiling
+from mrc_agent.agent.core.collectors import derived, gpm, gpu, process, profiling, stacks
 from mrc_agent.agent.core.collectors.base import CollectorDef, PassFinisher, check_order
 
 COLLECTORS: tuple[CollectorDef, ...] = check_order([
@@ -17,6 +17,7 @@ COLLECTORS: tuple[CollectorDef, ...] = check_order([
     gpm.DEFINITION,
     profiling.DEFINITION,
     derived.DEFINITION,
+    stacks.DEFINITION,
 ])
 BY_NAME = {c.name: c for c in COLLECTORS}
 COLLECTOR_NAMES: tuple[str, ...] = tuple(BY_NAME)

@@ -61,6 +61,9 @@ class SampleContext:
     succeeded: dict[str, bool] = field(default_factory=dict)
     #: Filled by the profiling collector: (reason, detail) of its source, "ok" when it works.
     profiling_status: tuple[str, str] = ("not_requested", "")
+    #: Filled by the derived collector: whether each target PID was starved this pass
+    #: (absent while none of its GPUs gave a reading).
+    starved: dict[int, bool] = field(default_factory=dict)
     #: The GPUs reported this pass (agent.core.attribution): the gpu collector's decision
     #: (its last one when it failed this pass), or :meth:`decide_gpus`'s.
     attribution: Attribution | None = None
@@ -110,13 +113,25 @@ class DerivedThresholds:
 
 
 @dataclass(frozen=True)
+class StackSettings:
+    """The stacks collector's settings (:mod:`mrc_agent.agent.core.collectors.stacks`): the
+    austin executable (None: found beside Python or on PATH), the seconds between two samples
+    of a target, and how many functions per target get a label of their own."""
+
+    austin: str | None = None
+    interval: float = 0.1
+    top_k: int = 10
+
+
+@dataclass(frozen=True)
 class BuildContext:
-    """What a collector factory may use: the GPU sources, the derived-signal thresholds and
-    which GPUs to report (the ``gpus`` setting)."""
+    """What a collector factory may use: the GPU sources, the derived-signal thresholds,
+    which GPUs to report (the ``gpus`` setting) and the stacks collector's settings."""
 
     sources: Sources = field(default_factory=Sources)
     thresholds: DerivedThresholds = field(default_factory=DerivedThresholds)
     gpus: str = MODE_TARGETS
+    stacks: StackSettings = field(default_factory=StackSettings)
 
 
 #: Runs once per pass after every collector, with the filled context; returns more samples.

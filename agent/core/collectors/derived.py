@@ -131,6 +131,7 @@ class DerivedCollector:
                         max(readings) <= self.thresholds.starved_gpu)
                     total += dt if starved else 0.0
                     out.append((STARVED.name, labels, 1.0 if starved else 0.0))
+                    ctx.starved[pid] = starved
                 self._starved_seconds[key] = total
                 out.append((STARVED_SECONDS.name, labels, total))
         for key in [k for k in self._starved_seconds if k not in live]:

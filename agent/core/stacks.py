@@ -1,0 +1,299 @@
+"""Continuous stack sampling of a target from outside it: one `austin`_ child per target, its
+samples streamed, parsed into a timeline the ``stacks`` collector joins with the GPU's.
+
+Why austin and not py-spy, which ``diagnose`` and the captures use: both read the target's
+memory without stopping it, and cost the target nothing measurable; but py-spy writes its
+samples only when a recording ends, and without their times in any format (``raw`` and
+``flamegraph`` are totals, ``speedscope`` an order, ``chrometrace`` merges a thread's samples
+into spans that stay open while it waits), so a GPU idle window could only be joined with a
+whole window's totals. austin streams each sample as it takes it, with the wall-clock time
+since the thread's previous sample and whether the thread was idle, which is what a join at the
+GPU timeline's own granularity needs. What austin 3 does not tell is which thread holds the
+GIL: no GIL series comes from here (docs/stacks.md).
+
+A sample line of ``austin --pipe --full`` is
+``P<pid>;T<iid>:<tid>;<file>:<function>:<line>;... <microseconds>,<idle>,<memory>``,
+outermost frame first. Only the innermost frame is read, and named by module and qualified
+function (:func:`function_name`), never by line or path.
+
+.. _austin: https://github.com/P403n1x87/austin
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import IO
+
+log = logging.getLogger(__name__)
+
+#: Samples kept per target while they wait to be joined (a minute at 10 Hz of 100 threads).
+MAX_PENDING = 60_000
+#: Parsed innermost frames remembered, so a hot function is named once.
+_NAME_CACHE = 4096
+
+_SITE = re.compile(r"/(?:site|dist)-packages/(.+)$")
+_STDLIB = re.compile(r"/lib/python3(?:\.\d+)?/(.+)$")
+
+
+class StacksUnavailable(Exception):
+    """Stacks cannot be sampled for a target; ``reason`` is a short code (``missing``,
+    ``permission``, ``not_python``, ``gone``, ``failed``), the message says why."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def find_austin(explicit: str | None = None) -> str:
+    """The austin executable: ``explicit``, else the one installed beside this Python (the
+    ``diagnose`` extra's ``austin-dist``), else the first on ``PATH``."""
+    if explicit:
+        if os.path.isfile(explicit) and os.access(explicit, os.X_OK):
+            return explicit
+        raise StacksUnavailable("missing", f"austin not found at {explicit}")
+    beside = os.path.join(os.path.dirname(sys.executable), "austin")
+    if os.path.isfile(beside) and os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("austin")
+    if found is None:
+        raise StacksUnavailable("missing", "austin is not installed (pip install "
+                                           "'mrc-agent[diagnose]' or pip install austin-dist)")
+    return found
+
+
+def module_of(path: str) -> str:
+    """A frame's module from its file, with no directory of the machine in it:
+    ``.../site-packages/PIL/Image.py`` -> ``PIL.Image``; the standard library likewise;
+    any other file by its name alone (``/srv/app/preprocess.py`` -> ``preprocess``)."""
+    if path.startswith("<"):
+        return path  # <frozen runpy>, <string>
+    m = _SITE.search(path) or _STDLIB.search(path)
+    rel = m.group(1) if m else path.rsplit("/", 1)[-1]
+    if rel.endswith(".py"):
+        rel = rel[:-3]
+    parts = [p for p in rel.split("/") if p]
+    if len(parts) > 1 and parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts) or "?"
+
+
+def function_name(frame: str) -> str:
+    """``file:qualname:line`` -> ``module:qualname`` (``PIL.Image:Image.resize``)."""
+    head, sep, line = frame.rpartition(":")
+    if not sep or not line.isdigit():
+        head = frame
+    path, sep, qualname = head.rpartition(":")
+    if not sep:
+        return head[:128]
+    return f"{module_of(path)}:{qualname}"[:128]
+
+
+@dataclass(frozen=True)
+class StackSample:
+    """One thread's sample: the monotonic time it ends at, the seconds it stands for, the
+    thread, and its innermost function (None while the thread was idle)."""
+
+    t: float
+    seconds: float
+    thread: str
+    function: str | None
+
+
+class SampleParser:
+    """austin's pipe output, line by line, into :class:`StackSample` s on the monotonic clock:
+    each thread's samples carry the time since its previous one, so a thread's clock is the
+    sum of its deltas, from an origin set by the first sample's arrival (austin writes to a
+    terminal, line by line, so a line arrives as it is taken) or by ``start`` when given."""
+
+    def __init__(self, start: float | None = None) -> None:
+        self.start = start
+        self._clock: dict[str, float] = {}
+        self._names: dict[str, str] = {}
+        self.bad_lines = 0
+
+    def line(self, text: str, arrived: float | None = None) -> StackSample | None:
+        if not text.startswith("P"):
+            return None  # metadata (# key: value) and blank lines
+        body, sep, metrics = text.rstrip("\n").rpartition(" ")
+        first = body.find(";")
+        second = body.find(";", first + 1)
+        if not sep or first < 0:
+            self.bad_lines += 1
+            return None
+        thread = body[first + 1:second if second > 0 else len(body)]
+        fields = metrics.split(",")
+        try:
+            micros = int(fields[0])
+            idle = len(fields) > 1 and fields[1] == "1"
+        except ValueError:
+            self.bad_lines += 1
+            return None
+        seconds = max(micros, 0) / 1e6
+        t = self._clock.get(thread, 0.0) + seconds
+        self._clock[thread] = t
+        if self.start is None:
+            self.start = (arrived if arrived is not None else 0.0) - t
+        function = None
+        if not idle and second > 0:
+            leaf = body[body.rfind(";") + 1:]
+            function = self._names.get(leaf)
+            if function is None:
+                if len(self._names) >= _NAME_CACHE:
+                    self._names.clear()
+                function = self._names[leaf] = function_name(leaf)
+        return StackSample(self.start + t, seconds, thread, function)
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the agent dies, however it dies (Linux prctl)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def may_read(pid: int, proc: str = "/proc") -> bool:
+    """Whether this process may read ``pid``'s memory: opening ``/proc/PID/mem`` makes the
+    kernel's ptrace access check (uid, capabilities, Yama), the one austin has to pass. austin
+    itself says "not a Python process" when it is refused."""
+    try:
+        with open(f"{proc}/{pid}/mem", "rb"):
+            return True
+    except PermissionError:
+        return False
+    except OSError:
+        return True  # gone, or no /proc: austin's own message says which
+
+
+def explain(stderr: str, pid: int, readable: bool = True) -> StacksUnavailable:
+    """Why austin could not sample ``pid``, from its stderr (its exit codes are not
+    documented) and from whether the agent may read the target's memory at all."""
+    text = stderr.strip()
+    low = text.lower()
+    first = next((ln.strip().lstrip("\U0001f47e\U0001f6d1 ") for ln in text.splitlines()
+                  if ln.strip()), "no output")
+    if "permission" in low or "not permitted" in low or not readable:
+        return StacksUnavailable(
+            "permission", f"austin cannot read pid {pid}: permission denied. Run as root or as "
+            "the target's user with kernel.yama.ptrace_scope=0; in Kubernetes the pod needs "
+            "CAP_SYS_PTRACE and shareProcessNamespace: true")
+    if "not a python" in low or ("python" in low and "cannot" in low):
+        return StacksUnavailable("not_python", f"pid {pid} is not a Python process austin "
+                                               f"can read (austin: {first})")
+    if "no such process" in low or "cannot attach" in low:
+        return StacksUnavailable("gone", f"pid {pid} is gone (austin: {first})")
+    return StacksUnavailable("failed", f"austin failed on pid {pid}: {first}")
+
+
+class StackSampler:
+    """One austin child streaming a target's samples; a reader thread parses them into a
+    bounded queue that :meth:`take` empties. The child is started by :meth:`start` and
+    stopped by :meth:`stop`; :attr:`error` is set when it could not sample."""
+
+    def __init__(self, exe: str, pid: int, interval: float,
+                 clock: collections.abc.Callable[[], float] = time.monotonic) -> None:
+        self.exe, self.pid, self.interval = exe, pid, interval
+        self._clock = clock
+        self._samples: collections.deque[StackSample] = collections.deque(maxlen=MAX_PENDING)
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._stopping = False
+        self._reader: threading.Thread | None = None
+        self._err: IO[str] | None = None
+        self.error: StacksUnavailable | None = None
+        self.dropped = 0
+        self.samples_seen = 0
+
+    def start(self) -> None:
+        import pty
+        import tempfile
+        import tty
+
+        micros = max(int(self.interval * 1e6), 1000)
+        self._err = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in stop()
+        # A terminal for austin's output: stdio writes it line by line there, where a pipe
+        # would hold 4 KiB (seconds of samples) back. Raw: no CR is added to the lines.
+        main, child = pty.openpty()
+        tty.setraw(child)
+        try:
+            self._proc = subprocess.Popen(
+                [self.exe, "--pipe", "--full", f"--interval={micros}", "--timeout=1s",
+                 f"--pid={self.pid}"],
+                stdin=subprocess.DEVNULL, stdout=child, stderr=self._err,
+                preexec_fn=_die_with_parent)
+        except OSError:
+            os.close(main)
+            raise
+        finally:
+            os.close(child)
+        out = open(main, encoding="utf-8", errors="replace", newline="\n")  # noqa: SIM115
+        self._reader = threading.Thread(target=self._read, args=(self._proc, out),
+                                        name=f"mrc-agent-stacks-{self.pid}", daemon=True)
+        self._reader.start()
+
+    def _read(self, proc: subprocess.Popen[bytes], out: IO[str]) -> None:
+        parser = SampleParser()
+        clock = self._clock
+        try:
+            for text in out:
+                sample = parser.line(text, clock())
+                if sample is None:
+                    continue
+                with self._lock:
+                    if len(self._samples) == self._samples.maxlen:
+                        self.dropped += 1
+                    self._samples.append(sample)
+                    self.samples_seen += 1
+        except OSError:
+            pass  # EIO: the terminal's other end closed, austin has ended
+        finally:
+            out.close()
+        rc = proc.wait()
+        if self.error is None and not self._stopping and (rc != 0 or not self.samples_seen):
+            self.error = explain(self._stderr(), self.pid, may_read(self.pid))
+
+    def _stderr(self) -> str:
+        if self._err is None:
+            return ""
+        try:
+            self._err.seek(0)
+            return self._err.read(64 * 1024)
+        except (OSError, ValueError):
+            return ""
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def take(self) -> list[StackSample]:
+        with self._lock:
+            out = list(self._samples)
+            self._samples.clear()
+        return out
+
+    def stop(self) -> None:
+        self._stopping = True
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._reader is not None:
+            self._reader.join(5)
+        if self._err is not None:
+            self._err.close()
+            self._err = None

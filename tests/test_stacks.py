@@ -1,0 +1,234 @@
+"""The stacks collector: austin's samples parsed, named and joined with the GPU's timeline."""
+
+from __future__ import annotations
+
+import pytest
+
+from mrc_agent.agent.core.collectors.base import SampleContext, TargetState
+from mrc_agent.agent.core.collectors.stacks import (
+    AVAILABLE,
+    FUNCTION_SECONDS,
+    StacksCollector,
+)
+from mrc_agent.agent.core.hw.base import GPUIdentity
+from mrc_agent.agent.core.stacks import (
+    SampleParser,
+    StackSample,
+    StacksUnavailable,
+    explain,
+    function_name,
+    module_of,
+)
+from mrc_agent.agent.core.targets import Target
+
+GPU0 = GPUIdentity(0, "GPU-a", "NVIDIA H200")
+
+AUSTIN_OUTPUT = """\
+# austin: 3.7.0
+# interval: 100000
+# mode: full
+
+P7;T0:7;/srv/app/server.py:<module>:3;/srv/app/preprocess.py:resize_image:41 100000,0,0
+P7;T0:9;/usr/lib/python3.11/threading.py:Thread.run:982 100000,1,0
+P7;T0:7;/srv/app/server.py:<module>:3;/srv/app/preprocess.py:resize_image:44 100000,0,0
+P7;T0:9;/usr/lib/python3.11/threading.py:Thread.run:982 100000,1,0
+P7;T0:7;/srv/app/server.py:<module>:3 100000,1,0
+P7 garbage
+P7;T0:7;/x.py:f:1 notanumber,0,0
+
+# duration: 300000
+"""
+
+
+def test_austin_lines_become_samples_on_each_threads_own_clock() -> None:
+    parser = SampleParser(start=100.0)
+    samples = [s for line in AUSTIN_OUTPUT.splitlines(keepends=True)
+               if (s := parser.line(line)) is not None]
+    assert [(round(s.t, 3), s.thread, s.function) for s in samples] == [
+        (100.1, "T0:7", "preprocess:resize_image"),
+        (100.1, "T0:9", None),
+        (100.2, "T0:7", "preprocess:resize_image"),
+        (100.2, "T0:9", None),
+        (100.3, "T0:7", None),
+    ]
+    assert all(s.seconds == pytest.approx(0.1) for s in samples)
+    assert parser.bad_lines == 2
+
+
+@pytest.mark.parametrize(("frame", "name"), [
+    ("/usr/lib/python3/dist-packages/PIL/Image.py:Image.resize:2193", "PIL.Image:Image.resize"),
+    ("/venv/lib/python3.11/site-packages/torch/nn/modules/module.py:Module._call_impl:1511",
+     "torch.nn.modules.module:Module._call_impl"),
+    ("/venv/lib/python3.11/site-packages/kornia/__init__.py:<module>:1", "kornia:<module>"),
+    ("/root/.pyenv/versions/3.11.7/lib/python3.11/json/decoder.py:JSONDecoder.decode:337",
+     "json.decoder:JSONDecoder.decode"),
+    ("/home/alice/secret-project/preprocess.py:pil_to_tensor:12", "preprocess:pil_to_tensor"),
+    ("<frozen runpy>:_run_code:88", "<frozen runpy>:_run_code"),
+    ("C:\\odd:f:1", "C:\\odd:f"),
+])
+def test_functions_are_named_by_module_and_qualname_never_by_path_or_line(
+        frame: str, name: str) -> None:
+    assert function_name(frame) == name
+    assert "alice" not in function_name(frame) and not name.rsplit(":", 1)[-1].isdigit()
+
+
+def test_module_of_a_file_outside_any_package_is_its_name() -> None:
+    assert module_of("/srv/app/handlers/decode.py") == "decode"
+    assert module_of("/usr/lib/python3/dist-packages/numpy/core/__init__.py") == "numpy.core"
+
+
+@pytest.mark.parametrize(("stderr", "readable", "reason"), [
+    ("It looks like you are trying to profile a process that is not a Python\nprocess.",
+     True, "not_python"),
+    ("It looks like you are trying to profile a process that is not a Python\nprocess.",
+     False, "permission"),
+    ("Cannot attach to the given process. Make sure that the PID you have provided", True,
+     "gone"),
+    ("Insufficient permissions", True, "permission"),
+    ("", True, "failed"),
+])
+def test_austins_failures_say_why(stderr: str, readable: bool, reason: str) -> None:
+    err = explain(stderr, 42, readable)
+    assert err.reason == reason and "42" in str(err)
+
+
+class FakeSampler:
+    """Hands out the samples it is given, as the austin child's reader would."""
+
+    def __init__(self, samples: list[StackSample], error: StacksUnavailable | None = None,
+                 alive: bool = True) -> None:
+        self.samples, self.error, self.alive = list(samples), error, alive
+        self.started = self.stopped = 0
+
+    def start(self) -> None:
+        self.started += 1
+
+    def running(self) -> bool:
+        return self.alive
+
+    def take(self) -> list[StackSample]:
+        out, self.samples = self.samples, []
+        return out
+
+    def stop(self) -> None:
+        self.stopped += 1
+
+
+def _ctx(now: float, points: list[tuple[float, float]], starved: bool | None,
+         pid: int = 7) -> SampleContext:
+    ctx = SampleContext(now=now, wall=now, targets=[Target(pid, "pid")])
+    ctx.processes[pid] = TargetState(pid, "python", 0.5, 0.98)
+    ctx.gpu_util_points = {GPU0: points}
+    ctx.gpu_util = {GPU0: points[-1][1]} if points else {}
+    if starved is not None:
+        ctx.starved[pid] = starved
+    return ctx
+
+
+def _seconds(samples: list) -> dict[tuple[str, str], float]:
+    return {(labels[2], labels[3]): round(v, 6) for name, labels, v in samples
+            if name == FUNCTION_SECONDS.name}
+
+
+def _run_phases(culprit_thread: str = "T0:1") -> tuple[StacksCollector, list]:
+    """Ten seconds at 10 Hz: the GPU busy for 5 s while the main thread runs the model, then
+    idle for 5 s while it resizes images (the target starved); a second thread waits."""
+    samples = []
+    for i in range(1, 101):
+        t = i / 10
+        samples.append(StackSample(t, 0.1, culprit_thread,
+                                   "model:forward" if t <= 5 else "preprocess:resize_image"))
+        samples.append(StackSample(t, 0.1, "T0:2", None))
+    sampler = FakeSampler(samples)
+    c = StacksCollector(lambda pid: sampler, idle_util=0.05, clock=lambda: 0.0)
+    out: list = []
+    for second in range(1, 11):
+        # NVML's points every 1/6 s, up to this pass.
+        pts = [(k / 6, 0.9 if k / 6 <= 5 else 0.0) for k in range((second - 1) * 6 + 1,
+                                                                  second * 6 + 1)]
+        out = c.update(_ctx(float(second), pts, starved=second > 5))
+    return c, out
+
+
+def test_the_hottest_threads_seconds_go_to_its_function_and_the_gpus_state() -> None:
+    _, out = _run_phases()
+    got = _seconds(out)
+    assert got[("model:forward", "busy")] == pytest.approx(5.0)
+    assert got[("preprocess:resize_image", "starved")] == pytest.approx(5.0)
+    assert ("preprocess:resize_image", "busy") not in got  # no second of it while busy
+    assert sum(got.values()) == pytest.approx(10.0)  # the waiting thread is not counted
+    assert (AVAILABLE.name, ("7", "python", "ok"), 1.0) in out
+
+
+def test_idle_without_starvation_is_idle_and_a_waiting_hot_thread_is_idle_time() -> None:
+    samples = [StackSample(t / 10, 0.1, "T0:1", None if t % 2 else "app:loop")
+               for t in range(1, 21)]
+    c = StacksCollector(lambda pid: FakeSampler(samples), idle_util=0.05, clock=lambda: 0.0)
+    pts = [(k / 6, 0.0) for k in range(1, 13)]
+    got = _seconds(c.update(_ctx(2.0, pts, starved=False)))
+    assert got == {("app:loop", "idle"): pytest.approx(1.0), ("<idle>", "idle"): 1.0}
+
+
+def test_samples_wait_for_the_gpu_timeline_to_cover_them() -> None:
+    samples = [StackSample(t / 10, 0.1, "T0:1", "app:work") for t in range(1, 31)]
+    c = StacksCollector(lambda pid: FakeSampler(samples), idle_util=0.05, clock=lambda: 0.0)
+    got = _seconds(c.update(_ctx(1.0, [(k / 6, 0.9) for k in range(1, 7)], None)))
+    assert got == {("app:work", "busy"): pytest.approx(1.0)}  # up to t = 1.0 only
+    got = _seconds(c.update(_ctx(3.0, [(k / 6, 0.9) for k in range(7, 19)], None)))
+    assert got == {("app:work", "busy"): pytest.approx(3.0)}
+
+
+def test_functions_past_the_top_k_are_other_and_labels_never_move() -> None:
+    samples = [StackSample(i / 10, 0.1, "T0:1", f"mod:f{i % 5}") for i in range(1, 11)]
+    c = StacksCollector(lambda pid: FakeSampler(samples), idle_util=0.05, top_k=3,
+                        clock=lambda: 0.0)
+    got = _seconds(c.update(_ctx(1.0, [(k / 6, 0.9) for k in range(1, 7)], None)))
+    assert set(got) == {("mod:f1", "busy"), ("mod:f2", "busy"), ("mod:f3", "busy"),
+                        ("other", "busy")}
+    assert got[("other", "busy")] == pytest.approx(0.4)  # f4 and f0, twice each
+
+
+def test_a_target_that_cannot_be_sampled_says_why_and_is_not_retried_for_rights() -> None:
+    made: list[FakeSampler] = []
+
+    def factory(pid: int) -> FakeSampler:
+        made.append(FakeSampler([], StacksUnavailable("permission", "no ptrace"), alive=False))
+        return made[-1]
+
+    now = [0.0]
+    c = StacksCollector(factory, idle_util=0.05, clock=lambda: now[0])
+    c.update(_ctx(1.0, [(1.0, 0.9)], None))
+    out = c.update(_ctx(2.0, [(2.0, 0.9)], None))
+    assert (AVAILABLE.name, ("7", "python", "permission"), 0.0) in out
+    now[0] = 1000.0
+    c.update(_ctx(3.0, [(3.0, 0.9)], None))
+    assert len(made) == 1 and made[0].stopped == 1
+
+
+def test_a_sampler_that_failed_is_tried_again_later_and_a_gone_target_stopped() -> None:
+    made: list[FakeSampler] = []
+
+    def factory(pid: int) -> FakeSampler:
+        made.append(FakeSampler([], StacksUnavailable("failed", "crashed"),
+                                alive=len(made) > 0))
+        return made[-1]
+
+    now = [0.0]
+    c = StacksCollector(factory, idle_util=0.05, clock=lambda: now[0])
+    c.update(_ctx(1.0, [(1.0, 0.9)], None))
+    assert (AVAILABLE.name, ("7", "python", "failed"), 0.0) in c.update(
+        _ctx(2.0, [(2.0, 0.9)], None))
+    now[0] = 31.0
+    assert (AVAILABLE.name, ("7", "python", "ok"), 1.0) in c.update(
+        _ctx(3.0, [(3.0, 0.9)], None))
+    ctx = _ctx(4.0, [(4.0, 0.9)], None)
+    ctx.processes.clear()
+    assert c.update(ctx) == []
+    assert len(made) == 2 and made[1].stopped == 1
+
+
+def test_without_austin_every_target_says_missing() -> None:
+    c = StacksCollector(None, idle_util=0.05,
+                        unavailable=StacksUnavailable("missing", "austin is not installed"))
+    assert c.update(_ctx(1.0, [(1.0, 0.9)], None)) == [
+        (AVAILABLE.name, ("7", "python", "missing"), 0.0)]

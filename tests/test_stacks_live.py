@@ -1,0 +1,112 @@
+"""The stacks collector on a real process: a real austin child sampling a Python program whose
+phases follow a GPU timeline fed to the collector, its culprit known."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from mrc_agent.agent.core.collectors.base import (
+    BuildContext,
+    SampleContext,
+    StackSettings,
+    TargetState,
+)
+from mrc_agent.agent.core.collectors.stacks import (
+    AVAILABLE,
+    DEFINITION,
+    FUNCTION_SECONDS,
+    StacksCollector,
+)
+from mrc_agent.agent.core.hw.base import GPUIdentity
+from mrc_agent.agent.core.targets import Target
+
+GPU0 = GPUIdentity(0, "GPU-a", "NVIDIA H200")
+
+PROGRAM = textwrap.dedent("""\
+    import sys, time
+
+    def decode_and_resize(until):
+        x = 0
+        while time.monotonic() < until:
+            busy = time.monotonic() + 0.01
+            while time.monotonic() < busy:  # the culprit: CPU-bound, in Python
+                x += 1
+            time.sleep(0.01)  # leaves the cores to others: half duty
+
+    print("ready", flush=True)
+    while True:
+        decode_and_resize(time.monotonic() + 1.0)
+""")
+
+
+@pytest.fixture
+def target(tmp_path: Path):
+    (tmp_path / "culprit_mod.py").write_text(PROGRAM)
+    proc = subprocess.Popen([sys.executable, "-c", "import culprit_mod"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_real_austin_names_the_function_the_target_ran_while_its_gpu_starved(
+        target: subprocess.Popen[str]) -> None:
+    collector = DEFINITION.factory(BuildContext(stacks=StackSettings(interval=0.05)))
+    assert isinstance(collector, StacksCollector)
+    pid = target.pid
+    t0 = time.monotonic()
+    out: list = []
+    got: dict[tuple[str, str], float] = {}
+    try:
+        for _ in range(40):  # up to 4 s of passes, every 0.1 s
+            time.sleep(0.1)
+            now = time.monotonic()
+            ctx = SampleContext(now=now, wall=time.time(), targets=[Target(pid, "pid")])
+            ctx.processes[pid] = TargetState(pid, "python", 0.5, 0.95)
+            # The GPU idles the whole time and the target is starved: points every 0.05 s.
+            ctx.gpu_util_points = {GPU0: [(t0 + k * 0.05, 0.0) for k in range(
+                int((now - t0) / 0.05) + 1)]}
+            ctx.gpu_util = {GPU0: 0.0}
+            ctx.starved[pid] = True
+            out = collector.update(ctx)
+            got = {(labels[2], labels[3]): float(v) for name, labels, v in out  # type: ignore[arg-type]
+                   if name == FUNCTION_SECONDS.name}
+            if got.get(("culprit_mod:decode_and_resize", "starved"), 0.0) >= 1.0:
+                break
+    finally:
+        collector.close()
+    assert (AVAILABLE.name, (str(pid), "python", "ok"), 1.0) in out
+    assert got.get(("culprit_mod:decode_and_resize", "starved"), 0.0) >= 1.0, got
+    # Every second counted is the culprit's or its thread's waiting; none is busy or idle.
+    assert {state for _, state in got} == {"starved"}
+    assert set(got) <= {("culprit_mod:decode_and_resize", "starved"),
+                        ("culprit_mod:<genexpr>", "starved"), ("<idle>", "starved"),
+                        ("culprit_mod:<module>", "starved")}, got
+
+
+def test_a_process_that_is_not_python_is_said_so(tmp_path: Path) -> None:
+    proc = subprocess.Popen(["sleep", "30"])
+    collector = DEFINITION.factory(BuildContext(stacks=StackSettings(interval=0.05)))
+    assert isinstance(collector, StacksCollector)
+    try:
+        out: list = []
+        for _ in range(50):
+            time.sleep(0.1)
+            ctx = SampleContext(now=time.monotonic(), wall=time.time(),
+                                targets=[Target(proc.pid, "pid")])
+            ctx.processes[proc.pid] = TargetState(proc.pid, "sleep", 0.0, 0.0)
+            out = collector.update(ctx)
+            if (AVAILABLE.name, (str(proc.pid), "sleep", "not_python"), 0.0) in out:
+                break
+        assert (AVAILABLE.name, (str(proc.pid), "sleep", "not_python"), 0.0) in out, out
+    finally:
+        collector.close()
+        proc.kill()
+        proc.wait()
