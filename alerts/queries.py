@@ -139,6 +139,13 @@ class RuleQueries:
     def starved_avg(self) -> str:
         return f"mrc:gpu_starved:max_avg_over_time{self._t.starved_window}"
 
+    def starved_top_function(self) -> str:
+        """PromQL, as a Go ``printf`` format taking the alert's process and instance: the
+        function the target's hottest thread ran most while starved (the stacks collector)."""
+        sel = self.m("mrc_process_function_seconds_total",
+                     'gpu_state="starved",process=%q,instance=%q')
+        return (f"topk(1, sum by (function) (increase({sel}[{self._t.starved_window}])))")
+
     def starved_avg_expr(self) -> str:
         return (f"max without (pid) (avg_over_time({self.m('mrc_gpu_starved')}"
                 f"[{self._t.starved_window}]))")

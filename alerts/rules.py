@@ -67,6 +67,14 @@ def runbook_url(cfg: Config, name: str) -> str:
     return f"{cfg.runbook_base.rstrip('/')}/{name}.md"
 
 
+def top_function_template(query: str) -> str:
+    """An annotation sentence naming what ``query`` (a Go printf format of the alert's process
+    and instance) finds, only where it finds something: the stacks collector may be off."""
+    go = query.replace("\\", "\\\\").replace('"', '\\"')
+    return (f'{{{{ with printf "{go}" $labels.process $labels.instance | query }}}} Its hottest '
+            'thread ran {{ . | first | label "function" }} most of that time.{{ end }}')
+
+
 _GPU = ("GPU {{ $labels.gpu }} ({{ $labels.gpu_model }}, {{ $labels.uuid }}) "
         "on {{ $labels.instance }}")
 _PROC = "{{ $labels.process }} on {{ $labels.instance }}"
@@ -133,7 +141,8 @@ def golden_triangle(cfg: Config) -> Group:
             "An MRC target keeps its GPU waiting: CPU hot while the GPU idles.",
             f"{_PROC} was starved (user CPU at the agent's hot line while its GPU idled) "
             f"{{{{ $value | humanizePercentage }}}} of the last {t.starved_window}, for "
-            f"{t.starved_for}. The GPU is waiting on CPU-side work.",
+            f"{t.starved_for}. The GPU is waiting on CPU-side work."
+            + top_function_template(q.starved_top_function()),
         ),
     ]
     return {"name": "mrc-golden-triangle", "rules": rules}

@@ -63,8 +63,17 @@ def humanize(value: float) -> str:
     return _go_g(value) + prefix
 
 
-def render(template: str, labels: dict[str, str], value: float) -> str:
-    """The subset of Prometheus' alert templates the rules use; anything else fails."""
+#: A sentence that runs a query for the alert's process and instance (rules.top_function_template).
+_WITH_QUERY = re.compile(r'\{\{ with printf "(?:[^"\\]|\\.)*" \$labels\.process '
+                         r'\$labels\.instance \| query \}\}(.*?)\{\{ end \}\}', re.S)
+
+
+def render(template: str, labels: dict[str, str], value: float, top: str | None = None) -> str:
+    """The subset of Prometheus' alert templates the rules use; anything else fails. ``top`` is
+    what a query sentence finds (None: nothing, and the sentence is left out)."""
+    template = _WITH_QUERY.sub(
+        lambda m: "" if top is None else m[1].replace('{{ . | first | label "function" }}', top),
+        template)
 
     def one(m: re.Match[str]) -> str:
         expr = m[1].strip()
@@ -95,6 +104,7 @@ def s(metric: str, labels: dict[str, str], **more: str) -> str:
 class Fire:
     labels: dict[str, str]
     value: float
+    top: str | None = None  # what the annotation's query finds, if it has one
 
 
 @dataclass
@@ -240,6 +250,15 @@ CASES: dict[str, AlertTest] = {
         Scenario("starved 60 % of the time", "10s", {
             s("mrc_gpu_starved", PROC, pid="4242"): " ".join(["1 1 1 0 0"] * 12),
         }, [At("3m", []), At("5m", []), At("9m", [])]),
+        Scenario("the annotation names what ran most while starved", "10s", {
+            s("mrc_gpu_starved", PROC, pid="4242"): "0x5 1x40",
+            s("mrc_process_function_seconds_total", PROC, pid="4242",
+              function="preprocess:resize_image", gpu_state="starved"): "0x5 0+8x40",
+            s("mrc_process_function_seconds_total", PROC, pid="4242",
+              function="model:forward", gpu_state="busy"): "0+10x45",
+            s("mrc_process_function_seconds_total", PROC, pid="4242",
+              function="<idle>", gpu_state="starved"): "0x5 0+2x40",
+        }, [At("4m40s", [Fire(PROC, 1.0, top="preprocess:resize_image")])]),
     ]),
     "MRCTimeToFirstTokenSLOFastBurn": AlertTest("1m", [
         Scenario("20 % slow first tokens on both pods: 14.4x over 1h and 5m", "1m",
@@ -368,7 +387,7 @@ def alert_rule(name: str, cfg: Config = DEFAULT) -> dict[str, Any]:
 def _expected(rule: dict[str, Any], fire: Fire) -> dict[str, Any]:
     return {
         "exp_labels": {**fire.labels, **rule["labels"]},
-        "exp_annotations": {k: render(v, fire.labels, fire.value)
+        "exp_annotations": {k: render(v, fire.labels, fire.value, fire.top)
                             for k, v in rule["annotations"].items()},
     }
 

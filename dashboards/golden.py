@@ -127,6 +127,16 @@ def build(cfg: Config) -> dict[str, Any]:
         timeseries(
             "Current GPU idle stretch", [q.gpu_idle_current], "s", min_value=0, w=8,
             description="How long each GPU has been idle so far (0 while busy)."),
+        timeseries(
+            "What the serving process ran while its GPU idled", [q.functions_while_gpu_idle],
+            "percentunit", min_value=0, w=24,
+            description=(
+                "Share of wall-clock time the target's hottest thread spent in each Python "
+                "function (module:qualname; <idle> while it waited) while its GPUs idled or it "
+                "was starved, from continuous stack samples (mrc-agent --collector stacks). "
+                "A preprocessing function here, during starvation, is the culprit the GPU "
+                "waits on."),
+            links=runbook(cfg, Alerts.STARVED)),
     ])
     return dashboard(
         TITLE, UID,

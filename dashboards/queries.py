@@ -214,6 +214,15 @@ class PanelQueries:
         return Query(f"avg_over_time(mrc_gpu_starved{self.pod()}[{window}])",
                      f"{{{{pod}}}} {{{{process}}}} ({{{{pid}}}}) share of last {window} starved")
 
+    @property
+    def functions_while_gpu_idle(self) -> Query:
+        """Share of wall-clock time the hottest thread spent in each function while its GPUs
+        idled or it was starved (the stacks collector)."""
+        sel = self.pod('gpu_state=~"idle|starved"')
+        return Query(f"sum by (pod, process, function) "
+                     f"(rate(mrc_process_function_seconds_total{sel}[{RATE}]))",
+                     "{{pod}} {{process}}: {{function}}")
+
     # -- service ------------------------------------------------------------------------------
 
     def _quantile(self, q: float, metric: str, by: str = "", window: str = RATE) -> str:
