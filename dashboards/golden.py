@@ -131,9 +131,9 @@ def build(cfg: Config) -> dict[str, Any]:
             "What the serving process ran while its GPU idled", [q.functions_while_gpu_idle],
             "percentunit", min_value=0, w=24,
             description=(
-                "Share of wall-clock time the target's hottest thread spent in each Python "
-                "function (module:qualname; <idle> while it waited) while its GPUs idled or it "
-                "was starved, from continuous stack samples (mrc-agent --collector stacks). "
+                "Share of wall-clock time the target's hottest thread ran each Python function "
+                "(module:qualname) while its GPUs idled or it was starved, from continuous "
+                "stack samples (mrc-agent --collector stacks; running time only). "
                 "A preprocessing function here, during starvation, is the culprit the GPU "
                 "waits on."),
             links=runbook(cfg, Alerts.STARVED)),

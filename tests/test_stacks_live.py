@@ -84,10 +84,9 @@ def test_a_real_austin_names_the_function_the_target_ran_while_its_gpu_starved(
         collector.close()
     assert (AVAILABLE.name, (str(pid), "python", "ok"), 1.0) in out
     assert got.get(("culprit_mod:decode_and_resize", "starved"), 0.0) >= 1.0, got
-    # Every second counted is the culprit's or its thread's waiting; none is busy or idle.
-    assert {state for _, state in got} == {"starved"}
+    # Every second counted is the culprit's (or its caller's, sampled between two calls);
+    # none is busy or idle: the GPU idled, the target starved, throughout.
     assert set(got) <= {("culprit_mod:decode_and_resize", "starved"),
-                        ("culprit_mod:<genexpr>", "starved"), ("<idle>", "starved"),
                         ("culprit_mod:<module>", "starved")}, got
 
 

@@ -4,7 +4,7 @@ Each target is sampled from outside by an austin child (:mod:`mrc_agent.agent.co
 whose samples carry their own times. Each pass, the samples up to the latest GPU utilisation
 point of the target's GPUs are joined with the GPU timeline at that point's granularity (NVML's
 sample period, about 1/6 s; the replayed trace's spacing): a sample of the target's hottest
-thread (the one with the most non-idle time, decayed over about ten seconds) adds its seconds to
+thread (the one that ran most, decayed over about ten seconds) adds its seconds to
 ``mrc_process_function_seconds_total`` under its innermost function and the GPU's state then:
 
 * ``busy``: a GPU of the target above the idle threshold;
@@ -12,9 +12,9 @@ thread (the one with the most non-idle time, decayed over about ten seconds) add
 * ``starved``: idle, while the target was starved (``mrc_gpu_starved``: its CPU hot);
 * ``unknown``: no GPU reading covered the sample (a sample older than the GPU timeline kept).
 
-``<idle>`` is the hottest thread waiting (no Python running in it). Function labels are the
-first ``top_k`` functions seen per target, plus ``other``: a series once exported stays, so the
-counters never move between labels.
+Only running time is sampled (austin ``--sleepless``): the time the hottest thread waited is in
+no series. Function labels are the first ``top_k`` functions seen per target, plus ``other``: a
+series once exported stays, so the counters never move between labels.
 
 Without austin, without ptrace rights on a target, or for a target that is not Python, the
 target's ``mrc_process_stacks_available`` is 0 with the reason, said once in the log, and the
@@ -43,7 +43,6 @@ from mrc_agent.agent.core.stacks import (
 log = logging.getLogger(__name__)
 
 NAME = "stacks"
-IDLE_FUNCTION = "<idle>"
 OTHER_FUNCTION = "other"
 #: Seconds of GPU timeline kept for the join; older samples are ``unknown``.
 KEEP_S = 120.0
@@ -54,9 +53,9 @@ RETRY_S = 30.0
 
 FUNCTION_SECONDS = counter(
     NAME, "mrc_process_function_seconds_total", (*PROC, "function", "gpu_state"),
-    "Wall-clock seconds the target's hottest thread spent in each innermost Python function "
-    "(module:qualname; <idle> while it waited, other past the top K), by the state of the "
-    "target's GPUs at the time (busy, idle, starved, unknown), from continuous stack samples.")
+    "Wall-clock seconds the target's hottest thread ran in each innermost Python function "
+    "(module:qualname; other past the top K), by the state of the target's GPUs at the time "
+    "(busy, idle, starved, unknown), from continuous stack samples.")
 AVAILABLE = gauge(
     NAME, "mrc_process_stacks_available", (*PROC, "reason"),
     "1 while the target's stacks are sampled (reason ok), else 0 with why: missing (no "
@@ -215,12 +214,8 @@ class StacksCollector:
             st.heat = {k: v * decay for k, v in st.heat.items() if v * decay > 1e-3}
         st.heat_t = now
         for s in ready:
-            if s.function is not None:
-                st.heat[s.thread] = st.heat.get(s.thread, 0.0) + s.seconds
-        if not st.heat:
-            hottest = min(s.thread for s in ready)  # all idle: any thread's time is the same
-        else:
-            hottest = max(st.heat, key=lambda k: (st.heat[k], k))
+            st.heat[s.thread] = st.heat.get(s.thread, 0.0) + s.seconds
+        hottest = max(st.heat, key=lambda k: (st.heat[k], k))
         for s in ready:
             if s.thread != hottest:
                 continue
@@ -228,9 +223,7 @@ class StacksCollector:
             key = (function, self._state(gpus, s.t, st.starved))
             st.seconds[key] = st.seconds.get(key, 0.0) + s.seconds
 
-    def _slot(self, st: _Target, function: str | None) -> str:
-        if function is None:
-            return IDLE_FUNCTION
+    def _slot(self, st: _Target, function: str) -> str:
         if function in st.slots:
             return function
         if len(st.slots) < self.top_k:
