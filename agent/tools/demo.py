@@ -21,7 +21,15 @@ import time
 from importlib import resources
 from typing import Any
 
-from mrc_agent.agent.core.collectors import DEFAULT_ON, derived, gpm, gpu, process, profiling
+from mrc_agent.agent.core.collectors import (
+    DEFAULT_ON,
+    derived,
+    gpm,
+    gpu,
+    process,
+    profiling,
+    stacks,
+)
 from mrc_agent.agent.core.config import AgentConfig, validate
 from mrc_agent.agent.core.hw.base import SourceUnavailable
 from mrc_agent.agent.core.sample import HistogramValue, Snapshot, first, readings
@@ -70,6 +78,18 @@ def golden_line(snap: Snapshot, prev: Snapshot | None, dt: float) -> str:
             f"  PCIe rx {_fmt_rate(_value(snap, gpu.PCIE_RX))}"
             f"  NVLink tx {_fmt_rate(rate(gpu.NVLINK_TX))}  {ratio}"
             f"{'  STARVED' if _value(snap, derived.STARVED) else ''}")
+
+
+def while_waiting(snap: Snapshot | None, limit: int = 3) -> list[tuple[str, float]]:
+    """The functions the target's hottest thread ran most while its GPU idled or it was
+    starved (the stacks collector), with their seconds, most first."""
+    if snap is None:
+        return []
+    seconds: dict[str, float] = {}
+    for r in readings(snap, stacks.FUNCTION_SECONDS):
+        if r.labels["gpu_state"] in ("idle", "starved") and isinstance(r.value, float):
+            seconds[r.labels["function"]] = seconds.get(r.labels["function"], 0.0) + r.value
+    return sorted(seconds.items(), key=lambda kv: (-kv[1], kv[0]))[:limit]
 
 
 def _gpu_backend() -> tuple[str, str]:
@@ -150,7 +170,8 @@ def run_demo(duration: float, listen: str, trace: str | None, port: int = 8000,
             else _gpu_backend()
         cfg = validate(AgentConfig(
             pids=[service.pid], listen=listen, interval=0.5, gpu_backend=backend,
-            collectors={**DEFAULT_ON, "profiling": backend.startswith("replay:")}))
+            collectors={**DEFAULT_ON, "profiling": backend.startswith("replay:"),
+                        "stacks": True}))
         sources = make_sources(cfg)
         runner = build_runner(cfg, sources)
         server = build_server(cfg, runner)
@@ -199,6 +220,14 @@ def run_demo(duration: float, listen: str, trace: str | None, port: int = 8000,
                         if isinstance(s.value, HistogramValue)), 0)
         print(f"GPU idle windows measured: {windows}; target starved for "
               f"{_value(last, derived.STARVED_SECONDS) or 0.0:.1f} s")
+        top = while_waiting(last)
+        if top:
+            print("while its GPU idled, the service's hottest thread ran: " + ", ".join(
+                f"{name} ({secs:.1f} s)" for name, secs in top))
+        else:
+            why = next((r.labels["reason"] for r in readings(last, stacks.AVAILABLE)), "")
+            print("no stack samples while the GPU idled"
+                  + (f" (stacks: {why}; see docs/stacks.md)" if why and why != "ok" else ""))
         return 0
     except KeyboardInterrupt:
         return 130

@@ -10,6 +10,7 @@ work is not on the way to the client.
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 import h11
 
@@ -60,8 +61,7 @@ class UpstreamConn(asyncio.Protocol):
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
         if self.relay is not None:
