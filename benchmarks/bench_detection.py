@@ -1,0 +1,254 @@
+"""Benchmark: GPU idle-window detection and duty cycle, side by side on one replayed trace.
+
+A GPU utilisation timeline is generated with idle windows injected between busy stretches:
+twenty each of 50 ms, 100 ms, 200 ms, 500 ms, 1 s, 2 s, 5 s and 10 s, in random order. NVML's
+utilisation samples are computed from it exactly as NVML defines them (each sample: the share of
+its period, 1/6 s on datacenter parts, during which a kernel ran), and the same samples are read
+four ways:
+
+- **the agent at 1 s and at 0.1 s**: its own :class:`IdleTracker` over every sample of NVML's
+  buffer, read at each pass (the code ``mrc-agent run`` runs, fed pass by pass);
+- **``nvidia-smi dmon -d 1``**: one reading a second, the latest sample's utilisation;
+- **dcgm-exporter at its defaults**: one collection every 30 s (the latest sample's
+  utilisation), scraped every 15 s.
+
+Measured per window duration: recall (a true window is found when a detected idle stretch
+overlaps it) and precision (detected stretches that overlap a true window); per way, the delay
+from a window's onset to the first pass or reading that shows the GPU idle. Then the duty cycle
+read through ``rate(mrc_gpu_busy_seconds_total[W])`` at scrape intervals of 15, 30 and 60 s
+(the counter integrated from every sample, as the agent does) against the true duty cycle of
+each window, beside ``avg_over_time`` of a utilisation gauge scraped at the same interval.
+
+Goals (issue: see every GPU idle window): >= 95 % recall of windows of 200 ms or more at 0.1 s;
+duty cycle within +-1 percentage point at every scrape interval. The time from onset to
+``mrc_gpu_starved`` and to the page, and the share of starved seconds on the right function,
+need a real process (``tests/test_stacks_e2e.py`` shows the latter on one); they are not in
+this run.
+
+    python3 benchmarks/bench_detection.py [--seed 1] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import random
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
+
+from mrc_agent.agent.core.collectors.derived import IdleTracker  # noqa: E402
+
+#: NVML's utilisation sample period on datacenter parts (nvmlDeviceGetSamples).
+PERIOD = 1 / 6
+DURATIONS = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+PER_DURATION = 20
+IDLE_UTIL = 0.05  # the agent's default --idle-util-threshold
+SCRAPES = (15.0, 30.0, 60.0)
+
+
+def timeline(seed: int) -> tuple[list[tuple[float, float]], float]:
+    """Idle windows ``(start, end)`` between busy stretches of 2-6 s, and the trace's end."""
+    rng = random.Random(seed)
+    order = [d for d in DURATIONS for _ in range(PER_DURATION)]
+    rng.shuffle(order)
+    t, windows = 0.0, []
+    for d in order:
+        t += rng.uniform(2.0, 6.0)
+        windows.append((t, t + d))
+        t += d
+    return windows, t + rng.uniform(2.0, 6.0)
+
+
+def busy_between(windows: Sequence[tuple[float, float]], a: float, b: float) -> float:
+    """Seconds of ``[a, b]`` outside every idle window (a kernel ran)."""
+    idle = 0.0
+    i = max(bisect.bisect_left(windows, (a, a)) - 1, 0)
+    while i < len(windows) and windows[i][0] < b:
+        s, e = windows[i]
+        idle += max(0.0, min(e, b) - max(s, a))
+        i += 1
+    return (b - a) - idle
+
+
+def nvml_samples(windows: Sequence[tuple[float, float]], end: float,
+                 phase: float) -> list[tuple[float, float]]:
+    """NVML's samples: at each period's end, the share of the period a kernel ran."""
+    out, t = [], phase + PERIOD
+    while t <= end:
+        out.append((t, busy_between(windows, t - PERIOD, t) / PERIOD))
+        t += PERIOD
+    return out
+
+
+def agent_stretches(samples: list[tuple[float, float]], interval: float, end: float
+                    ) -> tuple[list[tuple[float, float]], list[float]]:
+    """The agent's idle windows, pass by pass, and the pass times at which it showed the GPU
+    idle (``mrc_gpu_idle_current_seconds`` above 0)."""
+    tracker = IdleTracker(IDLE_UTIL)
+    stretches: list[tuple[float, float]] = []
+    flagged: list[float] = []
+    i, now = 0, interval
+    while now <= end + interval:
+        batch = []
+        while i < len(samples) and samples[i][0] <= now:
+            batch.append(samples[i])
+            i += 1
+        for t, u in batch:
+            was = tracker.idle_since
+            tracker.feed([(t, u)])
+            if was is not None and tracker.idle_since is None:
+                # The idle samples' own periods: from the first one's start to the last's end.
+                stretches.append((was - PERIOD, t - PERIOD))
+        if tracker.idle_since is not None:
+            flagged.append(now)
+        now += interval
+    if tracker.idle_since is not None:
+        stretches.append((tracker.idle_since - PERIOD, end))
+    return stretches, flagged
+
+
+def reading_stretches(samples: list[tuple[float, float]], every: float, phase: float,
+                      end: float) -> tuple[list[tuple[float, float]], list[float]]:
+    """A tool that reads the latest sample every ``every`` seconds: its idle stretches are the
+    periods of the idle samples it read (consecutive readings of idle samples merged), and the
+    idle reading times."""
+    times = [s[0] for s in samples]
+    stretches: list[tuple[float, float]] = []
+    flagged: list[float] = []
+    current: tuple[float, float] | None = None
+    t = phase
+    while t <= end:
+        i = bisect.bisect_right(times, t) - 1
+        if i >= 0 and samples[i][1] <= IDLE_UTIL:
+            flagged.append(t)
+            period = (times[i] - PERIOD, times[i])
+            current = period if current is None else (current[0], period[1])
+        elif current is not None:
+            stretches.append(current)
+            current = None
+        t += every
+    if current is not None:
+        stretches.append(current)
+    return stretches, flagged
+
+
+def score(windows: Sequence[tuple[float, float]], stretches: Sequence[tuple[float, float]],
+          flagged: Sequence[float]) -> tuple[dict[float, float], float, dict[float, float]]:
+    """Recall per duration, precision, and the median onset-to-flag delay per duration."""
+    def overlaps(a: tuple[float, float], b: tuple[float, float]) -> bool:
+        return a[0] < b[1] and b[0] < a[1]
+
+    found: dict[float, list[bool]] = {d: [] for d in DURATIONS}
+    delay: dict[float, list[float]] = {d: [] for d in DURATIONS}
+    flags = sorted(flagged)
+    for w in windows:
+        d = round(w[1] - w[0], 3)
+        hit = any(overlaps(w, s) for s in stretches)
+        found[d].append(hit)
+        j = bisect.bisect_left(flags, w[0])
+        if hit and j < len(flags) and flags[j] <= w[1] + 1.0:
+            delay[d].append(flags[j] - w[0])
+    good = sum(1 for s in stretches if any(overlaps(w, s) for w in windows))
+    precision = good / len(stretches) if stretches else 1.0
+    return ({d: sum(v) / len(v) for d, v in found.items()}, precision,
+            {d: statistics.median(v) if v else float("nan") for d, v in delay.items()})
+
+
+def duty_errors(windows: Sequence[tuple[float, float]], samples: list[tuple[float, float]],
+                end: float, scrape: float) -> tuple[float, float]:
+    """Largest error, in percentage points, of the duty cycle over each scrape-to-scrape window
+    of 4 scrapes: from the busy-seconds counter (``rate``) and from ``avg_over_time`` of a
+    scraped utilisation gauge (the latest sample at each scrape)."""
+    times = [s[0] for s in samples]
+    counter, total, last = [], 0.0, 0.0
+    for t, u in samples:
+        total += u * (t - last)
+        last = t
+        counter.append(total)
+
+    def counter_at(t: float) -> float:
+        i = bisect.bisect_right(times, t) - 1
+        return counter[i] if i >= 0 else 0.0
+
+    def gauge_at(t: float) -> float:
+        i = bisect.bisect_right(times, t) - 1
+        return samples[i][1] if i >= 0 else 1.0
+
+    window = 4 * scrape
+    worst_rate = worst_gauge = 0.0
+    t = window
+    while t <= end:
+        true = busy_between(windows, t - window, t) / window
+        rate = (counter_at(t) - counter_at(t - window)) / window
+        gauge = statistics.mean(gauge_at(t - k * scrape) for k in range(4))
+        worst_rate = max(worst_rate, abs(rate - true) * 100)
+        worst_gauge = max(worst_gauge, abs(gauge - true) * 100)
+        t += scrape
+    return worst_rate, worst_gauge
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    windows, end = timeline(args.seed)
+    samples = nvml_samples(windows, end, phase=random.Random(args.seed).uniform(0, PERIOD))
+    ways = {
+        "agent, 0.1 s": agent_stretches(samples, 0.1, end),
+        "agent, 1 s": agent_stretches(samples, 1.0, end),
+        "nvidia-smi dmon -d 1": reading_stretches(samples, 1.0, 0.37, end),
+        "dcgm-exporter (30 s collection)": reading_stretches(samples, 30.0, 7.3, end),
+    }
+    head = " | ".join(f"{d * 1000:g} ms" if d < 1 else f"{d:g} s" for d in DURATIONS)
+    rows = [f"| way | recall: {head} | precision |",
+            "| --- | " + " | ".join("---:" for _ in DURATIONS) + " | ---: |"]
+    delays = [f"| way | onset to idle shown, median: {head} |",
+              "| --- | " + " | ".join("---:" for _ in DURATIONS) + " |"]
+    verdicts = []
+    for name, (stretches, flagged) in ways.items():
+        recall, precision, delay = score(windows, stretches, flagged)
+        rows.append(f"| {name} | " + " | ".join(f"{recall[d] * 100:.0f} %" for d in DURATIONS)
+                    + f" | {precision * 100:.0f} % |")
+        delays.append(f"| {name} | " + " | ".join(
+            "-" if delay[d] != delay[d] else f"{delay[d]:.2f} s" for d in DURATIONS) + " |")
+        if name == "agent, 0.1 s":
+            long = [recall[d] for d in DURATIONS if d >= 0.2]
+            verdicts.append(f"- agent at 0.1 s: {min(long) * 100:.0f} % recall of windows of "
+                            f"200 ms or more, at the least (goal >= 95 %: "
+                            f"{'met' if min(long) >= 0.95 else 'NOT met'})")
+    duty = ["| scrape interval | rate(mrc_gpu_busy_seconds_total), worst error | "
+            "avg_over_time(utilisation gauge), worst error |", "| ---: | ---: | ---: |"]
+    worst = 0.0
+    for scrape in SCRAPES:
+        r, g = duty_errors(windows, samples, end, scrape)
+        worst = max(worst, r)
+        duty.append(f"| {scrape:g} s | {r:.2f} pp | {g:.2f} pp |")
+    verdicts.append(f"- duty cycle through rate(): worst error {worst:.2f} percentage points "
+                    f"(goal <= 1: {'met' if worst <= 1.0 else 'NOT met'})")
+    text = "\n".join([
+        "# GPU idle-window detection and duty cycle, side by side", "",
+        f"Generated by `python3 benchmarks/bench_detection.py --seed {args.seed}`: "
+        f"{len(windows)} idle windows ({PER_DURATION} of each duration) between busy stretches "
+        f"of 2-6 s, {end:.0f} s of trace; NVML's samples every {PERIOD:.3f} s computed from it. "
+        "A window shorter than a sample period never makes a sample idle, and one shorter than "
+        "two periods does only when a whole period falls inside it: no tool that reads NVML's "
+        "utilisation against an idle threshold can see all of them.", "", *rows, "", *delays, "",
+        "Duty cycle over each window of four scrapes, against the trace's own:", "", *duty, "",
+        *verdicts, "",
+        "Not measured here: the time from onset to mrc_gpu_starved and to the page, and the "
+        "share of starved seconds on the right function (they need a real process).",
+    ])
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
