@@ -539,7 +539,7 @@ def test_the_defaults_and_how_help_shows_them() -> None:
         "pids": None, "pidfile": None, "process_name": None, "listen": "0.0.0.0:9478",
         "interval": "1", "gpu_backend": "auto", "gpus": "targets",
         "profile_unattributed": "false", "gpm_interval": "1", "stacks_interval": "0.1",
-        "stacks_top_k": "10", "collectors": "process,gpu,gpm,derived",
+        "stacks_top_k": "5", "collectors": "process,gpu,gpm,derived",
         "idle_util_threshold": "0.05",
         "starvation_cpu_threshold": "0.9",
         "starvation_gpu_threshold": "0.2", "log_level": "info", "web_config_file": None,

@@ -41,7 +41,7 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mrc_agent.agent.core.collectors import PASS_FINISHERS
+from mrc_agent.agent.core.collectors import DEFAULT_ON, PASS_FINISHERS
 from mrc_agent.agent.core.config import AgentConfig
 from mrc_agent.agent.core.hw.nvml import NvmlBackend
 from mrc_agent.agent.core.hw.sources import Sources
@@ -61,7 +61,15 @@ from tests.test_service import Service
 DOC = REPO / "docs" / "fleet.md"
 BEGIN, END = "<!-- series-budget:begin -->", "<!-- series-budget:end -->"
 #: The agent's arguments in deploy/base/deployment.yaml that decide what it exports.
-AGENT_ARGS = ("--interval", "0.2")
+AGENT_ARGS = ("--interval", "0.2", "--collector", "stacks")
+#: The stacks collector's per-function series: at most (top K + other) x 4 GPU states per
+#: target, as many as the target's Python has run so far; budgeted apart (docs/fleet.md).
+PER_FUNCTION = "mrc_process_function_seconds"
+
+
+def counted(fams: dict[str, int]) -> int:
+    """The series a scrape carries, less the stacks collector's per-function ones."""
+    return sum(n for f, n in fams.items() if f != PER_FUNCTION)
 H200_LINKS = 18
 
 
@@ -180,7 +188,7 @@ def test_agent_replay_series_per_gpu_count(gpus: int, target: subprocess.Popen[b
     # every per-GPU family has the same number of series on each GPU
     for fam, n in gpu_fams.items():
         assert n % gpus == 0, (fam, n)
-    record(f"agent-replay-{gpus}gpu", sum(fams.values()))
+    record(f"agent-replay-{gpus}gpu", counted(fams))
 
 
 def _nvml_exposition(gpus: int, pid: int) -> str:
@@ -202,7 +210,7 @@ def _nvml_exposition(gpus: int, pid: int) -> str:
                          compute_processes=[(pid, 50 * 2**30)] if i == 0 else [],
                          xid_events=[79])  # so that mrc_gpu_last_xid exists too
                      for i in range(gpus)])
-    cfg = AgentConfig(pids=[pid])
+    cfg = AgentConfig(pids=[pid], collectors={**DEFAULT_ON, "stacks": True})
     nvml = NvmlBackend(lib=fake)  # with its PCIe throughput thread, as in the agent
     src = Sources(device=nvml, gpm=nvml, profiling=None, owned=(nvml,))
     runner = Runner(build_collectors(cfg, src), TargetResolver(cfg.pids), 0.2,
@@ -234,12 +242,14 @@ def test_agent_nvml_series_per_gpu_count(gpus: int, target: subprocess.Popen[byt
     for fam in ("mrc_gpu_sm_active_ratio", "mrc_gpu_pcie_rx_bytes_per_second",
                 "mrc_gpu_last_xid"):
         assert fams[fam] == gpus, fam
-    # Profiling is off in the manifest; the GPM scope series exists for MIG devices only.
+    # Profiling is off in the manifest; the GPM scope series exists for MIG devices only; a
+    # function's seconds exist once the target ran Python (at most (K + 1) x 4: docs/fleet.md).
     assert not [f for f, n in fams.items() if n == 0 and not f.startswith(
         ("mrc_gpu_sm_instructions", "mrc_gpu_dram_read", "mrc_gpu_profiling",
-         "mrc_gpu_gpm_scope"))], \
+         "mrc_gpu_gpm_scope", PER_FUNCTION))], \
         "a family without series"
-    record(f"agent-nvml-{gpus}gpu", sum(fams.values()))
+    assert fams["mrc_process_stacks_available"] == 1
+    record(f"agent-nvml-{gpus}gpu", counted(fams))
 
 
 def test_agent_series_follow_the_live_target_not_its_history(agent_factory: Any,
@@ -273,7 +283,9 @@ def test_agent_series_follow_the_live_target_not_its_history(agent_factory: Any,
             time.sleep(0.6)  # a few more passes: nothing of the old PID comes back
             text = only(proc.pid)
             assert text is not None
-            totals.append(sum(families(text).values()))
+            # A new process may be caught running Python as it starts (its imports): its
+            # per-function series come and go with what it runs, budgeted apart.
+            totals.append(counted(families(text)))
             proc.kill()
             proc.wait()
             proc = start()
@@ -336,7 +348,7 @@ def test_pod_totals_are_the_sum_of_their_containers(service: Service,
     """A pod is two scrapes: the service and its agent on the node's NVML."""
     svc = sum(families(httpx.get(service.url + "/metrics", timeout=10).text).values())
     for gpus in (1, 8):
-        agent = sum(families(_nvml_exposition(gpus, target.pid)).values())
+        agent = counted(families(_nvml_exposition(gpus, target.pid)))
         record(f"pod-{gpus}gpu", svc + agent)
 
 

@@ -359,7 +359,7 @@ class AgentConfig:
     stacks_interval: float = setting(0.1, parse=_float, check=_between(0.01, 1.0, "seconds"),
                                      commands=(RUN,), metavar="SECONDS",
                                      help="seconds between two stack samples of a target")
-    stacks_top_k: int = setting(10, parse=_whole, check=_between(1, 100), commands=(RUN,),
+    stacks_top_k: int = setting(5, parse=_whole, check=_between(1, 100), commands=(RUN,),
                                 metavar="N", help="functions per target with a label of their own")
     collectors: dict[str, bool] = setting(
         default_factory=lambda: dict(DEFAULT_ON), parse=_collectors, commands=_AGENT,

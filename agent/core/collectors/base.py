@@ -120,7 +120,7 @@ class StackSettings:
 
     austin: str | None = None
     interval: float = 0.1
-    top_k: int = 10
+    top_k: int = 5
 
 
 @dataclass(frozen=True)

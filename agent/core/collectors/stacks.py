@@ -95,7 +95,7 @@ class _Target:
 class StacksCollector:
     name = NAME
 
-    def __init__(self, factory: SamplerFactory | None, idle_util: float, top_k: int = 10,
+    def __init__(self, factory: SamplerFactory | None, idle_util: float, top_k: int = 5,
                  unavailable: StacksUnavailable | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._factory = factory
