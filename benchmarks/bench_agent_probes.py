@@ -14,7 +14,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -257,10 +256,6 @@ def scrape(port: int, timeout: float = 10.0) -> Scrape:
                   values.get("mrc_agent_last_sample_timestamp_seconds", 0.0), ratios)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 # -- scraper child process -----------------------------------------------------------------------

@@ -42,6 +42,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
+
+from support import free_port as _free_port  # noqa: E402
+
 sys.path.insert(1, str(REPO))  # tests.fakes, tests.test_series_budget
 
 import httpx  # noqa: E402
@@ -217,12 +220,6 @@ def measure(label: str, pods: int, gpus: int, port: int, work: Path,
     return res
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _start_server(bodies: dict[str, bytes]) -> tuple[multiprocessing.Process, int]:

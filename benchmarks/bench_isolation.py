@@ -46,7 +46,6 @@ import json
 import os
 import platform
 import random
-import socket
 import struct
 import subprocess
 import sys
@@ -61,6 +60,7 @@ from typing import Any
 
 import bcrypt
 import httpx
+from support import free_port as _free_port
 
 from mrc_agent.reference_service.loadgen import make_photo, percentile
 
@@ -77,10 +77,6 @@ GOOD = "127.0.0.2"
 ATTACKERS = ("127.0.0.3", "127.0.0.4")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _from(src: str, limits: httpx.Limits | None = None) -> httpx.AsyncHTTPTransport:

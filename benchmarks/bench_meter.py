@@ -52,6 +52,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
 
+from support import free_port  # noqa: E402
+
 EVENTS = 16
 EVENT_GAP_S = 0.002
 GOAL_P50_MS = 1.0
@@ -108,10 +110,6 @@ def serve_upstream(port: int) -> None:
 # --- processes ----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:

@@ -31,7 +31,6 @@ import os
 import platform
 import random
 import re
-import socket
 import struct
 import subprocess
 import sys
@@ -48,6 +47,8 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
 
+from support import free_port as _free_port  # noqa: E402
+
 from mrc_agent.exporters.instrumentation import outcome_for_status  # noqa: E402
 from mrc_agent.reference_service.loadgen import (  # noqa: E402
     PROMPT_BUCKETS,
@@ -60,10 +61,6 @@ from mrc_agent.reference_service.loadgen import (  # noqa: E402
 MAX_IMAGE = 4 * 1024 * 1024  # the service's --max-image-bytes: over-cap bodies stay cheap
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rss(pid: int) -> int:

@@ -26,7 +26,6 @@ import asyncio
 import itertools
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,8 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
 
+from support import free_port  # noqa: E402
+
 from mrc_agent.reference_service.loadgen import make_photo  # noqa: E402
 
 QUESTION = itertools.count(1)
@@ -46,10 +47,6 @@ GOAL_THROUGHPUT = 0.01
 GOAL_CORE = 0.01
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_s(pid: int) -> float:
