@@ -279,7 +279,8 @@ def test_an_upstream_that_is_down_gets_502_counted(engine: tuple[FakeEngine, Ser
         r = httpx.post(p.url + "/v1/chat/completions", json=chat("x", SMALL), timeout=30)
         assert r.status_code == 502
         assert r.json()["error"]["type"] == "bad_gateway"
-        assert series(_values(p.metrics.registry), "mrc_requests_total",
+        # Counted as its exchange ends, just after the client read the answer.
+        assert series(_settled(p.metrics.registry, 1), "mrc_requests_total",
                       outcome="error") == [1.0]
     finally:
         p.stop()
