@@ -1,13 +1,16 @@
 """Reading the files the agent is pointed at — pidfile, token file, config file, replay trace —
 without trusting them: only regular files, opened without blocking (a FIFO or a device cannot
 hang the sampler or the start-up), and never more than a stated number of bytes (``/dev/zero``
-or a runaway file cannot fill memory).
+or a runaway file cannot fill memory). And finding the helper programs the agent runs (py-spy,
+austin): :func:`find_executable`.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import sys
 
 
 class FileRefused(OSError):
@@ -53,3 +56,21 @@ def describe(exc: OSError) -> str:
     if isinstance(exc, FileRefused):
         return str(exc)
     return exc.strerror or str(exc)
+
+
+def find_executable(name: str, explicit: str | None = None) -> str:
+    """A helper program: ``explicit`` when given, else the one installed beside this Python
+    (a virtual environment's ``bin``, where the agent's extras put it), else the first on
+    ``PATH``. FileNotFoundError says which was missing: ``NAME not found at PATH`` or
+    ``NAME is not installed``."""
+    if explicit:
+        if os.path.isfile(explicit) and os.access(explicit, os.X_OK):
+            return explicit
+        raise FileNotFoundError(f"{name} not found at {explicit}")
+    beside = os.path.join(os.path.dirname(sys.executable), name)
+    if os.path.isfile(beside) and os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} is not installed")
+    return found

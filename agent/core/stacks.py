@@ -27,13 +27,13 @@ import collections
 import logging
 import os
 import re
-import shutil
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import IO
+
+from mrc_agent.agent.core.files import find_executable
 
 log = logging.getLogger(__name__)
 
@@ -56,20 +56,14 @@ class StacksUnavailable(Exception):
 
 
 def find_austin(explicit: str | None = None) -> str:
-    """The austin executable: ``explicit``, else the one installed beside this Python (the
-    ``diagnose`` extra's ``austin-dist``), else the first on ``PATH``."""
-    if explicit:
-        if os.path.isfile(explicit) and os.access(explicit, os.X_OK):
-            return explicit
-        raise StacksUnavailable("missing", f"austin not found at {explicit}")
-    beside = os.path.join(os.path.dirname(sys.executable), "austin")
-    if os.path.isfile(beside) and os.access(beside, os.X_OK):
-        return beside
-    found = shutil.which("austin")
-    if found is None:
-        raise StacksUnavailable("missing", "austin is not installed (pip install "
-                                           "'mrc-agent[diagnose]' or pip install austin-dist)")
-    return found
+    """The austin executable (:func:`~mrc_agent.agent.core.files.find_executable`: explicit,
+    beside this Python from the ``diagnose`` extra's ``austin-dist``, or on ``PATH``)."""
+    try:
+        return find_executable("austin", explicit)
+    except FileNotFoundError as e:
+        hint = "" if explicit else (" (pip install 'mrc-agent[diagnose]' or pip install "
+                                    "austin-dist)")
+        raise StacksUnavailable("missing", f"{e}{hint}") from None
 
 
 def module_of(path: str) -> str:
@@ -205,7 +199,6 @@ class StackSampler:
         self._reader: threading.Thread | None = None
         self._err: IO[str] | None = None
         self.error: StacksUnavailable | None = None
-        self.dropped = 0
 
     def start(self) -> None:
         import pty
@@ -243,9 +236,7 @@ class StackSampler:
                 if sample is None:
                     continue
                 with self._lock:
-                    if len(self._samples) == self._samples.maxlen:
-                        self.dropped += 1
-                    self._samples.append(sample)
+                    self._samples.append(sample)  # the oldest go first past MAX_PENDING
         except OSError:
             pass  # EIO: the terminal's other end closed, austin has ended
         finally:

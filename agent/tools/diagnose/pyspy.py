@@ -9,13 +9,12 @@ import logging
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 from typing import IO
 
+from mrc_agent.agent.core.files import find_executable
 from mrc_agent.agent.core.hw.procfs import ProcFS
 
 log = logging.getLogger(__name__)
@@ -36,20 +35,15 @@ class PySpyError(Exception):
 
 
 def find_py_spy(explicit: str | None = None) -> str:
-    """The py-spy executable: ``explicit``, else the one installed beside this Python (the
-    ``diagnose`` extra), else the first on ``PATH``. Raises PySpyError('missing')."""
-    if explicit:
-        if os.path.isfile(explicit) and os.access(explicit, os.X_OK):
-            return explicit
-        raise PySpyError("missing", f"py-spy not found at {explicit}")
-    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
-    if os.path.isfile(beside) and os.access(beside, os.X_OK):
-        return beside
-    found = shutil.which("py-spy")
-    if found is None:
-        raise PySpyError("missing", "py-spy is not installed (pip install 'mrc-agent[diagnose]' "
-                                    "or pip install py-spy)")
-    return found
+    """The py-spy executable (:func:`~mrc_agent.agent.core.files.find_executable`: explicit,
+    beside this Python from the ``diagnose`` extra, or on ``PATH``). Raises
+    PySpyError('missing')."""
+    try:
+        return find_executable("py-spy", explicit)
+    except FileNotFoundError as e:
+        hint = "" if explicit else (" (pip install 'mrc-agent[diagnose]' or pip install "
+                                    "py-spy)")
+        raise PySpyError("missing", f"{e}{hint}") from None
 
 
 def _ptrace_hint(pid: int) -> str:
