@@ -31,6 +31,12 @@ class UpstreamFailed(Exception):
     """The upstream closed, failed or broke the framing of its answer."""
 
 
+def _settle(waiter: asyncio.Future[None] | None) -> None:
+    """Wake the task waiting on ``waiter``, if one is."""
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
+
+
 def chunk_size(buf: bytearray, pos: int, end: int) -> int:
     """The size of a chunk from its size line ``buf[pos:end]`` (extensions ignored)."""
     text = bytes(buf[pos:end]).split(b";", 1)[0].strip()
@@ -92,14 +98,12 @@ class UpstreamConn(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._paused = False
-        w, self._writable = self._writable, None
-        if w is not None and not w.done():
-            w.set_result(None)
+        _settle(self._writable)
+        self._writable = None
 
     def _wake_reader(self) -> None:
-        w, self._reading = self._reading, None
-        if w is not None and not w.done():
-            w.set_result(None)
+        _settle(self._reading)
+        self._reading = None
 
     # what the proxy calls
     async def read(self) -> bytes:
@@ -107,11 +111,7 @@ class UpstreamConn(asyncio.Protocol):
         while not self._buf and not self._eof:
             self._reading = asyncio.get_running_loop().create_future()
             await self._reading
-        data = bytes(self._buf)
-        self._buf.clear()
-        if self.transport is not None and not self._eof:
-            self.transport.resume_reading()
-        return data
+        return self.take()
 
     def at_eof(self) -> bool:
         return self._eof and not self._buf
@@ -183,9 +183,8 @@ class ChunkRelay:
         self.waiter: asyncio.Future[None] | None = None
 
     def _signal(self) -> None:
-        w, self.waiter = self.waiter, None
-        if w is not None and not w.done():
-            w.set_result(None)
+        _settle(self.waiter)
+        self.waiter = None
 
     def fail(self, exc: Exception) -> None:
         if not self.ended and self.error is None:
