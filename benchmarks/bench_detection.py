@@ -41,6 +41,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
 
+from support import report  # noqa: E402
+
 from mrc_agent.agent.core.collectors.derived import IdleTracker  # noqa: E402
 
 #: NVML's utilisation sample period on datacenter parts (nvmlDeviceGetSamples).
@@ -244,9 +246,7 @@ def main() -> int:
         "Not measured here: the time from onset to mrc_gpu_starved and to the page, and the "
         "share of starved seconds on the right function (they need a real process).",
     ])
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    report(text, args.out)
     return 0
 
 

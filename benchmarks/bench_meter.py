@@ -52,7 +52,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
 
-from support import free_port  # noqa: E402
+from support import free_port, report  # noqa: E402
 
 EVENTS = 16
 EVENT_GAP_S = 0.002
@@ -399,9 +399,7 @@ def main() -> int:
         f" {nginx}, uvicorn {uvicorn.__version__}, starlette {starlette.__version__}, h11 "
         f"{h11.__version__}. The clients, the upstream and the proxy share the machine's cores.",
     ])
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    report(text, args.out)
     return 0
 
 

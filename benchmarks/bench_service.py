@@ -48,6 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
 
 from support import free_port as _free_port  # noqa: E402
+from support import wait_http  # noqa: E402
 
 from mrc_agent.exporters.instrumentation import outcome_for_status  # noqa: E402
 from mrc_agent.reference_service.loadgen import (  # noqa: E402
@@ -276,18 +277,6 @@ def _requests_total(url: str) -> Counter[str]:
     return out
 
 
-def _wait(url: str, what: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{what} not ready")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--clients", type=int, default=16)
@@ -307,12 +296,12 @@ def main() -> int:
          str(svc_port), "--cache-dir", cache, "--max-image-bytes", str(MAX_IMAGE),
          "--log-level", "warning"], stdout=svc_log, stderr=subprocess.STDOUT, cwd=REPO, env=env)]
     try:
-        _wait(svc + "/ready", "service")
+        wait_http(svc + "/ready", "service", 300)
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "mrc_agent.agent", "run", "--listen", f"127.0.0.1:{agent_port}",
              "--gpu-backend", "none", "--pid", str(procs[0].pid), "--interval", "1"],
             stdout=agent_log, stderr=subprocess.STDOUT, cwd=REPO, env=env))
-        _wait(agent + "/readyz", "agent", 60)
+        wait_http(agent + "/readyz", "agent", 60)
         pids = {"service": procs[0].pid, "agent": procs[1].pid}
         before = _requests_total(svc)
         cpu0 = {k: _cpu_s(p) for k, p in pids.items()}

@@ -38,7 +38,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
 
-from support import free_port  # noqa: E402
+from support import free_port, report, wait_http  # noqa: E402
 
 from mrc_agent.reference_service.loadgen import make_photo  # noqa: E402
 
@@ -64,20 +64,6 @@ def cpu_s(pid: int) -> float:
         except (OSError, ValueError):
             continue
     return total
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{what} exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{what} not ready within {timeout:g} s")
 
 
 async def clients(url: str, n: int, seconds: float) -> int:
@@ -111,7 +97,7 @@ def phase(svc: str, svc_pid: int, env: dict[str, str], stacks: bool, seconds: fl
          "--gpu-backend", "none", "--pid", str(svc_pid), "--interval", "0.5", *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, env=env)
     try:
-        wait_ready(f"http://127.0.0.1:{port}/readyz", agent, "the agent", 60)
+        wait_http(f"http://127.0.0.1:{port}/readyz", "the agent", 60, agent)
         time.sleep(2)  # austin attached and streaming
         c0, t0 = cpu_s(agent.pid), time.monotonic()
         done = asyncio.run(clients(svc, n, seconds))
@@ -139,7 +125,7 @@ def main() -> int:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, env=env)
     results: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     try:
-        wait_ready(svc + "/ready", service, "the service", 600)
+        wait_http(svc + "/ready", "the service", 600, service)
         asyncio.run(clients(svc, args.clients, 5))  # warm
         for _ in range(args.rounds):
             for stacks in (False, True, True, False):
@@ -187,9 +173,7 @@ def main() -> int:
         "", f"Host: {platform.machine()}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}. The clients, the service and the agent share the cores.",
     ])
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    report(text, args.out)
     return 0
 
 
