@@ -32,6 +32,8 @@ P7;T0:7;/srv/app/server.py:<module>:3;/srv/app/preprocess.py:resize_image:41 100
 P7;T0:9;/usr/lib/python3.11/threading.py:Thread.run:982 100011
 P7;T0:7;/srv/app/server.py:<module>:3;/srv/app/preprocess.py:resize_image:44 99870
 P7;T0:7;/srv/app/server.py:<module>:3 2500000
+P7;T0:9;/usr/lib/python3.11/threading.py:Thread.run:982;:INVALID: 100000
+P7;T0:9;:INVALID: 100000
 P7 garbage
 P7;T0:7 100000
 P7;T0:7;/x.py:f:1 notanumber
@@ -50,8 +52,9 @@ def test_austin_lines_become_samples_at_their_arrival() -> None:
         (105.0, "T0:9", "threading:Thread.run", 0.100011),
         (106.0, "T0:7", "preprocess:resize_image", 0.09987),
         (107.0, "T0:7", "server:<module>", 0.3),  # a first sample's long delta, capped
+        (108.0, "T0:9", "threading:Thread.run", 0.1),  # an unreadable frame: its caller
     ]
-    assert parser.bad_lines == 3
+    assert parser.bad_lines == 4  # and a stack of nothing else is no sample
 
 
 @pytest.mark.parametrize(("frame", "name"), [

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 #: Samples kept per target while they wait to be joined (a minute at 10 Hz of 100 threads).
 MAX_PENDING = 60_000
+#: What austin prints for a frame it could not read (the target changed it while it read).
+INVALID_FRAME = ":INVALID:"
 #: Parsed innermost frames remembered, so a hot function is named once.
 _NAME_CACHE = 4096
 
@@ -129,7 +131,15 @@ class SampleParser:
         except ValueError:
             self.bad_lines += 1
             return None
+        end = len(body)
         leaf = body[body.rfind(";") + 1:]
+        while leaf == INVALID_FRAME:  # a frame austin could not read: the one that called it
+            end = body.rfind(";", 0, end)
+            start = body.rfind(";", 0, end)
+            if start < second:
+                self.bad_lines += 1
+                return None
+            leaf = body[start + 1:end]
         function = self._names.get(leaf)
         if function is None:
             if len(self._names) >= _NAME_CACHE:
