@@ -65,7 +65,6 @@ from bench_agent_probes import (  # beside this script: Python puts its folder o
     Row,
     Scrape,
     agent_argv,
-    free_port,
     pct,
     scrape,
     scraper_child,
@@ -74,6 +73,7 @@ from bench_agent_probes import (  # beside this script: Python puts its folder o
     user_ticks,
     verdict,
 )
+from support import free_port
 
 #: Goals from the agent's design brief.
 GOAL_CPU = {1.0: 0.3, 0.1: 2.0}  # % of one core while idle (not scraped)

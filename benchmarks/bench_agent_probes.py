@@ -256,8 +256,6 @@ def scrape(port: int, timeout: float = 10.0) -> Scrape:
                   values.get("mrc_agent_last_sample_timestamp_seconds", 0.0), ratios)
 
 
-
-
 # -- scraper child process -----------------------------------------------------------------------
 def scraper_address(k: int) -> str:
     """Scraper ``k``'s own loopback source address (127.0.1.k+1): 50 Prometheus servers come

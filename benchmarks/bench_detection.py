@@ -38,12 +38,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from support import report
+
+from mrc_agent.agent.core.collectors.derived import IdleTracker
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
 
-from support import report  # noqa: E402
-
-from mrc_agent.agent.core.collectors.derived import IdleTracker  # noqa: E402
 
 #: NVML's utilisation sample period on datacenter parts (nvmlDeviceGetSamples).
 PERIOD = 1 / 6

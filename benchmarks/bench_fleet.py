@@ -27,29 +27,25 @@ About 12 minutes at the default sizes on the project's 2-core machine; needs ~6 
 from __future__ import annotations
 
 import argparse
+import json
 import math
-import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+import yaml
+from bench_connections import _rss_mb  # this directory, the script's own
+from support import free_port as _free_port
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
 
-from support import free_port as _free_port  # noqa: E402
-
-sys.path.insert(1, str(REPO))  # tests.fakes, tests.test_series_budget
-
-import httpx  # noqa: E402
-import yaml  # noqa: E402
-from bench_connections import _rss_mb  # noqa: E402 - this directory, the script's own
 
 SCRAPE = 15  # seconds, the PodMonitor's interval
 QUERY_TIMEOUT = 60.0  # seconds a dashboard query may take before it counts as timed out
@@ -61,25 +57,27 @@ def _agent_exposition(gpus: int) -> str:
     """The agent's exposition for a pod given every GPU of an H200 node of ``gpus`` GPUs.
 
     The agent reports its targets' GPUs only (docs/attribution.md), so the watched process is
-    a child started with ``NVIDIA_VISIBLE_DEVICES=all`` in its environment, as the device plugin
-    sets it for such a pod; this process's own environment says nothing, and the agent would
-    report GPU 0 alone (the GPU whose process list names the target)."""
+    one started with ``NVIDIA_VISIBLE_DEVICES=all`` in its environment, as the device plugin
+    sets it for such a pod: the child that builds the exposition watches itself."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tests.test_series_budget import _nvml_exposition
-
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
-                             env={**os.environ, "NVIDIA_VISIBLE_DEVICES": "all"})
-    try:
-        text = _nvml_exposition(gpus, child.pid)
-    finally:
-        child.kill()
-        child.wait()
+    code = ("import os, sys\n"
+            "from tests.test_series_budget import _nvml_exposition\n"
+            "sys.stdout.write(_nvml_exposition(int(sys.argv[1]), os.getpid()))\n")
+    text = _from_tests(code, str(gpus), env={**os.environ, "NVIDIA_VISIBLE_DEVICES": "all"})
     reported = {s.labels["uuid"] for f in text_string_to_metric_families(text)
                 if f.name == "mrc_gpu_utilization_ratio" for s in f.samples}
     if len(reported) != gpus:
         raise SystemExit(f"bench_fleet: the agent reported {len(reported)} of {gpus} GPUs")
     return text
+
+
+def _from_tests(code: str, *args: str, env: dict[str, str] | None = None) -> str:
+    """Runs ``code`` in a child whose working directory is the repository's root, where the
+    test suite's helpers import as ``tests.*`` (as pytest imports them), and returns its
+    output."""
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, check=True).stdout
 
 
 def _expositions(cells: int) -> dict[str, bytes]:
@@ -106,13 +104,16 @@ def _expositions(cells: int) -> dict[str, bytes]:
     return out
 
 
-def _serve(bodies: dict[str, bytes], port_out: Any) -> None:
-    """The child process: /pod/<i>/<name> answers ``bodies[name]``."""
-    from tests.e2e_harness import serve_exposition
-
-    server = serve_exposition(lambda path: bodies.get(path.rsplit("/", 1)[-1]))
-    port_out.put(server.server_port)
-    threading.Event().wait()
+# A child from the repository's root (see _from_tests): answers /pod/<i>/<name> with the
+# exposition named <name>, read as JSON from its standard input, and prints its port.
+_SERVE = """
+import json, sys, threading
+from tests.e2e_harness import serve_exposition
+bodies = {name: text.encode() for name, text in json.load(sys.stdin).items()}
+server = serve_exposition(lambda path: bodies.get(path.rsplit("/", 1)[-1]))
+print(server.server_port, flush=True)
+threading.Event().wait()
+"""
 
 
 @dataclass
@@ -220,13 +221,13 @@ def measure(label: str, pods: int, gpus: int, port: int, work: Path,
     return res
 
 
-
-
-def _start_server(bodies: dict[str, bytes]) -> tuple[multiprocessing.Process, int]:
-    q: Any = multiprocessing.Queue()
-    p = multiprocessing.Process(target=_serve, args=(bodies, q), daemon=True)
-    p.start()
-    return p, int(q.get(timeout=30))
+def _start_server(bodies: dict[str, bytes]) -> tuple[subprocess.Popen[str], int]:
+    p = subprocess.Popen([sys.executable, "-c", _SERVE], cwd=REPO, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdin is not None and p.stdout is not None
+    p.stdin.write(json.dumps({name: body.decode() for name, body in bodies.items()}))
+    p.stdin.close()
+    return p, int(p.stdout.readline())
 
 
 def table(results: list[Result], per_pod: dict[str, int]) -> str:

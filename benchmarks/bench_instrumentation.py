@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
 
 GOAL_US = 30.0
 BODY = {"prompt": "What is damaged on this parcel, and how badly?", "width": 1920, "height": 1080}

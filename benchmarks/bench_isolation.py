@@ -77,8 +77,6 @@ GOOD = "127.0.0.2"
 ATTACKERS = ("127.0.0.3", "127.0.0.4")
 
 
-
-
 def _from(src: str, limits: httpx.Limits | None = None) -> httpx.AsyncHTTPTransport:
     """A transport whose connections leave from ``src`` (a loopback address of its own)."""
     return httpx.AsyncHTTPTransport(local_address=src, limits=limits or httpx.Limits())

@@ -49,10 +49,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
+from support import free_port, report
 
-from support import free_port, report  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+
 
 EVENTS = 16
 EVENT_GAP_S = 0.002
@@ -108,8 +108,6 @@ def serve_upstream(port: int) -> None:
 
 
 # --- processes ----------------------------------------------------------------------------------
-
-
 
 
 def wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
@@ -238,7 +236,7 @@ def bench_proxy(rounds: int, per_client: int) -> list[str]:
     try:
         procs.append(subprocess.Popen([sys.executable, __file__, "--serve-upstream", str(up)]))
         wait_port(up, procs[-1], "the upstream")
-        env = {**os.environ, "PYTHONPATH": str(REPO / ".ci" / "namespace")}
+        env = dict(os.environ)
         procs.append(subprocess.Popen([sys.executable, "-m", "mrc_agent.agent", "proxy",
                                        "--listen", f"127.0.0.1:{px}", "--upstream",
                                        f"http://127.0.0.1:{up}", "--metrics-listen",

@@ -24,12 +24,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
+from mrc_agent.agent.core.config import AgentConfig, validate
+from mrc_agent.agent.core.wiring import build_runner, make_sources
+from mrc_agent.agent.tools.tracegen import write_trace
 
-from mrc_agent.agent.core.config import AgentConfig, validate  # noqa: E402
-from mrc_agent.agent.core.wiring import build_runner, make_sources  # noqa: E402
-from mrc_agent.agent.tools.tracegen import write_trace  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+
 
 _DATA = [{"a": i, "b": str(i)} for i in range(20000)]
 

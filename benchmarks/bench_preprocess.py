@@ -36,7 +36,6 @@ import io
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,11 +47,11 @@ import PIL
 import torch
 from PIL import Image, ImageDraw, ImageFont, features
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
+from mrc_agent.reference_service.preprocess import preprocess
+from mrc_agent.reference_service.settings import Settings
 
-from mrc_agent.reference_service.preprocess import preprocess  # noqa: E402
-from mrc_agent.reference_service.settings import Settings  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+
 
 WIDTH, HEIGHT = 4000, 3000
 TARGET_HW = (336, 336)

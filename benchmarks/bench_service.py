@@ -43,15 +43,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from support import free_port as _free_port
+from support import wait_http
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
-
-from support import free_port as _free_port  # noqa: E402
-from support import wait_http  # noqa: E402
-
-from mrc_agent.exporters.instrumentation import outcome_for_status  # noqa: E402
-from mrc_agent.reference_service.loadgen import (  # noqa: E402
+from mrc_agent.exporters.instrumentation import outcome_for_status
+from mrc_agent.reference_service.loadgen import (
     PROMPT_BUCKETS,
     RESOLUTIONS,
     make_photo,
@@ -59,9 +55,10 @@ from mrc_agent.reference_service.loadgen import (  # noqa: E402
     percentile,
 )
 
+REPO = Path(__file__).resolve().parent.parent
+
+
 MAX_IMAGE = 4 * 1024 * 1024  # the service's --max-image-bytes: over-cap bodies stay cheap
-
-
 
 
 def _rss(pid: int) -> int:
@@ -288,7 +285,7 @@ def main() -> int:
     svc, agent = f"http://127.0.0.1:{svc_port}", f"http://127.0.0.1:{agent_port}"
     cache = os.environ.get("MRC_CACHE_DIR") or tempfile.mkdtemp(prefix="mrc-bench-cache-")
     logdir = Path(tempfile.mkdtemp(prefix="mrc-soak-"))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO / ".ci" / "namespace")}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     svc_log = open(logdir / "service.log", "wb")  # noqa: SIM115
     agent_log = open(logdir / "mrc_agent.agent.log", "wb")  # noqa: SIM115
     procs = [subprocess.Popen(

@@ -34,19 +34,16 @@ import time
 from pathlib import Path
 
 import httpx
+from support import free_port, report, wait_http
+
+from mrc_agent.reference_service.loadgen import make_photo
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
 
-from support import free_port, report, wait_http  # noqa: E402
-
-from mrc_agent.reference_service.loadgen import make_photo  # noqa: E402
 
 QUESTION = itertools.count(1)
 GOAL_THROUGHPUT = 0.01
 GOAL_CORE = 0.01
-
-
 
 
 def cpu_s(pid: int) -> float:
@@ -115,7 +112,7 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO / ".ci" / "namespace")}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     cache = os.environ.get("MRC_CACHE_DIR") or tempfile.mkdtemp(prefix="mrc-bench-cache-")
     port = free_port()
     svc = f"http://127.0.0.1:{port}"

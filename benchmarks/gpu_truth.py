@@ -20,10 +20,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / ".ci" / "namespace"))  # mrc_agent.<folder> of this checkout
+from mrc_agent.agent.cli import main as cli_main
 
-from mrc_agent.agent.cli import main as cli_main  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def main(argv: list[str]) -> int:

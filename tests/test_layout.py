@@ -169,3 +169,19 @@ def test_tests_naming_private_addresses_run_in_a_namespace() -> None:
             assert "pytest.mark.netns" in text, f"{path.name} names a private address"
     assert "unshare -n" in (REPO / ".ci" / "check").read_text()
     assert ".ci/check" in (REPO / ".ci" / "run").read_text()
+
+
+def test_every_benchmark_imports_as_its_script_runs() -> None:
+    """Each benchmark imports the project as installed (no path of its own) and its
+    neighbours from its folder, as ``python benchmarks/NAME.py`` runs it: one that names a
+    moved helper fails here, not on the day someone reruns it."""
+    import subprocess
+    import sys
+
+    names = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py"))
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+    res = subprocess.run([sys.executable, "-c", code, *names], cwd=REPO / "benchmarks",
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    for path in [*(REPO / "benchmarks").glob("*.py"), *(REPO / "tests").rglob("*.py")]:
+        assert not re.search(r"sys\.path\.(insert|append)\(", path.read_text()), path

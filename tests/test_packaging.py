@@ -16,6 +16,7 @@ import tomllib
 from tests.conftest import REPO
 
 FOLDERS = ("agent", "exporters", "alerts", "dashboards", "reference_service")
+ROOT = REPO / ".ci" / "namespace"  # the import root: mrc_agent/<folder> links
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
 
@@ -31,27 +32,52 @@ def _tree_packages() -> set[str]:
 
 
 def test_every_package_of_the_tree_is_declared_and_nothing_else() -> None:
-    declared = set(SETUPTOOLS["packages"])
+    # mrc_agent, the namespace, is declared so that setuptools sees one import root
+    declared = set(SETUPTOOLS["packages"]) - {"mrc_agent"}
     tree = _tree_packages()
     assert tree - declared == set(), "add these to [tool.setuptools] packages"
     assert declared - tree == set(), "declared but not in the tree"
 
 
 def test_each_folder_maps_to_its_namespace_name() -> None:
-    assert SETUPTOOLS["package-dir"] == {f"mrc_agent.{f}": f for f in FOLDERS}
-    assert "mrc_agent" not in SETUPTOOLS["packages"]  # a namespace package: no __init__.py
+    # One import root, whose mrc_agent/ links each folder under its namespace name: setuptools
+    # then installs the checkout editable as a plain path entry (no import hook).
+    assert SETUPTOOLS["package-dir"] == {"": ".ci/namespace"}
+    assert "mrc_agent" in SETUPTOOLS["packages"]
+    assert not (ROOT / "mrc_agent" / "__init__.py").exists()  # a namespace package
     assert PYPROJECT["project"]["scripts"] == {"mrc-agent": "mrc_agent.agent.cli:main"}
     for key in SETUPTOOLS["package-data"]:
         assert key in SETUPTOOLS["packages"], key
 
 
-def test_the_type_checker_sees_the_installed_layout() -> None:
-    links = REPO / ".ci" / "namespace" / "mrc_agent"
+def test_the_import_root_links_each_folder() -> None:
+    links = ROOT / "mrc_agent"
     assert sorted(p.name for p in links.iterdir()) == sorted(FOLDERS)
     for folder in FOLDERS:
         assert (links / folder).is_symlink()
         assert (links / folder).resolve() == (REPO / folder).resolve()
     assert PYPROJECT["tool"]["mypy"]["mypy_path"] == ".ci/namespace"
+
+
+def test_an_editable_install_is_a_path_entry_to_the_import_root() -> None:
+    """`pip install -e .` (the README's step, .ci/provision's) writes a ``.pth`` naming the
+    import root, which static analysers and editors follow, and no import-hook finder, which
+    they cannot. Skipped only where mrc-agent is not installed editable from this checkout."""
+    import importlib.metadata as md
+    import json
+
+    dist = md.distribution("mrc-agent")
+    url = json.loads(dist.read_text("direct_url.json") or "{}")
+    if not url.get("dir_info", {}).get("editable"):
+        pytest.skip("mrc-agent is not installed editable here")
+    files = [str(f) for f in dist.files or []]
+    assert not [f for f in files if "finder" in f], files
+    pth = [f for f in files if f.endswith(".pth")]
+    assert len(pth) == 1, files
+    entries = dist.locate_file(pth[0]).read_text().split()
+    if Path(entries[0]).resolve() != ROOT.resolve():
+        pytest.skip(f"installed editable from another checkout: {entries[0]}")
+    assert entries == [entries[0]] and not entries[0].startswith("import")
 
 
 def _python_files() -> list[Path]:
