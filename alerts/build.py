@@ -4,7 +4,7 @@ example into one directory.
 Output is deterministic — same config, same bytes: keys in a fixed order (the order Prometheus'
 documentation uses for a rule, sorted where the order means nothing, such as labels and
 annotations), multi-line expressions as YAML block scalars, no timestamps. The committed copy in
-``alerts/generated/`` is checked against a fresh build by ``tests/test_alerts.py``.
+``alerts/generated/`` is checked against a fresh build by ``tests/e2e/test_alerts.py``.
 """
 
 from __future__ import annotations

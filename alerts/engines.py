@@ -10,9 +10,9 @@ TTFT next to the client's: the difference is the time the engine cannot see.
 
 :data:`SOURCES` says where every name comes from (repository and file), which names are current
 and which deprecated, and where an engine has no such metric; docs/engines.md is the same table
-for people, and ``tests/test_engine_rules.py`` keeps the two and the rules in step. Names were
-read from the engines' sources, not guessed: vllm-project/vllm (``vllm/v1/metrics/loggers.py``,
-``vllm/engine/metrics.py``), sgl-project/sglang
+for people, and ``tests/integration/test_engine_rules.py`` keeps the two and the rules in
+step. Names were read from the engines' sources, not guessed: vllm-project/vllm
+(``vllm/v1/metrics/loggers.py``, ``vllm/engine/metrics.py``), sgl-project/sglang
 (``python/sglang/srt/observability/metrics_collector.py``, formerly
 ``python/sglang/srt/metrics/collector.py``), huggingface/text-generation-inference
 (``router/src/server.rs``, ``backends/v3/src``).

@@ -3,7 +3,7 @@
 ``python -m mrc_agent.alerts.unit_tests`` writes, from the scenarios below,
 ``alerts/tests/<Alert>.yaml`` (one per alert), ``alerts/tests/fleet.yaml`` (the fleet recording
 rules) and ``alerts/tests/engines.yaml`` (the engine recording rules, on the engines' own
-expositions: :mod:`mrc_agent.alerts.engine_tests`). They are committed; ``tests/test_alerts.py``
+expositions: :mod:`mrc_agent.alerts.engine_tests`). They are committed; ``tests/e2e/test_alerts.py``
 fails when they drift from a fresh generation and runs ``promtool test rules`` on them. Run them
 by hand with ``promtool test rules alerts/tests/*.yaml`` (from the repository root) or ``promtool
 test rules *.yaml`` (in ``alerts/tests``): promtool resolves ``rule_files`` relative to each test

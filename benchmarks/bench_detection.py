@@ -22,7 +22,7 @@ each window, beside ``avg_over_time`` of a utilisation gauge scraped at the same
 Goals (issue: see every GPU idle window): >= 95 % recall of windows of 200 ms or more at 0.1 s;
 duty cycle within +-1 percentage point at every scrape interval. The time from onset to
 ``mrc_gpu_starved`` and to the page, and the share of starved seconds on the right function,
-need a real process (``tests/test_stacks_e2e.py`` shows the latter on one); they are not in
+need a real process (``tests/e2e/test_stacks_e2e.py`` shows the latter on one); they are not in
 this run.
 
     python3 benchmarks/bench_detection.py [--seed 1] [--out FILE]

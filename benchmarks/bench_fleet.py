@@ -62,7 +62,7 @@ def _agent_exposition(gpus: int) -> str:
     from prometheus_client.parser import text_string_to_metric_families
 
     code = ("import os, sys\n"
-            "from tests.test_series_budget import _nvml_exposition\n"
+            "from tests.e2e.test_series_budget import _nvml_exposition\n"
             "sys.stdout.write(_nvml_exposition(int(sys.argv[1]), os.getpid()))\n")
     text = _from_tests(code, str(gpus), env={**os.environ, "NVIDIA_VISIBLE_DEVICES": "all"})
     reported = {s.labels["uuid"] for f in text_string_to_metric_families(text)

@@ -9,7 +9,7 @@
 #   bash benchmarks/h200_prepare.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# One pin per distribution h200_check.sh requires (tests/test_h200_scripts.py holds the two
+# One pin per distribution h200_check.sh requires (tests/unit/test_h200_scripts.py holds the two
 # lists together). cupti-python >= 13.4 has the single-pass set API; it wants
 # nvidia-cuda-cupti ~= 13.4, pinned to the CUPTI whose sets tests/data/cupti_sets records.
 PINS=(

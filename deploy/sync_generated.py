@@ -7,7 +7,7 @@ byte-for-byte copies of ``alerts/generated/mrc-prometheusrule.yaml`` and
     mrc-agent alerts build && mrc-agent dashboards build && python3 deploy/sync_generated.py
 
 ``--check`` copies nothing and exits 1 when a copy differs from its source (for CI);
-``tests/test_deploy.py`` checks the same.
+``tests/integration/test_deploy.py`` checks the same.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Shared by the reference service (its header checks,
 bytes of a base64 upload); plain Python, no Pillow.
 
 Pillow's openers walk some structures a byte, a block or a chunk at a time in Python, a few
-microseconds a step. Of 19 MB streams (``tests/test_preprocess_structure.py`` has each), JPEG
+microseconds a step. Of 19 MB streams (``tests/unit/test_preprocess_structure.py`` has each), JPEG
 fill bytes took 5.5 s to open, 1.6 million empty PNG chunks 3.1 s, a thousand iCCP chunks that
 each inflate to 1 MiB 10.6 s, 9.5 million GIF comment sub-blocks 1.8 s and 2.4 million TIFF
 strip offsets 4.4 s; decoding a PNG walks every chunk after the image data the same way.

@@ -38,9 +38,10 @@ Why a subclass of uvicorn's h11 protocol rather than ASGI middleware: an ASGI ap
 nothing before the head is complete, and cannot tell a stalled client from a paused socket.
 The subclass hooks four methods of ``H11Protocol`` (``connection_made``, ``handle_events``,
 ``on_response_complete``, ``connection_lost``) and leaves the rest of uvicorn's code alone;
-``tests/test_service_connections.py`` drives it through real sockets, so an uvicorn upgrade
-that moves those hooks fails there. ``http="h11"`` is forced (the class *is* the h11 protocol):
-httptools, when installed, would otherwise be chosen and none of this would apply.
+``tests/integration/test_service_connections.py`` drives it through real sockets, so an
+uvicorn upgrade that moves those hooks fails there. ``http="h11"`` is forced (the class *is*
+the h11 protocol): httptools, when installed, would otherwise be chosen and none of this
+would apply.
 """
 
 from __future__ import annotations

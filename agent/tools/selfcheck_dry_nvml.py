@@ -20,7 +20,7 @@ from mrc_agent.agent.tools.selfcheck_dry import DryModel
 
 class _OnFirstUse:
     """``pynvml``, imported when first used: importing the agent's modules must not load it
-    (tests/test_footprint.py), and only a dry run uses this module."""
+    (tests/unit/test_footprint.py), and only a dry run uses this module."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(importlib.import_module("pynvml"), name)

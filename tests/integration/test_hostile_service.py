@@ -17,7 +17,7 @@ import pytest
 
 from mrc_agent.reference_service.loadgen import make_photo
 from tests.conftest import parse_metrics, requests_by_outcome, series
-from tests.test_service import Service
+from tests.integration.test_service import Service
 
 MAX_IMAGE = 2 * 1024 * 1024
 
@@ -162,8 +162,8 @@ def test_content_length_with_transfer_encoding_is_refused(service: Service) -> N
 def test_a_crafted_header_does_not_freeze_the_service(service: Service) -> None:
     """1.9 MB of JPEG fill bytes took Pillow about a second to walk; on the event loop that
     second froze /health, and on a header thread it held the lock every probe needed. Now the
-    structure walk refuses it by count before Pillow sees it (tests/test_preprocess_structure.py
-    times it), as the damaged image it is."""
+    structure walk refuses it by count before Pillow sees it
+    (tests/unit/test_preprocess_structure.py times it), as the damaged image it is."""
     crafted = b"\xff\xd8" + b"\xff" * (MAX_IMAGE - 200_000)
     r = httpx.post(service.url + "/mrc/upload", timeout=60,
                    files={"file": ("c.jpg", crafted, "image/jpeg")},
@@ -222,7 +222,7 @@ def test_good_requests_succeed_while_crafted_headers_arrive(cache_dir: Path) -> 
     nothing another request needs."""
     import threading
 
-    from tests.test_preprocess_structure import CRAFTED
+    from tests.unit.test_preprocess_structure import CRAFTED
 
     svc = Service(cache_dir)  # the default 20 MiB image limit
     try:

@@ -240,7 +240,7 @@ def test_process_names_and_command_lines_from_proc_are_always_encodable(tmp_path
     command line: bytes a process chooses, decoded with replacement (never surrogateescape),
     so no lone surrogate can reach a label."""
     from mrc_agent.agent.core.hw.procfs import ProcFS
-    from tests.test_procfs import stat_line
+    from tests.unit.test_procfs import stat_line
 
     hostile = b"\xed\xa0\x80\xff\xfe(x) "  # a UTF-8-encoded surrogate, bytes no UTF-8 has
     (tmp_path / "7").mkdir()

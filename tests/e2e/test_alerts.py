@@ -43,7 +43,7 @@ from mrc_agent.alerts.unit_tests import (
 )
 from tests.support import free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GENERATED = REPO / "alerts" / "generated"
 RUNBOOKS = REPO / "docs" / "runbooks"
 UNIT_TESTS = REPO / "alerts" / "tests"

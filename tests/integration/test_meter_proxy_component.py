@@ -27,11 +27,17 @@ import yaml
 from mrc_agent.agent.cli import build_parser
 from mrc_agent.agent.tools.proxy import Upstream, split_hostport
 from tests.conftest import REPO, parse_metrics, series
+from tests.integration.test_deploy import (
+    LATEST,
+    _gpu_requests,
+    _quantity,
+    _round_trip,
+    pss_violations,
+)
+from tests.integration.test_sidecar_component import RENDERED as SIDECAR_EXAMPLES
+from tests.integration.test_sidecar_component import _source, kustomize
 from tests.openai_support import FakeEngine, ServerThread, chat
 from tests.support import free_port
-from tests.test_deploy import LATEST, _gpu_requests, _quantity, _round_trip, pss_violations
-from tests.test_sidecar_component import RENDERED as SIDECAR_EXAMPLES
-from tests.test_sidecar_component import _source, kustomize
 
 COMPONENTS = REPO / "deploy" / "components"
 EXAMPLE = REPO / "deploy" / "examples" / "tgi-metered"

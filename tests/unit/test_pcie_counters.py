@@ -185,7 +185,7 @@ def test_the_agent_reads_an_h200_like_32_bit_counter_right_at_its_cadences() -> 
 def test_an_unknown_value_type_is_no_attribute_error_on_either_library() -> None:
     from mrc_agent.agent.core.hw.base import HardwareError
     from mrc_agent.agent.core.hw.nvml.session import union_value
-    from tests.test_nvml_truth import _load_old_pynvml
+    from tests.unit.test_nvml_truth import _load_old_pynvml
 
     for lib in (pynvml, _load_old_pynvml()):
         value = lib.c_nvmlValue_t()

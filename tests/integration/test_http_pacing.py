@@ -15,7 +15,7 @@ import time
 
 from mrc_agent.exporters.exposition.http import Limits
 from tests.conftest import received_until, response_statuses, wait_until
-from tests.test_hostile_http import GatedAuth, Reader, _ask, _connect, _serve
+from tests.integration.test_hostile_http import GatedAuth, Reader, _ask, _connect, _serve
 
 RATE, BURST = 10.0, 5
 PACED = Limits(max_connections=16, idle_timeout_s=10.0, head_timeout_s=10.0,

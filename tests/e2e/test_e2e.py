@@ -30,9 +30,9 @@ from mrc_agent.alerts.config import DEFAULT, Config
 from mrc_agent.dashboards.build import all_queries, template_queries
 from mrc_agent.dashboards.queries import substitute_macros
 from tests.conftest import BUSY, AgentProcess, Procs
+from tests.e2e.test_stacks_e2e import PANEL as STACKS_PANEL
 from tests.e2e_harness import Alertmanager, Prometheus, Webhook, replay_trace, wait_until
-from tests.test_service import Service
-from tests.test_stacks_e2e import PANEL as STACKS_PANEL
+from tests.integration.test_service import Service
 
 #: The CPU-saturation line the paging test builds its rules with: what a busy loop certainly
 #: holds in every 0.5 s sampling window however loaded the machine is (a tenth of a core, five
@@ -164,10 +164,11 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
 #: GPU memory only on CUDA. Everything else must return data.
 NO_DATA_HERE = {"Peak GPU memory per request"}
 #: Queries of an inference engine's own metrics (the mrc:engine_* rules): no engine runs here,
-#: tests/test_engine_dashboard.py runs them on expositions written from the engines' sources.
+#: tests/integration/test_engine_dashboard.py runs them on expositions written from the
+#: engines' sources.
 ENGINE_QUERY = "mrc:engine_"
 #: The stacks panel (STACKS_PANEL) shows time while the GPU idles, and this trace is busy
-#: throughout: tests/test_stacks_e2e.py runs its query on a starved trace and a real target.
+#: throughout: tests/e2e/test_stacks_e2e.py runs its query on a starved trace and a real target.
 
 
 def test_every_dashboard_query_returns_data(loaded: Prometheus) -> None:

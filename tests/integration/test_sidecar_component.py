@@ -22,7 +22,7 @@ import yaml
 from mrc_agent.agent.cli import build_parser, config_from_args
 from mrc_agent.agent.core.config import ENV_PREFIX
 from tests.conftest import REPO
-from tests.test_deploy import LATEST, _gpu_requests, _round_trip, pss_violations
+from tests.integration.test_deploy import LATEST, _gpu_requests, _round_trip, pss_violations
 
 COMPONENT = REPO / "deploy" / "components" / "sidecar"
 EXAMPLES = REPO / "deploy" / "examples"
@@ -45,7 +45,7 @@ TARGETS: dict[str, tuple[list[str], list[str]]] = {
 }
 TARGETS["tgi-metered"] = TARGETS["tgi"]  # the same server, behind the meter proxy
 #: Containers that other components of an example append after the agent
-#: (tests/test_meter_proxy_component.py checks them).
+#: (tests/integration/test_meter_proxy_component.py checks them).
 AFTER_AGENT = {"tgi-metered": ["mrc-meter-proxy"]}
 
 
@@ -266,7 +266,7 @@ def test_without_the_configmap_the_agent_names_what_is_missing(tmp_path: Path) -
 
 
 def test_the_podmonitor_patch_for_tls_and_basic_auth_is_what_the_operator_reads() -> None:
-    from tests.test_deploy import json_patch
+    from tests.integration.test_deploy import json_patch
 
     (pm,) = [copy.deepcopy(o) for o in RENDERED["vllm"] if o["kind"] == "PodMonitor"]
     ops = yaml.safe_load((COMPONENT.parent / "sidecar-web-config" / "podmonitor-patch.yaml")

@@ -21,7 +21,7 @@ from mrc_agent.alerts.engine_tests import MINUTES, fixtures, series
 from mrc_agent.dashboards.build import build_all
 from mrc_agent.dashboards.queries import substitute_macros
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ROW = "Engine view beside the client's"
 COMPARE = "Time to first token: client and engine P50/P99"
 GAP = "Time to first token outside the engine (mean)"

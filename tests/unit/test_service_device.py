@@ -26,7 +26,7 @@ from mrc_agent.reference_service.device import (
 )
 from mrc_agent.reference_service.preprocess import core
 from mrc_agent.reference_service.settings import Settings
-from tests.test_preprocess_units import jpeg
+from tests.unit.test_preprocess_units import jpeg
 
 HALF = (0.5, 0.5, 0.5)
 #: How long the fake device takes to run the work queued on it; the preprocess stage must

@@ -28,7 +28,7 @@ from mrc_agent.agent.tools.selfcheck_sampler import (
     mapped_libraries,
 )
 
-SETS = Path(__file__).parent / "data" / "cupti_sets" / "cupti-13.4.92.json"
+SETS = Path(__file__).parents[1] / "data" / "cupti_sets" / "cupti-13.4.92.json"
 
 
 def test_the_sampler_process_reports_without_torch(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from mrc_agent.agent.core.hw.procfs import ProcFS
 from mrc_agent.agent.core.sample import Value
 from mrc_agent.agent.core.targets import Target, TargetResolver
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "proc"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "proc"
 #: Monotonic time of each moment (the README's table).
 NOW = {"t0": 1000.0, "t1": 1002.0, "t2": 1004.0, "t3": 1005.0}
 BTIME = 1_700_000_000.0

@@ -2,7 +2,7 @@
 a body, how many connections it holds before new requests get 503, what a client that sends
 its whole oversized body before reading (``urllib.request``) gets back, and what the log says
 when a client leaves mid-request. A real uvicorn server on loopback (``python -m
-reference_service``, through :class:`tests.test_service.Service`), real sockets.
+reference_service``, through :class:`tests.integration.test_service.Service`), real sockets.
 
 Deadlines are configured small (2 s) and waited for generously (30 s): a test asserts that a
 connection is closed, never how fast. The clients here sleep between their bytes, so none of
@@ -36,7 +36,7 @@ from tests.conftest import (
     requests_by_outcome,
     response_statuses,
 )
-from tests.test_service import Service
+from tests.integration.test_service import Service
 
 MAX_IMAGE = 2 * 1024 * 1024
 #: The service's deadlines in these tests, and how long a test waits for one to act.

@@ -4,8 +4,8 @@
   real process, replaying a 1-GPU and an 8-GPU trace; and, in process, the same collectors on
   a hand-written fake NVML shaped like an H200 HGX node (18 NVLink links per GPU, GPM), which
   is the exposition a real node gives — the replay format has no per-link counters.
-* The reference service: a real uvicorn server with the embedded model (``tests/test_service``'s
-  ``Service``), before and after traffic.
+* The reference service: a real uvicorn server with the embedded model
+  (``tests/integration/test_service``'s ``Service``), before and after traffic.
 * The fleet recording rules: a real Prometheus scraping both with the labels the
   PodMonitor gives (namespace, pod), evaluating the generated rules.
 
@@ -56,7 +56,7 @@ from mrc_agent.reference_service.loadgen import make_photo
 from tests.conftest import REPO
 from tests.e2e_harness import Prometheus, wait_until
 from tests.fakes.fake_pynvml import FakeNvml, gpu, nvlink
-from tests.test_service import Service
+from tests.integration.test_service import Service
 
 DOC = REPO / "docs" / "fleet.md"
 BEGIN, END = "<!-- series-budget:begin -->", "<!-- series-budget:end -->"

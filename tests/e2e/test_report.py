@@ -44,7 +44,7 @@ from mrc_agent.agent.tools.report.svg import heat_colour, nice_step, time_ticks,
 from mrc_agent.alerts.config import DEFAULT
 from tests.conftest import BUSY, REPO, AgentProcess, Procs
 from tests.e2e_harness import Prometheus, free_port, wait_until
-from tests.test_service import Service
+from tests.integration.test_service import Service
 
 #: The heatmap's fixed order, spelled out: rows <1MP, 1-4MP, >4MP; columns 0-50, 50-100, 100+.
 CELL_ORDER = [f"{r}|{c}" for r in ("<1MP", "1-4MP", ">4MP") for c in ("0-50", "50-100", "100+")]

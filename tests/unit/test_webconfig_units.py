@@ -1,7 +1,7 @@
 """The web configuration file (``agent/core/webconfig.py``) read without a server: every check
 of the exporter-toolkit format with the exact line a user reads for a bad file, the
 ``ssl.SSLContext`` it builds, the basic-auth cache and the SIGHUP rules. One self-signed
-certificate per module; ``tests/test_web_config.py`` speaks TLS to a real server."""
+certificate per module; ``tests/integration/test_web_config.py`` speaks TLS to a real server."""
 
 from __future__ import annotations
 

@@ -161,7 +161,7 @@ def test_tests_naming_private_addresses_run_in_a_namespace() -> None:
     """A test module that names a private or link-local address marks those tests ``netns``
     (.ci/check's netns stage, which .ci/run runs, runs them under unshare -n, with loopback
     alone)."""
-    for path in sorted((REPO / "tests").glob("*.py")):
+    for path in sorted((REPO / "tests").rglob("*.py")):
         if path.name == "test_layout.py":
             continue
         text = path.read_text()
@@ -185,3 +185,26 @@ def test_every_benchmark_imports_as_its_script_runs() -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     for path in [*(REPO / "benchmarks").glob("*.py"), *(REPO / "tests").rglob("*.py")]:
         assert not re.search(r"sys\.path\.(insert|append)\(", path.read_text()), path
+
+
+#: What puts a test in a higher tier: a server or a program of another started by the test.
+_STARTS_A_PROCESS = re.compile(r"subprocess\.Popen|uvicorn\.(run|Server)|ThreadingHTTPServer|"
+                               r"asyncio\.start_server|agent_factory|Service\(")
+_STARTS_PROMETHEUS = re.compile(r"\b(Prometheus|Alertmanager)\(")
+
+
+def test_the_tests_lie_in_their_tiers() -> None:
+    """Every test module is in one of three folders, by what it needs (docs/testing.md): no
+    unit test starts a server or another program, and only the end-to-end tier starts a
+    Prometheus or an Alertmanager."""
+    tests = REPO / "tests"
+    assert sorted(p.name for p in tests.glob("test_*.py")) == [], "put it in a tier's folder"
+    tiers = {t: sorted((tests / t).glob("test_*.py")) for t in ("unit", "integration", "e2e")}
+    assert all(tiers.values())
+    assert sorted(p.name for p in tests.rglob("test_*.py")) == sorted(
+        p.name for files in tiers.values() for p in files)
+    for path in [p for p in tiers["unit"] if p.name != "test_layout.py"]:
+        assert not _STARTS_A_PROCESS.search(path.read_text()), f"{path.name}: integration"
+    for path in [p for p in tiers["unit"] + tiers["integration"] if p.name != "test_layout.py"]:
+        assert not _STARTS_PROMETHEUS.search(path.read_text()), f"{path.name}: e2e"
+    assert _STARTS_PROMETHEUS.search((tests / "e2e" / "test_e2e.py").read_text())

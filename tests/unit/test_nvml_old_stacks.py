@@ -24,7 +24,7 @@ import pytest
 from mrc_agent.agent.core.hw.base import HardwareError
 from tests.fakes import fake_pynvml
 from tests.nvml_support import backend
-from tests.test_nvml_truth import _load_old_pynvml
+from tests.unit.test_nvml_truth import _load_old_pynvml
 
 LOGGER = "mrc_agent.agent.core.hw.nvml"
 UUID0 = "GPU-00000000-fake-uuid"

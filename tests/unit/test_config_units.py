@@ -1,6 +1,6 @@
 """The settings module's parts one at a time: each parser, range check and source (config
 file, environment, flags) of ``agent/core/config.py``, with the exact line a user reads for a
-bad value. Fast and in-process; ``tests/test_config.py`` covers the precedence end to end."""
+bad value. Fast and in-process; ``tests/unit/test_config.py`` covers the precedence end to end."""
 
 from __future__ import annotations
 

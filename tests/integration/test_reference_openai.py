@@ -29,7 +29,7 @@ from mrc_agent.reference_service.loadgen import make_photo, run_load
 from mrc_agent.reference_service.model.streaming import TextPieces
 from mrc_agent.reference_service.settings import Settings
 from tests.conftest import REPO, parse_metrics, series, wait_until
-from tests.test_service_chain import InProcessService
+from tests.integration.test_service_chain import InProcessService
 
 CHAT = "/v1/chat/completions"
 PHOTO = make_photo(1200, 1000, 3)  # 1.2 MP: the 1-4MP cell
@@ -48,8 +48,8 @@ def _messages(url: str, text: str = "Is the parcel damaged?") -> list[dict[str, 
 
 @pytest.fixture(scope="module")
 def service(cache_dir: Path) -> Iterator[InProcessService]:
-    # OCR off: the chain is /mrc's (tests/test_service_chain.py drives its OCR step); 8 MiB
-    # images keep a body past the cap cheap to send.
+    # OCR off: the chain is /mrc's (tests/integration/test_service_chain.py drives its OCR
+    # step); 8 MiB images keep a body past the cap cheap to send.
     svc = InProcessService(Settings(cache_dir=cache_dir, ocr="off", max_concurrency=2,
                                     allow_loopback_fetch_for_tests=True, fetch_timeout_s=5.0,
                                     max_image_bytes=8 * 1024 * 1024))

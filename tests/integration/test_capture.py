@@ -23,8 +23,8 @@ from mrc_agent.agent.tools.capture.manager import CaptureManager
 from mrc_agent.agent.tools.capture.store import CaptureStore
 from mrc_agent.agent.tools.capture.webhook import Token, WebhookError, parse_webhook
 from tests.conftest import IDLE, REPO, Procs
+from tests.integration.test_diagnose import PTRACER_ANY, spawn_preprocess, starved_trace
 from tests.support import Clock
-from tests.test_diagnose import PTRACER_ANY, spawn_preprocess, starved_trace
 
 TOKEN = "s3cret-token-0123456789abcdef"
 #: Capture length in the end-to-end test, and how long past it a capture may take to appear.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _array(script: str, name: str) -> list[str]:

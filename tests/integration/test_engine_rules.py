@@ -1,7 +1,7 @@
 """The engine recording rules (alerts/engines.py): the names they read are the engines' own
 (docs/engines.md's table, the fixtures' TYPE lines), and the promtool test on the engines'
 expositions (alerts/tests/engines.yaml, run with the other promtool files by
-tests/test_alerts.py) fails when a rule loses what makes it work across versions: the deprecated
+tests/e2e/test_alerts.py) fails when a rule loses what makes it work across versions: the deprecated
 fallback, the aggregation of one server's parts, the zero of a cold cache. promtool is required:
 a missing binary fails, it never skips."""
 
@@ -30,7 +30,7 @@ from mrc_agent.alerts.engines import (
     markdown_table,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 #: A raw engine metric in a rule: vLLM's and SGLang's ``engine:name``, TGI's ``tgi_name``.
 _RAW = re.compile(r"\b((?:vllm|sglang):[a-z_]+|tgi_[a-z_]+)\b")

@@ -26,9 +26,9 @@ import yaml
 from mrc_agent.dashboards.build import all_queries
 from mrc_agent.dashboards.queries import substitute_macros
 from tests.conftest import REPO, AgentProcess
+from tests.e2e.test_stacks_e2e import PANEL as STACKS_PANEL
 from tests.e2e_harness import Prometheus, replay_trace, wait_until
-from tests.test_service import Service
-from tests.test_stacks_e2e import PANEL as STACKS_PANEL
+from tests.integration.test_service import Service
 
 pytestmark = pytest.mark.prometheus
 
@@ -39,7 +39,8 @@ POD = {"namespace": "inference", "pod": "mrc-0"}
 #: As in test_e2e: the service measures peak GPU memory only on CUDA.
 NO_DATA_HERE = {"Peak GPU memory per request"}
 #: Queries of an inference engine's own metrics (the mrc:engine_* rules): no engine runs here,
-#: tests/test_engine_dashboard.py runs them on expositions written from the engines' sources.
+#: tests/integration/test_engine_dashboard.py runs them on expositions written from the
+#: engines' sources.
 ENGINE_QUERY = "mrc:engine_"
 
 
@@ -169,7 +170,7 @@ def test_every_dashboard_query_returns_data_centrally(central: Prometheus,
                                   vars=variables)
         result = _result(central, query)
         if (not result and panel not in NO_DATA_HERE and ENGINE_QUERY not in expr
-                and panel != STACKS_PANEL):  # no idle GPU here: tests/test_stacks_e2e.py
+                and panel != STACKS_PANEL):  # no idle GPU here: tests/e2e/test_stacks_e2e.py
             empty.append(f"{dashboard} / {panel}: {query}")
         if cluster:
             foreign += [(panel, s["metric"]) for s in result

@@ -39,7 +39,7 @@ from mrc_agent.agent.core.hw.procfs import ProcFS
 from mrc_agent.agent.core.hw.replay import ReplayBackend, ReplayFormatError, load_trace
 from mrc_agent.agent.core.hw.sources import Sources
 from mrc_agent.agent.core.targets import Target
-from tests.test_procfs import stat_line
+from tests.unit.test_procfs import stat_line
 
 NAME = "NVIDIA H200"
 UUIDS = ("GPU-8f2a0c1e-1111-2222-3333-444444444444", "GPU-8f2b9d00-1111-2222-3333-444444444444",
