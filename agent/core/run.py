@@ -12,7 +12,7 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from mrc_agent.agent import __version__
 from mrc_agent.agent.core.config import AgentConfig, ConfigError, clipped
@@ -22,11 +22,6 @@ from mrc_agent.agent.core.wiring import build_runner, build_server, make_sources
 from mrc_agent.exporters.exposition.http import ExpositionServer, Routes
 
 log = logging.getLogger(__name__)
-
-
-@runtime_checkable
-class _Stoppable(Protocol):
-    def stop(self) -> None: ...
 
 
 #: Builds the extra routes for a config and its runner (or None); raises ConfigError.
@@ -142,7 +137,7 @@ def run_agent(cfg: AgentConfig, routes_factory: RoutesFactory | None = None,
                  f"; restart to apply {', '.join(later)}" if later else "")
     server.stop()
     # Routes that own background work (a capture in progress) stop it here.
-    if isinstance(routes, _Stoppable):
+    if routes is not None:
         routes.stop()
     runner.stop()
     sources.close()

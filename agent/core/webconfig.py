@@ -53,6 +53,7 @@ import yaml
 
 from mrc_agent.agent.core.config import ConfigError, PlainLoader, load_yaml_mapping, shown
 from mrc_agent.agent.core.files import describe, read_bounded
+from mrc_agent.exporters.exposition.http import Authenticator
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +121,8 @@ def _cost(hashed: bytes) -> int:
     return int(hashed[4:6])
 
 
-class BasicAuth:
-    """HTTP basic auth against bcrypt hashes (the server's ``Authenticator``).
+class BasicAuth(Authenticator):
+    """HTTP basic auth against bcrypt hashes.
 
     A bcrypt check costs tens of milliseconds by design, too much for every 1 s scrape, so a
     (user, password) pair that passed once is remembered — as exporter-toolkit does — under

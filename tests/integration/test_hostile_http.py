@@ -118,7 +118,7 @@ def test_connections_part_way_through_their_head_make_room_for_a_scrape(
             s.close()
 
 
-class GatedAuth:
+class GatedAuth(Authenticator):
     """An authenticator whose full check waits until the test lets it go, recording the order
     in which checks began. ``GOOD`` passes, ``CACHED`` passes without a check."""
 
@@ -259,7 +259,7 @@ def _hash(password: str, cost: int) -> str:
     return bcrypt.hashpw(password.encode(), bcrypt.gensalt(cost)).decode()
 
 
-class CountingAuth:
+class CountingAuth(Authenticator):
     """The real :class:`BasicAuth`, counting the checks that began before a given one."""
 
     def __init__(self, inner: BasicAuth, watch: str) -> None:

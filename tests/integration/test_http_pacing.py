@@ -13,7 +13,7 @@ from __future__ import annotations
 import socket
 import time
 
-from mrc_agent.exporters.exposition.http import Limits
+from mrc_agent.exporters.exposition.http import Authenticator, Limits
 from tests.conftest import received_until, response_statuses, wait_until
 from tests.integration.test_hostile_http import GatedAuth, Reader, _ask, _connect, _serve
 
@@ -123,7 +123,7 @@ def test_a_connection_evicted_while_it_waits_for_its_budget_ends_at_once() -> No
         srv.stop()
 
 
-class _Refuses:
+class _Refuses(Authenticator):
     """Every credential is checked, and none passes."""
 
     def cached(self, authorization: str | None) -> bool | None:

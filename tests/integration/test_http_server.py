@@ -15,14 +15,20 @@ from typing import Any
 import pytest
 from prometheus_client.registry import CollectorRegistry
 
-from mrc_agent.exporters.exposition.http import ExpositionServer, Limits, Request, Response
+from mrc_agent.exporters.exposition.http import (
+    ExpositionServer,
+    Limits,
+    Request,
+    Response,
+    Routes,
+)
 from tests.conftest import read_http_response, socket_closed
 
 LIMITS = Limits(max_connections=64, idle_timeout_s=1.0, head_timeout_s=0.5,
                 body_timeout_s=0.5, write_timeout_s=2.0, linger_s=2.0, linger_bytes=16 << 20)
 
 
-class Echo:
+class Echo(Routes):
     """A route that takes bodies up to 1 MiB and says how many bytes it got."""
 
     max_body_bytes = 1 << 20
@@ -107,15 +113,23 @@ def test_pipelined_requests_are_answered_in_order(server: ExpositionServer) -> N
     (b"GET /healthz HTTP/2.0\r\n\r\n", 505),
     (b"GARBAGE\r\n\r\n", 400),
     (b"GET healthz HTTP/1.1\r\n\r\n", 400),
-    (b"GET /healthz HTTP/1.1\r\nno colon here\r\n\r\n", 400),
-    (b"GET /healthz HTTP/1.1\r\n" + b"X-A: b\r\n" * 200 + b"\r\n", 431),
-    (b"GET /healthz HTTP/1.1\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n", 431),
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n", 400),
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"X-A: b\r\n" * 200 + b"\r\n", 431),
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n", 431),
     (b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\n\r\n", 414),
-    (b"POST /hook HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\nabc", 400),
-    (b"POST /hook HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n", 411),
-    (b"POST /hook HTTP/1.1\r\nContent-Length: \xc2\xb2\r\n\r\n", 400),
-    (b"POST /hook HTTP/1.1\r\nContent-Length: " + b"9" * 30 + b"\r\n\r\n", 400),
-    (b"BREW /pot HTTP/1.1\r\n\r\n", 501),
+    (b"POST /hook HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n"
+     b"abc", 400),
+    (b"POST /hook HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+     411),
+    (b"POST /hook HTTP/1.1\r\nHost: x\r\nContent-Length: \xc2\xb2\r\n\r\n", 400),
+    (b"POST /hook HTTP/1.1\r\nHost: x\r\nContent-Length: " + b"9" * 30 + b"\r\n\r\n", 400),
+    (b"BREW /pot HTTP/1.1\r\nHost: x\r\n\r\n", 501),
+    # RFC 9112 3.2: a server MUST answer 400 to an HTTP/1.1 request without Host.
+    (b"GET /healthz HTTP/1.1\r\n\r\n", 400),
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n", 400),
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\nabc",
+     400),
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n", 501),
 ])
 def test_malformed_requests_get_a_status_and_a_close(server: ExpositionServer, raw: bytes,
                                                     status: int) -> None:
@@ -160,14 +174,15 @@ def test_after_a_response_the_idle_timeout_applies_not_the_head_timeout() -> Non
 
 def test_a_slow_body_is_cut(server: ExpositionServer) -> None:
     with _connect(server) as s:
-        s.sendall(b"POST /hook HTTP/1.1\r\nContent-Length: 100\r\n\r\nonly a little")
+        s.sendall(b"POST /hook HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nonly a little")
         assert _read_response(s)[0] == 408
 
 
 def test_a_body_is_read_and_the_connection_kept(server: ExpositionServer) -> None:
     with _connect(server) as s:
         for n in (0, 5, 1000):
-            s.sendall(b"POST /hook HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % n + b"x" * n)
+            s.sendall(b"POST /hook HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % n
+                      + b"x" * n)
             assert _read_response(s)[2] == f"{n}\n".encode()
 
 
@@ -223,7 +238,7 @@ def test_the_header_count_limit_holds_at_its_boundary(count: int, status: int) -
 
 
 def test_a_route_that_raises_is_a_500_and_the_server_lives_on() -> None:
-    class Broken:
+    class Broken(Routes):
         max_body_bytes = 10
 
         def handle(self, request: Request) -> Response | None:

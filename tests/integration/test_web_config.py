@@ -34,7 +34,13 @@ from prometheus_client.registry import CollectorRegistry
 from mrc_agent.agent.cli import main
 from mrc_agent.agent.core.config import load
 from mrc_agent.agent.core.webconfig import BasicAuth, credentials, load_web_config
-from mrc_agent.exporters.exposition.http import ExpositionServer, Limits, Request, Response
+from mrc_agent.exporters.exposition.http import (
+    ExpositionServer,
+    Limits,
+    Request,
+    Response,
+    Routes,
+)
 from tests.conftest import REPO, wait_until
 
 LIMITS = Limits(idle_timeout_s=2.0, head_timeout_s=2.0, body_timeout_s=2.0,
@@ -123,7 +129,7 @@ def _client_tls(pki: Pki, cert: str | None = None) -> ssl.SSLContext:
 
 # -- a real server, a real client --------------------------------------------------------------
 
-class Hook:
+class Hook(Routes):
     """An extra route (as the webhook and captures are) that takes any body."""
 
     max_body_bytes = 1 << 20

@@ -17,7 +17,7 @@ from mrc_agent.agent.tools.capture.manager import CaptureManager
 from mrc_agent.agent.tools.capture.store import CaptureStore
 from mrc_agent.agent.tools.capture.webhook import MAX_BODY_BYTES, Token, WebhookError, parse_webhook
 from mrc_agent.agent.tools.diagnose.pyspy import PySpyError, find_py_spy
-from mrc_agent.exporters.exposition.http import Request, Response
+from mrc_agent.exporters.exposition.http import Request, Response, Routes
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,8 @@ def _json(status: int, obj: Any, headers: dict[str, str] | None = None) -> Respo
                     {"Cache-Control": "no-store", **(headers or {})})
 
 
-class CaptureAPI:
-    """The webhook and captures endpoints (an :class:`mrc_agent.exporters.exposition.http.Routes`).
+class CaptureAPI(Routes):
+    """The webhook and captures endpoints.
     With ``manager`` None the feature is off and every one of its paths is 404."""
 
     max_body_bytes = MAX_BODY_BYTES
