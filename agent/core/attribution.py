@@ -164,14 +164,8 @@ def _index(token: str) -> int | None:
     return int(token) if _is_index(token) and len(token) <= _MAX_INDEX_DIGITS else None
 
 
-def is_mig(gpu: GPUIdentity) -> bool:
-    """A MIG device: the NVML source reports one per slice, with the ``MIG-`` UUID and the index
-    of its physical GPU."""
-    return gpu.uuid.lower().startswith("mig-")
-
-
 def _reported(device: GPUIdentity) -> _Device:
-    return _Device(device.uuid.lower(), device, whole=not is_mig(device))
+    return _Device(device.uuid.lower(), device, whole=not device.is_mig)
 
 
 def _gpus_of(devices: Sequence[_Device], gpus: Sequence[GPUIdentity]) -> set[GPUIdentity]:
@@ -180,9 +174,9 @@ def _gpus_of(devices: Sequence[_Device], gpus: Sequence[GPUIdentity]) -> set[GPU
     (a container given a whole GPU has all its slices)."""
     out = {d.gpu for d in devices if d.gpu is not None}
     whole = {d.gpu.index for d in devices if d.gpu is not None and d.whole}
-    parents = {g.index for g in out if is_mig(g)}
-    out.update(g for g in gpus if (is_mig(g) and g.index in whole)
-               or (not is_mig(g) and g.index in parents))
+    parents = {g.index for g in out if g.is_mig}
+    out.update(g for g in gpus if (g.is_mig and g.index in whole)
+               or (not g.is_mig and g.index in parents))
     return out
 
 
@@ -219,7 +213,7 @@ def container_devices(value: str, gpus: Sequence[GPUIdentity]) -> list[_Device] 
         return [_reported(g) for g in sorted(gpus, key=lambda g: g.index)]
     if text.lower() in ("", "none", "void"):
         return []
-    by_index = {g.index: g for g in gpus if not is_mig(g)}
+    by_index = {g.index: g for g in gpus if not g.is_mig}
     by_uuid: dict[str, GPUIdentity] = {}
     for g in gpus:
         by_uuid.setdefault(g.uuid.lower(), g)  # the first of a UUID reported twice, as before
@@ -339,7 +333,7 @@ def _target(view: TargetView, gpus: Sequence[GPUIdentity],
         # A process on a MIG device is on its physical GPU too; one on the physical GPU's
         # list is on some slice of it, which one is not known.
         for h in gpus:
-            if h == g or (h.index == g.index and not is_mig(h)):
+            if h == g or (h.index == g.index and not h.is_mig):
                 found.setdefault(h, set()).add(source)
     informed = usable is not None or bool(found)
     why = ""

@@ -67,14 +67,18 @@ class Runner:
         *,
         finishers: Sequence[PassFinisher] = (),
     ) -> None:
-        self.collectors = list(collectors)
+        self.collectors = tuple(collectors)  # fixed: versions are numbered by position
         self.targets = targets
         self.interval = interval
         self._finishers = list(finishers)
         self._clock = clock
         self._wallclock = wallclock
         self._snapshot = EMPTY
-        self._seq = 0
+        # Pass k's snapshot is version k * (collectors + 1); a copy served while the pass
+        # after it is stuck in collector i is version k * (collectors + 1) + i + 1, so that a
+        # reader names each copy without counting anything (reading changes no state).
+        self._passes = 0
+        self._step = len(self.collectors) + 1
         self._samples_total = 0
         self._overruns = 0
         self._said: dict[str, str] = {}  # collector -> last reason logged
@@ -83,42 +87,40 @@ class Runner:
         self.ready = threading.Event()
         # Staleness: the collector being updated now and since when, when the last pass
         # completed, and why the last pass failed ("" when it completed).
-        self._running: tuple[str, float] | None = None
+        self._running: tuple[str, float, int] | None = None  # (collector, since, its index)
         self._last_end: float | None = None
         self._failed = ""
-        self._stall_lock = threading.Lock()
-        self._stalled: tuple[int, str, Snapshot] | None = None  # (from seq, collector, copy)
 
     # -- snapshot -----------------------------------------------------------------------------
     def latest(self) -> Snapshot:
         """The snapshot to serve: the last pass's, or — while a collector has been stuck for
         more than :data:`STALE_INTERVALS` intervals — a copy of it whose success series says
-        that collector failed, so a scrape never shows stale data as healthy."""
+        that collector failed, so a scrape never shows stale data as healthy. Reading changes
+        nothing: the copy is made anew (a render of it is cached by :meth:`version`)."""
         snap = self._snapshot
         stuck = self._stuck()
         if stuck is None:
             return snap
-        name = stuck[0]
-        with self._stall_lock:
-            if self._stalled is None or self._stalled[:2] != (snap.seq, name):
-                self._seq += 1
-                samples = tuple(
-                    (n, labels, 0.0) if n == COLLECTOR_SUCCESS.name and labels == (name,)
-                    else (n, labels, v) for n, labels, v in snap.samples)
-                self._stalled = (snap.seq, name, Snapshot(self._seq, snap.timestamp, samples))
-            return self._stalled[2]
+        name, _, index = stuck
+        samples = tuple((n, labels, 0.0) if n == COLLECTOR_SUCCESS.name and labels == (name,)
+                        else (n, labels, v) for n, labels, v in snap.samples)
+        return Snapshot(snap.seq + index + 1, snap.timestamp, samples)
 
     def version(self) -> int:
-        return self.latest().seq
+        """The version of what :meth:`latest` serves now, without making it."""
+        stuck = self._stuck()
+        return self._snapshot.seq + (stuck[2] + 1 if stuck is not None else 0)
 
     # -- staleness ----------------------------------------------------------------------------
-    def _stuck(self) -> tuple[str, float] | None:
-        """(collector, seconds it has run) when the pass in progress is stuck in it."""
+    def _stuck(self) -> tuple[str, float, int] | None:
+        """(collector, seconds it has run, its index) when the pass in progress is stuck in
+        it."""
         running = self._running
         if running is None:
             return None
-        seconds = self._clock() - running[1]
-        return (running[0], seconds) if seconds > STALE_INTERVALS * self.interval else None
+        name, since, index = running
+        seconds = self._clock() - since
+        return (name, seconds, index) if seconds > STALE_INTERVALS * self.interval else None
 
     def not_ready_reason(self) -> str | None:
         """None while sampling is current; else why ``/readyz`` answers 503: no pass yet, the
@@ -141,9 +143,9 @@ class Runner:
         ctx = SampleContext(now=now, wall=self._wallclock(), targets=self.targets.resolve())
         samples: list[Sample] = []
         health: list[Sample] = []
-        for collector in self.collectors:
+        for index, collector in enumerate(self.collectors):
             t0 = time.perf_counter()
-            self._running = (collector.name, self._clock())
+            self._running = (collector.name, self._clock(), index)
             success, available = 1.0, 1.0
             try:
                 samples.extend(collector.update(ctx))
@@ -165,9 +167,8 @@ class Runner:
         for finish in self._finishers:
             finished.extend(finish(ctx))
         self._samples_total += 1
-        with self._stall_lock:  # scrapes number stalled copies from the same sequence
-            self._seq += 1
-            seq = self._seq
+        self._passes += 1
+        seq = self._passes * self._step
         agent: list[Sample] = [
             (BUILD_INFO.name, (), {"version": __version__, "python": platform.python_version()}),
             (SAMPLES.name, (), float(self._samples_total)),

@@ -137,6 +137,40 @@ def test_a_stuck_collector_shows_as_failed_and_not_ready_while_it_is_stuck() -> 
     assert _health(runner.latest(), "mrc_agent_collector_success") == {"gpu": 1.0}
 
 
+def test_reading_the_latest_snapshot_changes_nothing() -> None:
+    """While a collector is stuck, every read names the same copy: the version, the copy and
+    the next pass's version do not depend on how many scrapes came meanwhile."""
+    clock = ManualClock(100.0)
+    reads: list[tuple[int, int, int]] = []
+
+    class Reading(Stalling):
+        def update(self, ctx: SampleContext) -> list[Sample]:
+            out = super().update(ctx)
+            if self.stall and self.runner is not None:
+                r = self.runner
+                for _ in range(3):
+                    reads.append((r.version(), r.latest().seq, r.version()))
+            return out
+
+    def two_passes(collector: Stalling) -> tuple[Snapshot, Snapshot]:
+        runner = Runner([collector], TargetResolver(), interval=1.0, clock=clock)
+        collector.runner = runner
+        first = runner.sample_once()
+        collector.stall = 2.5
+        return first, runner.sample_once()
+
+    first, second = two_passes(Reading(clock))
+    (v, seq, again), = set(reads)
+    assert v == seq == again and first.seq < v < second.seq
+    class Unread(Stalling):
+        def update(self, ctx: SampleContext) -> list[Sample]:
+            self.clock.t += self.stall
+            return [("mrc_gpu_power_watts", ("0", "GPU-a", "H"), 1.0)]
+
+    # The same passes with nobody reading: the same versions.
+    assert [s.seq for s in two_passes(Unread(clock))] == [first.seq, second.seq]
+
+
 def test_a_short_hiccup_is_not_a_stall() -> None:
     clock = ManualClock(100.0)
     stalling = Stalling(clock)

@@ -222,3 +222,13 @@ def test_a_whole_gpu_has_no_scope_series() -> None:
 
     out = GpmCollector(Source()).update(SampleContext(now=1.0, wall=1.7e9, targets=[]))
     assert [n for n, _, _ in out if n == GPM_SCOPE_INFO.name] == []
+
+
+def test_one_rule_tells_a_mig_device_in_any_case() -> None:
+    """Attribution and the collectors ask the same property; NVML's UUIDs are upper case, a
+    configuration or a container runtime may write them lower."""
+    from mrc_agent.agent.core.hw.base import GPUIdentity
+
+    for uuid, mig in (("MIG-4e9c", True), ("mig-4e9c", True), ("Mig-4e9c", True),
+                      ("GPU-4e9c", False), ("gpu-mig-4e9c", False), ("MIG", False)):
+        assert GPUIdentity(0, uuid, "NVIDIA H200").is_mig is mig, uuid

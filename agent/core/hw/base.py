@@ -70,8 +70,9 @@ class GPUIdentity:
 
     @property
     def is_mig(self) -> bool:
-        """A MIG device (its ``MIG-…`` UUID), not a whole GPU: CUPTI refuses those."""
-        return self.uuid.startswith("MIG-")
+        """A MIG device, not a whole GPU: NVML reports one per slice, with its ``MIG-…`` UUID
+        (in any case) and the index of its physical GPU. CUPTI refuses those."""
+        return self.uuid[:4].lower() == "mig-"
 
 
 @dataclass
