@@ -7,7 +7,9 @@ view, kept so that `.ci/run`'s dead-code step stays at zero and a new report is 
   ``get_single_data``;
 * the interface of a real library mirrored by a stand-in (the dry device, tests/fakes): its
   constants, methods and parameters, which the adapter reaches through the library's names;
-* public API of the instrumentation library (``set_prompt``) and response fields.
+* public API of the instrumentation library (``set_prompt``) and response fields;
+* a subcommand's entry points named in ``agent/cli.py``'s table (imported by name when the
+  command runs).
 
 Regenerate after checking every new line is one of these:
 ``vulture agent exporters reference_service dashboards alerts deploy tests benchmarks
@@ -95,3 +97,7 @@ _.should_exit  # unused attribute (tests/integration/test_service_chain.py:57)
 _.data_received  # asyncio.Protocol callback (agent/tools/proxy_upstream.py)
 _.eof_received  # asyncio.Protocol callback (agent/tools/proxy_upstream.py)
 _.pause_writing  # asyncio.Protocol callback (agent/tools/proxy_upstream.py)
+add_alerts_arguments  # unused function (agent/tools/mixin.py:23)
+add_dashboards_arguments  # unused function (agent/tools/mixin.py:31)
+run_alerts  # unused function (agent/tools/mixin.py:36)
+run_dashboards  # unused function (agent/tools/mixin.py:45)

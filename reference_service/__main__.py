@@ -165,5 +165,15 @@ def main(argv: Sequence[str] | None = None,
     return 0
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """As ``mrc-agent serve``: everything after it is this module's (see :func:`run`)."""
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``mrc-agent serve ARGS``: :func:`main` on ``ARGS``, under that name."""
+    return main(args.args, prog="mrc-agent serve")
+
+
 if __name__ == "__main__":
     sys.exit(main())

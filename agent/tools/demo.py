@@ -11,6 +11,7 @@ starved H200 and says so. The agent's ``/metrics`` and the service's stay up whi
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import subprocess
@@ -243,3 +244,27 @@ def run_demo(duration: float, listen: str, trace: str | None, port: int = 8000,
             service.wait(15)
         except subprocess.TimeoutExpired:
             service.kill()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from mrc_agent.reference_service.loadgen import API_CHOICES
+
+    parser.add_argument("--duration", type=float, default=30.0, metavar="SECONDS",
+                        help="how long the load runs (30)")
+    parser.add_argument("--rate", type=float, default=2.0, help="requests per second (2)")
+    parser.add_argument("--port", type=int, default=8000, help="the service's port (8000)")
+    parser.add_argument("--listen", default="127.0.0.1:9478", metavar="HOST:PORT",
+                        help="the agent's address (127.0.0.1:9478)")
+    parser.add_argument("--trace", metavar="PATH", help="replay this GPU trace instead of NVML "
+                        "or the embedded synthetic one")
+    parser.add_argument("--api", choices=API_CHOICES, default="mix",
+                        help="the load's request path: /mrc/upload, the OpenAI chat API whole "
+                        "or streamed, or the three in turn (mix, the default)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mrc_agent.agent.core.config import ConfigError
+
+    if args.duration <= 0 or args.rate <= 0 or not 0 < args.port < 65536:
+        raise ConfigError("--duration and --rate must be > 0, --port 1-65535")
+    return run_demo(args.duration, args.listen, args.trace, args.port, args.rate, args.api)

@@ -11,6 +11,7 @@ the agent would report (agent.core.attribution, docs/attribution.md).
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import sys
@@ -18,7 +19,13 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from mrc_agent.agent.core.attribution import decide, explain, read_view
-from mrc_agent.agent.core.config import AgentConfig, ConfigError
+from mrc_agent.agent.core.config import (
+    DOCTOR,
+    AgentConfig,
+    ConfigError,
+    add_flags,
+    config_from_args,
+)
 from mrc_agent.agent.core.hw.base import DeviceSample, HardwareError, SourceUnavailable
 from mrc_agent.agent.core.hw.procfs import ProcessGone, ProcFS
 from mrc_agent.agent.core.targets import TargetResolver
@@ -231,3 +238,13 @@ def run_doctor(cfg: AgentConfig, explicit_collectors: set[str], explicit_backend
         out.write(f"\nrequested collector(s) cannot run: {', '.join(failed)}\n")
         return EXIT_MISSING
     return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, DOCTOR)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    return run_doctor(cfg, explicit_collectors=set(args.enable),
+                      explicit_backend=args.gpu_backend is not None)

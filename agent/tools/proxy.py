@@ -30,6 +30,7 @@ uvicorn's five-second keep-alive, so a reused connection is not one the upstream
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -588,3 +589,33 @@ def run_proxy(listen: str, upstream: str, metrics_listen: str,
     finally:
         exposition.stop()
     return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen", required=True, metavar="HOST:PORT",
+                        help="address the clients connect to")
+    parser.add_argument("--upstream", required=True, metavar="URL",
+                        help="the server, http(s)://host:port (the request path is kept)")
+    parser.add_argument("--metrics-listen", required=True, metavar="HOST:PORT",
+                        help="address serving /metrics")
+    parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="give up connecting to the upstream after this long: 502")
+    parser.add_argument("--drain-timeout", type=float, default=25.0, metavar="SECONDS",
+                        help="on SIGTERM, let answers under way finish for this long (below "
+                        "the pod's terminationGracePeriodSeconds, 30 by default)")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+
+
+def run(args: argparse.Namespace) -> int:
+    from mrc_agent.agent.core.config import ConfigError
+    from mrc_agent.agent.tools.sidecar import setup_logging
+
+    setup_logging(args.log_level)
+    if not args.connect_timeout > 0 or not args.drain_timeout >= 0:
+        raise ConfigError("--connect-timeout must be > 0 and --drain-timeout >= 0")
+    try:
+        return run_proxy(args.listen, args.upstream, args.metrics_listen,
+                         args.connect_timeout, args.drain_timeout)
+    except ProxyError as exc:
+        raise ConfigError(str(exc)) from exc

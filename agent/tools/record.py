@@ -10,6 +10,7 @@ stderr and its fields are simply absent.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -97,3 +98,19 @@ def run_record(path: str, duration: float, interval: float, profiling: bool) -> 
         sources.close()
     print(f"mrc-agent record: wrote {lines} samples to {path}", file=sys.stderr)
     return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, metavar="FILE")
+    parser.add_argument("--duration", type=float, required=True, metavar="SECONDS")
+    parser.add_argument("--interval", type=float, default=0.1, metavar="SECONDS")
+    parser.add_argument("--profiling", action="store_true",
+                        help="also record CUPTI PM sampling counters")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mrc_agent.agent.core.config import ConfigError
+
+    if args.duration <= 0 or not 0.01 <= args.interval <= 60:
+        raise ConfigError("--duration must be > 0 and --interval 0.01-60 seconds")
+    return run_record(args.out, args.duration, args.interval, args.profiling)

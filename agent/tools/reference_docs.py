@@ -5,6 +5,7 @@ settings
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from mrc_agent.agent.core.catalog import CATALOG
@@ -85,3 +86,13 @@ def write_catalog(out: str | None, settings: bool = False) -> int:
     else:
         sys.stdout.write(text)
     return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", metavar="FILE")
+    parser.add_argument("--settings", action="store_true",
+                        help="the settings: key, flag, environment name, default, meaning")
+
+
+def run(args: argparse.Namespace) -> int:
+    return write_catalog(args.out, settings=args.settings)

@@ -25,6 +25,7 @@ nothing failed, 1 when a check failed; cli.py turns
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import logging
@@ -430,3 +431,19 @@ def run_selfcheck_command(args: Any) -> int:
             out.rmdir()  # made a moment ago, still empty: leave nothing behind
         raise ConfigError(f"no GPU to check: {exc} (--dry runs on a simulated GPU)") from exc
     return run_rig(rig, plan, out)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--gpu", action="store_true",
+                      help="on the local NVIDIA GPU (needs torch with CUDA)")
+    mode.add_argument("--dry", action="store_true",
+                      help="on a simulated GPU, through the agent's real readers")
+    parser.add_argument("--out", metavar="DIR", help="output directory for gpu_truth.txt, "
+                        "gpu_truth.json and the trace (./mrc-selfcheck-TIMESTAMP)")
+    parser.add_argument("--duration", type=float, metavar="SECONDS",
+                        help="length of the recorded trace (20; 2 with --dry); shorter also "
+                        "shortens the measured windows")
+
+
+run = run_selfcheck_command

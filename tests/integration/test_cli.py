@@ -170,3 +170,27 @@ def test_sighup_rereads_the_config_file_and_keeps_running(agent_factory, procs: 
     assert "configuration reloaded" in log and "restart to apply interval" in log
     assert "configuration not reloaded, keeping the running one" in log
     assert "Traceback" not in log
+
+
+def test_every_command_is_a_module_with_two_entry_points() -> None:
+    """The command table: each subcommand's module gives its flags and runs it, and building
+    the parser for one command imports that command's module and no other tool."""
+    import importlib
+
+    from mrc_agent.agent.cli import COMMANDS, build_parser
+
+    assert len({c.name for c in COMMANDS}) == len(COMMANDS) == 13
+    for command in COMMANDS:
+        module = importlib.import_module(command.module)
+        add, run = (getattr(module, name) for name in command.entry)
+        assert callable(add) and callable(run), command.name
+    full = build_parser()
+    assert full.parse_args(["proxy", "--listen", "a:1", "--upstream", "http://b",
+                            "--metrics-listen", "c:2"]).drain_timeout == 25.0
+    code = ("import sys\nfrom mrc_agent.agent.cli import build_parser\n"
+            "build_parser(only='run').parse_args(['run', '--pid', '1'])\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('mrc_agent.agent.tools')"
+            " or m.startswith('mrc_agent.reference_service'))))\n")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, timeout=60).stdout.split()
+    assert loaded == ["mrc_agent.agent.tools", "mrc_agent.agent.tools.sidecar"], loaded

@@ -32,8 +32,8 @@ import pytest
 import yaml
 from cloudcoil.models.prometheus_operator import v1 as prom
 
-from mrc_agent.agent.cli import build_parser, config_from_args
-from mrc_agent.agent.core.config import ENV_PREFIX
+from mrc_agent.agent.cli import build_parser
+from mrc_agent.agent.core.config import ENV_PREFIX, config_from_args
 from mrc_agent.agent.core.units import parse_bytes
 from mrc_agent.alerts import build as alerts_build
 from mrc_agent.dashboards import build as dashboards_build

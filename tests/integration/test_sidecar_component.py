@@ -19,8 +19,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from mrc_agent.agent.cli import build_parser, config_from_args
-from mrc_agent.agent.core.config import ENV_PREFIX
+from mrc_agent.agent.cli import build_parser
+from mrc_agent.agent.core.config import ENV_PREFIX, config_from_args
 from tests.conftest import REPO
 from tests.integration.test_deploy import LATEST, _gpu_requests, _round_trip, pss_violations
 

@@ -154,8 +154,8 @@ def test_the_service_limits_are_the_documented_ones() -> None:
 def test_the_agent_defaults_are_the_documented_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from mrc_agent.agent.cli import build_parser, config_from_args
-    from mrc_agent.agent.core.config import ENV_PREFIX
+    from mrc_agent.agent.cli import build_parser
+    from mrc_agent.agent.core.config import ENV_PREFIX, config_from_args
     from mrc_agent.agent.core.runner import STALE_INTERVALS
 
     for name in [n for n in os.environ if n.startswith(ENV_PREFIX)]:
@@ -175,8 +175,8 @@ def test_the_interval_range_is_0_05_to_60_seconds(value: str, ok: bool,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from mrc_agent.agent.cli import build_parser, config_from_args
-    from mrc_agent.agent.core.config import ENV_PREFIX, ConfigError
+    from mrc_agent.agent.cli import build_parser
+    from mrc_agent.agent.core.config import ENV_PREFIX, ConfigError, config_from_args
 
     for name in [n for n in os.environ if n.startswith(ENV_PREFIX)]:
         monkeypatch.delenv(name)

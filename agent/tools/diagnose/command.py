@@ -4,6 +4,7 @@ writes the report; :func:`run_diagnose_command` is ``mrc-agent diagnose``.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -17,7 +18,7 @@ from typing import Any
 
 from mrc_agent.agent.core.collectors import process
 from mrc_agent.agent.core.collectors.base import Collector
-from mrc_agent.agent.core.config import AgentConfig, ConfigError
+from mrc_agent.agent.core.config import DIAGNOSE, AgentConfig, ConfigError, add_flags
 from mrc_agent.agent.core.hw.procfs import ProcessGone, ProcFS
 from mrc_agent.agent.core.runner import Runner
 from mrc_agent.agent.core.sample import Snapshot, first
@@ -226,3 +227,27 @@ def run_diagnose_command(args: Any) -> int:
     sys.stdout.write(f"\nwritten to {os.path.abspath(out)}\n")
     return EXIT_OK
 
+
+#: diagnose samples finer than the sidecar: a 10 s window should hold ~50 passes.
+DIAGNOSE_INTERVAL_S = 0.2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pid", type=int, required=True, help="the process to diagnose")
+    parser.add_argument("--duration", type=float, default=10.0, metavar="SECONDS",
+                        help="length of the window (10)")
+    parser.add_argument("--out", metavar="DIR", help="output directory "
+                        "(./mrc-diagnose-PID-TIMESTAMP)")
+    parser.add_argument("--py-spy", metavar="PATH", help="the py-spy executable (the one "
+                        "beside this Python, else PATH)")
+    # diagnose's own sampling period, not the sidecar's interval: never read from the
+    # environment or the config file, which set the sidecar's.
+    parser.add_argument("--interval", type=float, default=DIAGNOSE_INTERVAL_S,
+                        metavar="SECONDS",
+                        help=f"collector sampling period over the window (default "
+                             f"{DIAGNOSE_INTERVAL_S:g}; not read from the environment, whose "
+                             "MRC_AGENT_INTERVAL is the sidecar's)")
+    add_flags(parser, DIAGNOSE)
+
+
+run = run_diagnose_command
