@@ -60,7 +60,7 @@ COMMANDS: tuple[Command, ...] = (
             "Prometheus as one self-contained HTML file (or PNG)", f"{TOOLS}.report.command"),
     Command("selfcheck", "check the agent's GPU readings (PCIe, DRAM, GPM, SM instructions, "
             "utilisation timestamps, NVLink) against copies and GEMMs of known size; "
-            "PASS/FAIL/SKIP per metric", f"{TOOLS}.selfcheck"),
+            "PASS/FAIL/SKIP per metric", f"{TOOLS}.selfcheck.command"),
     Command("catalog", "print the metric catalogue (or, with --settings, the settings "
             "reference) as Markdown", f"{TOOLS}.reference_docs"),
     Command("alerts", "Prometheus rules and an Alertmanager example", f"{TOOLS}.mixin",

@@ -6,7 +6,7 @@ CUDA events, against the agent's PCIe counters and rates, GPM, CUPTI PM sampling
 utilisation and its sample timestamps (and NVLink with two linked GPUs), PCIe counters at
 the agent's cadences and over one long gap, and the CUPTI sampler in a CUDA-free process of
 its own; then a 20 s trace under a mixed workload for ``tests/data/``. About 2 minutes on one
-H200 (docs/gpu-truth.md); on Hopper+ a metric the agent reports nothing for is a FAIL.
+H200 (docs/selfcheck.md); on Hopper+ a metric the agent reports nothing for is a FAIL.
 
     python3 benchmarks/gpu_truth.py [--out DIR] [--duration SECONDS]   # the GPU check
     python3 benchmarks/gpu_truth.py --dry [--out DIR]                  # simulated, anywhere

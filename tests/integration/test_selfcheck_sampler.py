@@ -1,7 +1,7 @@
 """The self-check's CUPTI sampler in a process of its own, the readers keyed by UUID, and the
 dry device's GH100 sets.
 
-- :class:`SamplerProcess` really starts ``python -m mrc_agent.agent.tools.selfcheck_sampler``:
+- :class:`SamplerProcess` really starts ``python -m mrc_agent.agent.tools.selfcheck.sampler``:
   on this GPU-less machine the agent's sampler there answers "unavailable", and the report
   says the process never imported torch;
 - a MIG device shares its parent's index: both rows survive a poll;
@@ -18,10 +18,10 @@ import pytest
 
 from mrc_agent.agent.core.hw.base import DeviceSample, GPUIdentity, SourceUnavailable
 from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
-from mrc_agent.agent.tools.selfcheck_dry import DryModel
-from mrc_agent.agent.tools.selfcheck_dry_cupti import DryCupti, extract, load_sets
-from mrc_agent.agent.tools.selfcheck_phases import AgentReaders
-from mrc_agent.agent.tools.selfcheck_sampler import (
+from mrc_agent.agent.tools.selfcheck.dry import DryModel
+from mrc_agent.agent.tools.selfcheck.dry_cupti import DryCupti, extract, load_sets
+from mrc_agent.agent.tools.selfcheck.phases import AgentReaders
+from mrc_agent.agent.tools.selfcheck.sampler import (
     LocalSampler,
     SamplerProcess,
     SamplerServer,

@@ -164,11 +164,11 @@ def test_the_thread_runs_for_narrow_counters_only_and_stops_at_close() -> None:
 
 
 def test_the_agent_reads_an_h200_like_32_bit_counter_right_at_its_cadences() -> None:
-    from mrc_agent.agent.tools import selfcheck
-    from mrc_agent.agent.tools import selfcheck_compare as cmp
-    from mrc_agent.agent.tools.selfcheck_dry import DryModel, DryWorkload
-    from mrc_agent.agent.tools.selfcheck_dry_nvml import DryNvml
-    from mrc_agent.agent.tools.selfcheck_pcie import pcie_cadence_checks
+    from mrc_agent.agent.tools.selfcheck import command as selfcheck
+    from mrc_agent.agent.tools.selfcheck import compare as cmp
+    from mrc_agent.agent.tools.selfcheck.dry import DryModel, DryWorkload
+    from mrc_agent.agent.tools.selfcheck.dry_nvml import DryNvml
+    from mrc_agent.agent.tools.selfcheck.pcie import pcie_cadence_checks
 
     model = DryModel(gpus=1)
     checks, _ = pcie_cadence_checks(

@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mrc_agent.agent.tools import selfcheck
-from mrc_agent.agent.tools import selfcheck_compare as cmp
-from mrc_agent.agent.tools.selfcheck_dry import DryFaults, DryModel
+from mrc_agent.agent.tools.selfcheck import command as selfcheck
+from mrc_agent.agent.tools.selfcheck import compare as cmp
+from mrc_agent.agent.tools.selfcheck.dry import DryFaults, DryModel
 
 CUPTI_ROWS = ("cupti.dram_read_bytes", "cupti.sm_instructions_2x", "cupti.sampler_process")
 

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from mrc_agent.agent.core.hw.base import DeviceSample, GPUIdentity
-from mrc_agent.agent.tools import selfcheck
-from mrc_agent.agent.tools import selfcheck_compare as cmp
-from mrc_agent.agent.tools.selfcheck_dry import DryFaults, DryModel, DryWorkload
-from mrc_agent.agent.tools.selfcheck_dry_nvml import DryNvml
-from mrc_agent.agent.tools.selfcheck_pcie import counter_check, pcie_cadence_checks
+from mrc_agent.agent.tools.selfcheck import command as selfcheck
+from mrc_agent.agent.tools.selfcheck import compare as cmp
+from mrc_agent.agent.tools.selfcheck.dry import DryFaults, DryModel, DryWorkload
+from mrc_agent.agent.tools.selfcheck.dry_nvml import DryNvml
+from mrc_agent.agent.tools.selfcheck.pcie import counter_check, pcie_cadence_checks
 
 WINDOW_S = 1.2
 COUNTER_ROWS = ("pcie.h2d_every_1s.rx_counter", "pcie.h2d_every_0.5s.rx_counter",

@@ -7,7 +7,7 @@ itself takes (``cuInit``, and a primary context only where ``enable()`` still re
 the check must not either: a sampler beside torch in one process cannot show whether PM
 sampling enables without a context, what a retained context costs, or whether the counters
 are device-wide. :class:`SamplerProcess` starts ``python -m
-mrc_agent.agent.tools.selfcheck_sampler`` and speaks JSON lines with it; it is a
+mrc_agent.agent.tools.selfcheck.sampler`` and speaks JSON lines with it; it is a
 ``ProfilingSource``, so the self-check polls it like any reader. The child's
 :class:`SamplerServer` answers ``sample`` (the sampler's samples or its error) and ``report``:
 
@@ -51,7 +51,7 @@ from mrc_agent.agent.core.hw.base import (
 
 log = logging.getLogger(__name__)
 
-MODULE = "mrc_agent.agent.tools.selfcheck_sampler"
+MODULE = "mrc_agent.agent.tools.selfcheck.sampler"
 #: Longest a request may take: the first sample enables, queries sets and configures.
 REPLY_TIMEOUT_S = 120.0
 _SAMPLE_FIELDS = [f.name for f in dataclasses.fields(ProfilingSample) if f.name != "gpu"]

@@ -1,7 +1,7 @@
 """``mrc-agent selfcheck``'s workload layer: GPU work of known size, timed on the GPU.
 
 :class:`Workload` is the small interface the self-check drives; :class:`TorchWorkload` is the
-real one (torch, pinned host memory, CUDA events) and ``selfcheck_dry.DryWorkload`` the one
+real one (torch, pinned host memory, CUDA events) and ``dry.DryWorkload`` the one
 that only reports sizes and durations to a simulated device. Each call blocks until its work
 has finished on the GPU and returns a :class:`WorkDone`: how many operations of how many
 bytes, the GPU time CUDA events measured and the monotonic window it ran in.

@@ -27,9 +27,9 @@ from typing import Any
 from mrc_agent.agent.core.hw.base import HardwareError, SourceUnavailable
 from mrc_agent.agent.core.hw.nvml.pcie_counters import WRAP_BITS
 from mrc_agent.agent.core.hw.nvml.units import pcie_kb_per_s_to_bytes_per_s
-from mrc_agent.agent.tools import selfcheck_compare as cmp
-from mrc_agent.agent.tools.selfcheck_compare import TruthCheck
-from mrc_agent.agent.tools.selfcheck_workload import WorkDone, Workload
+from mrc_agent.agent.tools.selfcheck import compare as cmp
+from mrc_agent.agent.tools.selfcheck.compare import TruthCheck
+from mrc_agent.agent.tools.selfcheck.workload import WorkDone, Workload
 
 #: The agent's default --interval and the deployment's 0.5 s.
 CADENCES_S = (1.0, 0.5)

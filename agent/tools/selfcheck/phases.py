@@ -1,5 +1,5 @@
 """``mrc-agent selfcheck``'s measurement: run each workload phase while polling the agent's
-readers, then turn what they reported into :class:`~.selfcheck_compare.TruthCheck` rows.
+readers, then turn what they reported into :class:`~.compare.TruthCheck` rows.
 
 :class:`AgentReaders` polls the agent's own sources (NVML device samples, GPM on its own
 cadence, CUPTI PM sampling) and keeps every reading with its monotonic time; :func:`observe`
@@ -26,9 +26,9 @@ from mrc_agent.agent.core.hw.base import (
     ProfilingSource,
     SourceUnavailable,
 )
-from mrc_agent.agent.tools import selfcheck_compare as cmp
-from mrc_agent.agent.tools.selfcheck_compare import TruthCheck
-from mrc_agent.agent.tools.selfcheck_workload import WorkDone, Workload
+from mrc_agent.agent.tools.selfcheck import compare as cmp
+from mrc_agent.agent.tools.selfcheck.compare import TruthCheck
+from mrc_agent.agent.tools.selfcheck.workload import WorkDone, Workload
 
 #: NVML's PCIe thread reads every 0.25 s (+40 ms of reads); a reading this far into a window
 #: is the window's own.

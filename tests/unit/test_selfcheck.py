@@ -22,13 +22,13 @@ from mrc_agent.agent.cli import main
 from mrc_agent.agent.core.hw.base import DeviceSample, GPUIdentity
 from mrc_agent.agent.core.hw.cuda_driver import CudaDriver
 from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
-from mrc_agent.agent.tools import selfcheck
-from mrc_agent.agent.tools import selfcheck_compare as cmp
-from mrc_agent.agent.tools.selfcheck_dry import DryFaults, DryModel, DryWorkload
-from mrc_agent.agent.tools.selfcheck_dry_cupti import DryCupti
-from mrc_agent.agent.tools.selfcheck_dry_nvml import GPM_METRICS, LINKS, DryNvml
-from mrc_agent.agent.tools.selfcheck_phases import AgentReaders, timestamp_check
-from mrc_agent.agent.tools.selfcheck_workload import WorkDone
+from mrc_agent.agent.tools.selfcheck import command as selfcheck
+from mrc_agent.agent.tools.selfcheck import compare as cmp
+from mrc_agent.agent.tools.selfcheck.dry import DryFaults, DryModel, DryWorkload
+from mrc_agent.agent.tools.selfcheck.dry_cupti import DryCupti
+from mrc_agent.agent.tools.selfcheck.dry_nvml import GPM_METRICS, LINKS, DryNvml
+from mrc_agent.agent.tools.selfcheck.phases import AgentReaders, timestamp_check
+from mrc_agent.agent.tools.selfcheck.workload import WorkDone
 from tests.fakes.fake_cupti import FakeCupti, FakeDevice
 from tests.fakes.fake_pynvml import FakeNvml, gpu, nvlink
 

@@ -15,7 +15,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from mrc_agent.agent.tools.selfcheck_dry import DryModel
+from mrc_agent.agent.tools.selfcheck.dry import DryModel
 
 
 class _OnFirstUse:

@@ -7,18 +7,18 @@ One run, in order (each window ``Plan.window_s`` long, 6 s on a GPU):
    PCIe and CUPTI sampling, primes GPM and drains NVML's utilisation buffer;
 2. idle; pinned host->device copies; device->host copies; device-to-device copies; bf16
    GEMMs; N then 2N GEMMs; a peer copy when a second GPU shares NVLink with the first;
-   each window polled (:mod:`.selfcheck_phases`) and compared (:mod:`.selfcheck_compare`);
+   each window polled (:mod:`.phases`) and compared (:mod:`.compare`);
    then host->device copies with PCIe read at the agent's cadences and over one long gap,
-   and the throughput call on its own (:mod:`.selfcheck_pcie`);
+   and the throughput call on its own (:mod:`.pcie`);
 3. the readers closed, a trace recorded with ``mrc-agent record``'s recorder from the sources
    ``make_sources`` builds, while a mixed workload runs;
 4. the table printed and written, with a JSON result and the trace, to ``--out``.
 
-The workload (:mod:`.selfcheck_workload`) is torch on a GPU, :class:`~.selfcheck_dry.DryWorkload` in
+The workload (:mod:`.workload`) is torch on a GPU, :class:`~.dry.DryWorkload` in
 a dry run; the readers are the agent's own in both, fed by NVML and CUPTI or by the dry run's
 stand-ins of those libraries. On a GPU the CUPTI sampler runs in a process of its own that does no
-CUDA work (:mod:`.selfcheck_sampler`), as in the sidecar. On Hopper or newer a metric the agent
-reports nothing for is a FAIL, not a SKIP (``selfcheck_compare.require``). Exit status: 0 when
+CUDA work (:mod:`.sampler`), as in the sidecar. On Hopper or newer a metric the agent
+reports nothing for is a FAIL, not a SKIP (``compare.require``). Exit status: 0 when
 nothing failed, 1 when a check failed; cli.py turns
 :class:`~mrc_agent.agent.core.config.ConfigError` (bad flags, no GPU) into 2.
 """
@@ -41,14 +41,14 @@ from typing import Any, TextIO
 
 from mrc_agent.agent.core.hw.base import SourceUnavailable
 from mrc_agent.agent.core.hw.sources import Sources
-from mrc_agent.agent.tools import selfcheck_compare as cmp
-from mrc_agent.agent.tools import selfcheck_phases as ph
-from mrc_agent.agent.tools.selfcheck_compare import TruthCheck
-from mrc_agent.agent.tools.selfcheck_dry import DryModel, DryWorkload
-from mrc_agent.agent.tools.selfcheck_dry_cupti import DryCupti
-from mrc_agent.agent.tools.selfcheck_pcie import pcie_cadence_checks
-from mrc_agent.agent.tools.selfcheck_sampler import LocalSampler, SamplerProcess, SamplerServer
-from mrc_agent.agent.tools.selfcheck_workload import CudaUnavailable, Workload, run_mixed
+from mrc_agent.agent.tools.selfcheck import compare as cmp
+from mrc_agent.agent.tools.selfcheck import phases as ph
+from mrc_agent.agent.tools.selfcheck.compare import TruthCheck
+from mrc_agent.agent.tools.selfcheck.dry import DryModel, DryWorkload
+from mrc_agent.agent.tools.selfcheck.dry_cupti import DryCupti
+from mrc_agent.agent.tools.selfcheck.pcie import pcie_cadence_checks
+from mrc_agent.agent.tools.selfcheck.sampler import LocalSampler, SamplerProcess, SamplerServer
+from mrc_agent.agent.tools.selfcheck.workload import CudaUnavailable, Workload, run_mixed
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ def gpu_rig(plan: Plan, out_dir: Path | None = None) -> Rig:
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     import pynvml
 
-    from mrc_agent.agent.tools.selfcheck_workload import TorchWorkload
+    from mrc_agent.agent.tools.selfcheck.workload import TorchWorkload
 
     work = TorchWorkload()
     try:
@@ -221,8 +221,8 @@ def gpu_rig(plan: Plan, out_dir: Path | None = None) -> Rig:
 
 
 def dry_rig(plan: Plan, model: DryModel | None = None) -> Rig:
-    """The simulated GPU of :mod:`.selfcheck_dry` behind the agent's real readers."""
-    from mrc_agent.agent.tools.selfcheck_dry_nvml import DryNvml
+    """The simulated GPU of :mod:`.dry` behind the agent's real readers."""
+    from mrc_agent.agent.tools.selfcheck.dry_nvml import DryNvml
 
     model = model or DryModel()
     work = DryWorkload(model)

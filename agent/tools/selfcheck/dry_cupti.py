@@ -1,10 +1,10 @@
 """The dry run's CUPTI stand-in: ``cupti.pm_sampling``, ``cupti.profiler_host`` and
-``cupti.cupti`` over a :class:`~.selfcheck_dry.DryModel`, offering what an H200 offers.
+``cupti.cupti`` over a :class:`~.dry.DryModel`, offering what an H200 offers.
 
 The chip is ``gh100`` with its one single-pass set, ``Compute_Triage``, as ``libcupti.so.13``
 13.4.92 ships it: :data:`GH100_SETS_FILE` (``data/gh100_pm_sampling.json``) holds that set's
 metric list and user metrics, written from ``tests/data/cupti_sets/cupti-13.4.92.json`` by
-``python3 -m mrc_agent.agent.tools.selfcheck_dry_cupti SOURCE.json`` (a test checks it still
+``python3 -m mrc_agent.agent.tools.selfcheck.dry_cupti SOURCE.json`` (a test checks it still
 equals that file's GH100 entry). The answers follow cupti-python 13.4's sources:
 
 - ``profiler_host.get_supported_chips()``; ``get_single_pass_sets(chip)`` and
@@ -34,9 +34,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from mrc_agent.agent.tools.selfcheck_dry import DryModel
+from mrc_agent.agent.tools.selfcheck.dry import DryModel
 
-GH100_SETS_FILE = Path(__file__).resolve().parent / "data" / "gh100_pm_sampling.json"
+GH100_SETS_FILE = Path(__file__).resolve().parents[1] / "data" / "gh100_pm_sampling.json"
 CHIP = "gh100"
 #: A DRAM sector (Nsight Compute: "an aligned 32 byte-chunk of memory").
 SECTOR_BYTES = 32
@@ -286,7 +286,7 @@ class DryCupti:
 def main(argv: list[str]) -> int:
     """Rewrite :data:`GH100_SETS_FILE` from a ``tests/data/cupti_sets`` file."""
     if len(argv) != 1:
-        print("usage: python3 -m mrc_agent.agent.tools.selfcheck_dry_cupti "
+        print("usage: python3 -m mrc_agent.agent.tools.selfcheck.dry_cupti "
               "tests/data/cupti_sets/cupti-13.4.92.json", file=sys.stderr)
         return 2
     data = extract(json.loads(Path(argv[0]).read_text(encoding="utf-8")))

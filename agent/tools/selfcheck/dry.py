@@ -6,7 +6,7 @@ size over a monotonic time window, work spread evenly over it) from which every 
 integrated at the moment it is asked for: PCIe and NVLink byte counters, 20 ms throughputs, GPM
 ratios over any two sample times, utilisation samples on NVML's grid, CUPTI intervals. So the
 agent's real readers (``NvmlBackend`` and ``CuptiPmSampler``, fed through
-:mod:`.selfcheck_dry_nvml` and :mod:`.selfcheck_dry_cupti`) see numbers that agree with what
+:mod:`.dry_nvml` and :mod:`.dry_cupti`) see numbers that agree with what
 :class:`DryWorkload` says it did, in real time. :class:`DryFaults` makes the device lie in one
 way (half the PCIe bytes, TX and RX swapped, ...) so a test can prove the checks catch it.
 
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from mrc_agent.agent.tools.selfcheck_workload import COPY_BYTES, D2D_BYTES, GEMM_N, WorkDone
+from mrc_agent.agent.tools.selfcheck.workload import COPY_BYTES, D2D_BYTES, GEMM_N, WorkDone
 
 #: The simulated hardware's speeds: an H200 on PCIe Gen5 x16 with NVLink 4, roughly.
 DRY_RATES = {"h2d": 52e9, "d2h": 54e9, "d2d": 2.0e12, "peer": 120e9}  # bytes per second
@@ -198,7 +198,7 @@ class DryModel:
 
 
 class DryWorkload:
-    """The :class:`~.selfcheck_workload.Workload` of the dry run: each call logs its work on
+    """The :class:`~.workload.Workload` of the dry run: each call logs its work on
     the model and sleeps for as long as the simulated hardware would take."""
 
     def __init__(self, model: DryModel, sleep: Callable[[float], None] = time.sleep) -> None:
