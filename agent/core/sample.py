@@ -10,71 +10,24 @@ a name literal or a label position.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from mrc_agent.exporters.exposition.snapshot import MetricSpec
+# The sample model is defined once, beside the exposition that serves it.
+from mrc_agent.exporters.exposition.snapshot import (
+    EMPTY,
+    HistogramValue,
+    MetricSpec,
+    Sample,
+    Snapshot,
+    Value,
+    counter,
+    gauge,
+    histogram,
+    info,
+)
 
-
-def counter(collector: str, name: str, labels: tuple[str, ...], help_: str) -> MetricSpec:
-    """A counter produced by ``collector`` (``name`` ends in ``_total``)."""
-    return MetricSpec(name, "counter", help_, labels, collector)
-
-
-def gauge(collector: str, name: str, labels: tuple[str, ...], help_: str) -> MetricSpec:
-    return MetricSpec(name, "gauge", help_, labels, collector)
-
-
-def info(collector: str, name: str, labels: tuple[str, ...], help_: str) -> MetricSpec:
-    """An info metric (``name`` ends in ``_info``); its sample value is a dict of labels."""
-    return MetricSpec(name, "info", help_, labels, collector)
-
-
-def histogram(collector: str, name: str, labels: tuple[str, ...], help_: str,
-              buckets: tuple[float, ...]) -> MetricSpec:
-    return MetricSpec(name, "histogram", help_, labels, collector, buckets)
-
-
-@dataclass
-class HistogramValue:
-    """Cumulative histogram state: ``counts[i]`` observations ≤ ``bounds[i]``, plus +Inf."""
-
-    bounds: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: int = 0
-    sum: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.counts:
-            self.counts = [0] * len(self.bounds)
-
-    def observe(self, value: float) -> None:
-        """Record one observation."""
-        for i, bound in enumerate(self.bounds):
-            if value <= bound:
-                self.counts[i] += 1
-        self.total += 1
-        self.sum += value
-
-    def copy(self) -> HistogramValue:
-        return HistogramValue(self.bounds, list(self.counts), self.total, self.sum)
-
-
-#: One sample: (metric name, label values in the spec's label order, value).
-#: Info metrics carry a ``dict`` of info labels as value.
-Value = float | HistogramValue | dict[str, str]
-Sample = tuple[str, tuple[str, ...], Value]
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """What one sampling pass produced. ``seq`` grows by one per published snapshot."""
-
-    seq: int
-    timestamp: float
-    samples: tuple[Sample, ...]
-
-
-EMPTY = Snapshot(seq=0, timestamp=0.0, samples=())
+__all__ = ["EMPTY", "HistogramValue", "MetricSpec", "Reading", "Sample", "Snapshot", "Value",
+           "counter", "first", "gauge", "histogram", "info", "readings"]
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,22 @@
-"""Snapshot exposition: metric definitions and the prometheus-client custom collector that
-turns the latest snapshot of a sampler into metric families.
+"""The sample model, defined once: a metric's definition (:class:`MetricSpec`, built by
+:func:`counter`, :func:`gauge`, :func:`info` and :func:`histogram`), one sample
+(:data:`Sample`), a histogram's value (:class:`HistogramValue`) and one sampling pass's
+immutable :class:`Snapshot`; and the prometheus-client custom collector that turns the latest
+snapshot into metric families.
 
-A scrape never touches hardware: the sampler builds an immutable snapshot of plain tuples on its own
-clock (the agent's is :class:`mrc_agent.agent.core.sample.Snapshot`), and :class:`SnapshotCollector`
-only groups those tuples into families when Prometheus asks. The same :class:`MetricSpec` list
-drives the exposition and the generated metric catalogue, so the two cannot disagree. This module
-knows the snapshot only by its shape (:class:`SnapshotLike`), never the agent's types.
+A scrape never touches hardware: the sampler builds an immutable snapshot of plain tuples on its
+own clock, and :class:`SnapshotCollector` only groups those tuples into families when Prometheus
+asks. The same :class:`MetricSpec` list drives the exposition and the generated metric
+catalogue, so the two cannot disagree. The agent reads snapshots through
+:mod:`mrc_agent.agent.core.sample`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass, field
+from typing import Literal
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -64,17 +67,68 @@ class MetricSpec:
         return ""
 
 
-#: One sample: (metric name, label values in the spec's label order, value). The value is a
-#: float, a histogram value for histograms (cumulative ``counts[i]`` of observations at or below
-#: ``bounds[i]``, ``total`` for +Inf and ``sum``), or a dict of info labels for info metrics.
-SampleTuple = tuple[str, tuple[str, ...], Any]
+def counter(collector: str, name: str, labels: tuple[str, ...], help_: str) -> MetricSpec:
+    """A counter produced by ``collector`` (``name`` ends in ``_total``)."""
+    return MetricSpec(name, "counter", help_, labels, collector)
 
 
-class SnapshotLike(Protocol):
-    """What the collector reads: the samples of one sampling pass."""
+def gauge(collector: str, name: str, labels: tuple[str, ...], help_: str) -> MetricSpec:
+    return MetricSpec(name, "gauge", help_, labels, collector)
 
-    @property
-    def samples(self) -> Sequence[SampleTuple]: ...
+
+def info(collector: str, name: str, labels: tuple[str, ...], help_: str) -> MetricSpec:
+    """An info metric (``name`` ends in ``_info``); its sample value is a dict of labels."""
+    return MetricSpec(name, "info", help_, labels, collector)
+
+
+def histogram(collector: str, name: str, labels: tuple[str, ...], help_: str,
+              buckets: tuple[float, ...]) -> MetricSpec:
+    return MetricSpec(name, "histogram", help_, labels, collector, buckets)
+
+
+@dataclass
+class HistogramValue:
+    """Cumulative histogram state: ``counts[i]`` observations ≤ ``bounds[i]``, plus +Inf."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: int = 0
+    sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * len(self.bounds)
+
+    def observe(self, value: float) -> None:
+        """Record one observation."""
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+        self.total += 1
+        self.sum += value
+
+    def copy(self) -> HistogramValue:
+        return HistogramValue(self.bounds, list(self.counts), self.total, self.sum)
+
+
+#: A sample's value: a float; a :class:`HistogramValue` for histograms; a dict of info labels
+#: for info metrics.
+Value = float | HistogramValue | dict[str, str]
+#: One sample: (metric name, label values in the spec's label order, value).
+Sample = tuple[str, tuple[str, ...], Value]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What one sampling pass produced. ``seq`` grows with every snapshot published, so that
+    a render of it can be cached under it."""
+
+    seq: int
+    timestamp: float
+    samples: tuple[Sample, ...]
+
+
+EMPTY = Snapshot(seq=0, timestamp=0.0, samples=())
 
 
 def _family(spec: MetricSpec) -> Metric:
@@ -100,7 +154,7 @@ class SnapshotCollector(Collector):
     catalogue; samples whose name has no spec are a programming error and raise.
     """
 
-    def __init__(self, specs: Sequence[MetricSpec], source: Callable[[], SnapshotLike]) -> None:
+    def __init__(self, specs: Sequence[MetricSpec], source: Callable[[], Snapshot]) -> None:
         self._specs = {s.name: s for s in specs}
         if len(self._specs) != len(specs):
             raise ValueError("duplicate metric names in specs")
@@ -116,7 +170,7 @@ class SnapshotCollector(Collector):
             family = families.get(name)
             if family is None:
                 family = families[name] = _family(self._specs[name])
-            if self._specs[name].kind == "histogram":
+            if isinstance(value, HistogramValue):
                 pairs = zip(value.bounds, value.counts, strict=True)
                 buckets = [(_fmt_bound(b), c) for b, c in pairs]
                 buckets.append(("+Inf", value.total))
