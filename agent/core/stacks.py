@@ -265,6 +265,12 @@ class StackSampler:
             return ""
 
     def running(self) -> bool:
+        """Until the reader has read austin's last line and, when it failed, said why: a
+        child that has just exited is still running here, so that :attr:`error` is set by
+        the time this says False."""
+        reader = self._reader
+        if reader is not None:
+            return reader.is_alive()
         return self._proc is not None and self._proc.poll() is None
 
     def take(self) -> list[StackSample]:

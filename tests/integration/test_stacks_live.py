@@ -3,6 +3,7 @@ phases follow a GPU timeline fed to the collector, its culprit known."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -109,3 +110,26 @@ def test_a_process_that_is_not_python_is_said_so(tmp_path: Path) -> None:
         collector.close()
         proc.kill()
         proc.wait()
+
+
+def test_a_sampler_that_ended_is_running_until_it_has_said_why(tmp_path: Path) -> None:
+    """The collector reads the reason once the sampler stops running. austin's exit was seen
+    before the reader thread had read its stderr, and on a loaded machine the reason came out
+    as "failed: austin stopped" (retried every 30 s) instead of "not_python" (said once)."""
+    from mrc_agent.agent.core.stacks import StackSampler
+
+    fake = tmp_path / "austin"
+    # Exits at once, then its output ends only after a moment: the window of the race.
+    fake.write_text("#!/bin/sh\necho 'Cannot attach: not a Python process' >&2\n"
+                    "(sleep 0.5) &\nexit 32\n")
+    fake.chmod(0o755)
+    sampler = StackSampler(str(fake), pid=os.getpid(), interval=0.1)
+    sampler.start()
+    try:
+        deadline = time.monotonic() + 15
+        while sampler.running() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not sampler.running()
+        assert sampler.error is not None and sampler.error.reason == "not_python", sampler.error
+    finally:
+        sampler.stop()
