@@ -237,6 +237,29 @@ def test_the_header_count_limit_holds_at_its_boundary(count: int, status: int) -
         assert _read_response(s)[0] == status
 
 
+@pytest.mark.parametrize(("extra", "status"), [(-1, 200), (0, 200), (1, 431)])
+@pytest.mark.parametrize("split", [False, True])
+def test_the_head_size_limit_holds_at_its_boundary(extra: int, split: bool,
+                                                    status: int) -> None:
+    """``max_head_bytes`` 1024: a head of 1023 or 1024 bytes (its blank line included) is
+    read, one of 1025 is 431, whether it arrives in one write or in two; off by one either
+    way, one of them would fail. A request follows the head, so the size is the head's, not
+    of what arrived with it."""
+    limits = replace(LIMITS, idle_timeout_s=5.0, head_timeout_s=5.0, max_head_bytes=1024)
+    start, end = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: ", b"\r\n\r\n"
+    head = start + b"p" * (1024 + extra - len(start) - len(end)) + end
+    assert len(head) == 1024 + extra
+    after = b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    with _serving(limits) as srv, _connect(srv) as s:
+        if split:
+            s.sendall(head[:100])
+            time.sleep(0.2)
+            s.sendall(head[100:] + after)
+        else:
+            s.sendall(head + after)
+        assert _read_response(s)[0] == status
+
+
 def test_a_route_that_raises_is_a_500_and_the_server_lives_on() -> None:
     class Broken(Routes):
         max_body_bytes = 10
