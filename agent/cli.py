@@ -1,6 +1,6 @@
 """The ``mrc-agent`` command line: a table of subcommands, each a module with the same two entry
 points, ``add_arguments(parser)`` (its flags) and ``run(args) -> int``. The only place that turns
-bad input into exit code 2: a command raises :class:`~mrc_agent.agent.core.config.ConfigError`.
+bad input into exit code 2: a command raises :class:`~mrc_agent.exporters.settings.ConfigError`.
 
 A command's module is imported only when that command runs (``mrc-agent run`` loads no tool,
 no web framework), or when the whole parser is built (:func:`build_parser` with no argument, as
@@ -18,7 +18,7 @@ from importlib import import_module
 from typing import NoReturn
 
 from mrc_agent.agent import __version__
-from mrc_agent.agent.core.config import ConfigError
+from mrc_agent.exporters.settings import ConfigError
 
 EXIT_USAGE = 2
 

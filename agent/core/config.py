@@ -1,9 +1,13 @@
-"""The agent's configuration: one typed object whose fields are the settings.
+"""The agent's configuration: one typed object whose fields are the settings of ``mrc-agent run``,
+``doctor`` and ``diagnose``.
 
 Each field of :class:`AgentConfig` is declared once with :func:`setting`: its default, how a
 value from the config file, the environment or a flag is read, its range, flag, ``--help`` text
-and subcommands. Coercion, validation, the environment names (``MRC_AGENT_<NAME>``) and the
-flags follow from that declaration, so adding a setting is one edit here.
+and subcommands. The mechanism that reads those declarations (coercion, the environment names
+``MRC_AGENT_<NAME>``, the flags and their help) is :mod:`mrc_agent.exporters.settings`, shared
+with the tools and the reference service; this module holds the agent's declarations, its config
+file and the precedence of its sources. The on-alert captures contribute their settings as a
+group of their own (:class:`CaptureSettings`), composed into :class:`AgentConfig`.
 
 Precedence is config file < environment < command-line flags. Every problem becomes a
 :class:`ConfigError` with one line of text; ``agent/cli.py`` turns it into exit code 2.
@@ -21,11 +25,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import reprlib
 import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import yaml
 
@@ -34,6 +37,22 @@ from mrc_agent.agent.core.collectors import COLLECTOR_NAMES, DEFAULT_ON
 from mrc_agent.agent.core.collectors.base import DerivedThresholds
 from mrc_agent.agent.core.files import describe, read_bounded
 from mrc_agent.agent.core.units import parse_bytes, parse_duration
+from mrc_agent.exporters.settings import (
+    SHOWN_CHARS,
+    ConfigError,
+    Declarations,
+    Setting,
+    between,
+    clipped,
+    default_shown,
+    nonempty,
+    number,
+    setting,
+    shown,
+    switch,
+    text,
+    whole,
+)
 
 #: 9478 is not a free number: the Prometheus default port allocation list gives it to another
 #: exporter, and the list's range (9100-9999) is full. The sidecar listens in the pod's network
@@ -60,128 +79,10 @@ RUN, DOCTOR, DIAGNOSE = "run", "doctor", "diagnose"
 #: The ``--help`` group of the capture settings.
 CAPTURES_GROUP = "on-alert captures (off unless a webhook token is given)"
 
-
-class ConfigError(Exception):
-    """A bad flag, environment variable or config file entry."""
-
-
-#: Characters of a value an error message shows at most: enough to recognise it, and no more
-#: of a megabyte-long value (or a nested one) than one line of a terminal.
-SHOWN_CHARS = 80
-
-
-class _ShortRepr(reprlib.Repr):
-    """``reprlib``'s bounded repr, which also survives an integer too long for ``str()``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.maxlevel, self.maxstring, self.maxother, self.maxlong = 3, SHOWN_CHARS, SHOWN_CHARS, 40
-        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 5
-
-    def repr_int(self, x: int, level: int) -> str:
-        if x.bit_length() > 128:
-            return f"<an integer of {x.bit_length()} bits>"
-        return super().repr_int(x, level)
-
-
-_SHORT = _ShortRepr()
-
-
-def shown(value: object, limit: int = SHOWN_CHARS) -> str:
-    """``repr(value)`` for an error message, at most ``limit`` characters; the work is bounded
-    too (a nested value is walked only a few levels and items deep)."""
-    text = _SHORT.repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def clipped(text: str, limit: int = 2 * SHOWN_CHARS) -> str:
-    """``text`` (an exception's message, which may quote a value) cut to ``limit`` characters."""
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-@dataclass(frozen=True)
-class Setting:
-    """How one :class:`AgentConfig` field is read, checked and offered on the command line.
-
-    ``parse`` turns a value from the file (any YAML scalar or list), the environment or a flag
-    (a string) into the field's type, raising ``ValueError``/``TypeError``; ``check`` raises
-    :class:`ConfigError` for a value out of range. ``commands`` lists the subcommands whose
-    flags include it; ``flag`` None means no flag (``env_only``: not in the config file either).
-    """
-
-    name: str
-    help: str
-    parse: Callable[[Any, Any], Any]
-    check: Callable[[Any, str], None] | None = None
-    commands: tuple[str, ...] = ()
-    flag: str | None = ""
-    metavar: str | None = None
-    group: str | None = None
-    env_only: bool = False
-    aliases: tuple[str, ...] = ()
-    #: How ``--help`` shows the default, where the value itself reads badly (``100Mi``).
-    default_text: str | None = None
-    #: The flag may be given several times, each adding a value (``--pid 1 --pid 2``).
-    repeatable: bool = False
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
-
-    @property
-    def flag_name(self) -> str | None:
-        if self.flag is None:
-            return None
-        return self.flag or "--" + self.name.replace("_", "-")
-
-    @property
-    def dashed(self) -> str:
-        return self.name.replace("_", "-")
-
-
-_PENDING: dict[str, dict[str, Any]] = {}
-
-
-def setting(default: Any = None, *, default_factory: Callable[[], Any] | None = None,
-            **spec: Any) -> Any:
-    """A dataclass field of :class:`AgentConfig` carrying its :class:`Setting` (name filled in
-    from the field)."""
-    kw: dict[str, Any] = {"metadata": {"setting": spec}}
-    if default_factory is not None:
-        kw["default_factory"] = default_factory
-    else:
-        kw["default"] = default
-    return field(**kw)
-
-
 # -- parsers: (value, current config) -> typed value ------------------------------------------
 
-def _text(value: Any, _cfg: Any) -> str | None:
-    return None if value is None else str(value)
-
-
-def _float(value: Any, _cfg: Any) -> float:
-    if isinstance(value, bool):
-        raise TypeError("expected a number")
-    return float(value)
-
-
-#: Whole-number settings are counts; past this a number is a mistake (and YAML's ``0b``/``0x``
-#: forms can write one too long for ``str()``).
-MAX_WHOLE = 1 << 62
 #: Linux's PID_MAX_LIMIT: no PID is larger.
 MAX_PID = 1 << 22
-
-
-def _whole(value: Any, _cfg: Any) -> int:
-    if isinstance(value, bool):
-        raise TypeError("expected a whole number")
-    if isinstance(value, float) and not value.is_integer():
-        raise ValueError("expected a whole number")
-    number = int(value)
-    if abs(number) > MAX_WHOLE:
-        raise ValueError("too large")
-    return number
 
 
 def _bytes(value: Any, _cfg: Any) -> int:
@@ -197,28 +98,12 @@ def _pids(value: Any, _cfg: Any) -> list[int]:
         value = [v for v in value.replace(" ", ",").split(",") if v]
     if not isinstance(value, list):
         value = [value]
-    pids = [_whole(v, None) if not isinstance(v, str) else int(v) for v in value]
+    pids = [whole(v, None) if not isinstance(v, str) else int(v) for v in value]
     if any(p <= 0 for p in pids):
         raise ValueError("PIDs are positive")
     if any(p > MAX_PID for p in pids):
         raise ValueError(f"PIDs are at most {MAX_PID}")
     return pids
-
-
-_TRUE = {"true", "yes", "on", "1"}
-_FALSE = {"false", "no", "off", "0"}
-
-
-def _switch(value: Any, name: object, what: str = "collector") -> bool:
-    """A collector switch or yes/no setting: a YAML boolean, or true/false, yes/no, on/off, 1/0."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ConfigError(f"{what} {shown(name)}: {shown(value)} is not true or false")
 
 
 def _unknown_collector(name: object) -> ConfigError:
@@ -232,7 +117,7 @@ def _collectors(value: Any, cfg: Any) -> dict[str, bool]:
         for name, on in value.items():
             if name not in COLLECTOR_NAMES:
                 raise _unknown_collector(name)
-            out[name] = _switch(on, name)
+            out[name] = switch(on, name)
         return out
     for raw in value.split(",") if isinstance(value, str) else list(value):
         item = str(raw).strip()
@@ -246,15 +131,6 @@ def _collectors(value: Any, cfg: Any) -> dict[str, bool]:
 
 
 # -- checks: (value, setting name) -> None or ConfigError -------------------------------------
-
-def _between(low: float, high: float, unit: str = "") -> Callable[[Any, str], None]:
-    def check(value: Any, name: str) -> None:
-        if not low <= value <= high:
-            dashed = name.replace("_", "-")
-            what = f" {unit}" if unit else ""
-            raise ConfigError(f"{dashed} {value:g} is out of range ({low:g}-{high:g}{what})")
-    return check
-
 
 def _check_interval(value: float, _name: str) -> None:
     if not MIN_INTERVAL <= value <= MAX_INTERVAL:
@@ -304,126 +180,157 @@ def _check_token(value: str | None, _name: str) -> None:
         check_token(value, "MRC_AGENT_WEBHOOK_TOKEN")
 
 
-def _check_nonempty(value: str, name: str) -> None:
-    if not value:
-        raise ConfigError(f"{name.replace('_', '-')} must not be empty")
+def _collector_flags(target: Any, spec: Setting, default: str) -> None:
+    """The collectors' two flags, ``--collector NAME`` and ``--no-collector NAME``."""
+    names = list(COLLECTOR_NAMES)
+    target.add_argument("--collector", dest="enable", action="append", default=[],
+                        choices=names, metavar="NAME",
+                        help=f"switch a collector on (repeatable: {', '.join(names)}; "
+                             f"default {default}; env {spec.env}=profiling,-gpm)")
+    target.add_argument("--no-collector", dest="disable", action="append", default=[],
+                        choices=names, metavar="NAME",
+                        help=f"switch a collector off (repeatable; env {spec.env})")
+
+
+def _collector_switches(args: argparse.Namespace) -> str | None:
+    switches = [*getattr(args, "enable", []), *(f"-{n}" for n in getattr(args, "disable", []))]
+    return ",".join(switches) if switches else None
 
 
 _AGENT = (RUN, DOCTOR)
 
 
 @dataclass
-class AgentConfig:
-    """Every setting of the agent, in the order ``--help`` lists them."""
+class SamplingSettings:
+    """The sidecar's own settings: what it samples, how often, and where it serves."""
 
     pids: list[int] = setting(
         default_factory=list, parse=_pids, commands=_AGENT, flag="--pid", metavar="PID",
-        aliases=(ENV_PREFIX + "PID",), repeatable=True,
+        aliases=(ENV_PREFIX + "PID",), repeatable=True, flag_type=int,
         help="target process ID (repeatable; in the environment a list such as 1,2)")
     pidfile: str | None = setting(
-        parse=_text, commands=_AGENT, metavar="PATH",
+        parse=text, commands=_AGENT, metavar="PATH",
         help="file holding the target PID, re-read every interval")
     process_name: str | None = setting(
-        parse=_text, check=_check_regex, commands=_AGENT, metavar="REGEX",
+        parse=text, check=_check_regex, commands=_AGENT, metavar="REGEX",
         help="regex matched against command lines every interval; every match is a target "
              "(a process that execs into a match is found within 5 s)")
     listen: str = setting(
-        DEFAULT_LISTEN, parse=_text, check=_check_listen, commands=(RUN,), metavar="HOST:PORT",
+        DEFAULT_LISTEN, parse=text, check=_check_listen, commands=(RUN,), metavar="HOST:PORT",
         help="address to serve on: HOST:PORT, :PORT or [::1]:PORT")
     interval: float = setting(
-        1.0, parse=_float, check=_check_interval, commands=(RUN,), metavar="SECONDS",
+        1.0, parse=number, check=_check_interval, commands=(RUN,), metavar="SECONDS",
         help="sampling period")
     gpu_backend: str = setting(
-        "auto", parse=_text, check=_check_backend, commands=(RUN, DOCTOR, DIAGNOSE),
+        "auto", parse=text, check=_check_backend, commands=(RUN, DOCTOR, DIAGNOSE),
         metavar="auto|nvml|replay:PATH|none", help="where GPU samples come from")
     #: Which GPUs' series to export (docs/attribution.md): the targets' (by their environment
     #: and NVML's process lists; every GPU while no target says) or every GPU the agent sees.
     gpus: str = setting(
-        MODE_TARGETS, parse=_text, check=_check_gpus, commands=(RUN, DOCTOR),
+        MODE_TARGETS, parse=text, check=_check_gpus, commands=(RUN, DOCTOR),
         metavar="|".join(GPU_MODES),
         help="GPUs to report: targets (those the target processes can use; every GPU while "
              "none says which) or all")
     #: PM sampling shuts every other profiler out of a GPU, so with attribution "unknown" a
     #: node of several GPUs is not profiled unless this allows it (docs/attribution.md).
     profile_unattributed: bool = setting(
-        False, parse=lambda value, _cfg: _switch(value, "profile_unattributed", "setting"),
+        False, parse=lambda value, _cfg: switch(value, "profile_unattributed", "setting"),
         commands=(RUN, DOCTOR), metavar="true|false", default_text="false",
         help="let the profiling collector profile every GPU of the node while no target says "
              "which GPUs it uses (it holds their performance monitors)")
     #: GPM's own window: NVML wants more than 100 ms between two GPM samples, and a second
     #: averages out a decode loop's bursts; the sampler reuses the last window in between.
     gpm_interval: float = setting(
-        1.0, parse=_float, check=_between(0.2, 60.0, "seconds"), commands=(RUN,),
+        1.0, parse=number, check=between(0.2, 60.0, "seconds"), commands=(RUN,),
         metavar="SECONDS", help="GPM sampling window (0.2-60 s); shorter sampling intervals "
                                 "reuse the last window's values")
-    stacks_interval: float = setting(0.1, parse=_float, check=_between(0.01, 1.0, "seconds"),
+    stacks_interval: float = setting(0.1, parse=number, check=between(0.01, 1.0, "seconds"),
                                      commands=(RUN,), metavar="SECONDS",
                                      help="seconds between two stack samples of a target")
-    stacks_top_k: int = setting(5, parse=_whole, check=_between(1, 100), commands=(RUN,),
+    stacks_top_k: int = setting(5, parse=whole, check=between(1, 100), commands=(RUN,),
                                 metavar="N", help="functions per target with a label of their own")
     collectors: dict[str, bool] = setting(
         default_factory=lambda: dict(DEFAULT_ON), parse=_collectors, commands=_AGENT,
-        metavar="NAME",
+        metavar="NAME", add_flag=_collector_flags, read_flag=_collector_switches,
         help="collectors on or off: a list such as profiling,-gpm, or a mapping in the file")
     idle_util_threshold: float = setting(
-        DerivedThresholds.idle_util, parse=_float, check=_check_ratio(1.0),
+        DerivedThresholds.idle_util, parse=number, check=_check_ratio(1.0),
         commands=(RUN, DOCTOR, DIAGNOSE), metavar="RATIO",
         help="GPU utilisation at or below which the GPU counts as idle")
     starvation_cpu_threshold: float = setting(
-        DerivedThresholds.starved_cpu, parse=_float, check=_check_ratio(64.0),
+        DerivedThresholds.starved_cpu, parse=number, check=_check_ratio(64.0),
         commands=(RUN, DOCTOR, DIAGNOSE), metavar="RATIO",
         help="target user CPU (cores) at or above which it counts as hot")
     starvation_gpu_threshold: float = setting(
-        DerivedThresholds.starved_gpu, parse=_float, check=_check_ratio(1.0), commands=_AGENT,
+        DerivedThresholds.starved_gpu, parse=number, check=_check_ratio(1.0), commands=_AGENT,
         metavar="RATIO", help="GPU utilisation at or below which a hot target is starved")
     log_level: str = setting(
-        "info", parse=_text, check=_check_log_level, commands=_AGENT, metavar="LEVEL",
+        "info", parse=text, check=_check_log_level, commands=_AGENT, metavar="LEVEL",
         help="debug, info, warning or error")
     #: TLS, client certificates, basic auth and response headers for every endpoint, in the
     #: Prometheus exporter-toolkit format (node_exporter's --web.config.file); read by
     #: agent/core/webconfig.py at start and again on SIGHUP. Empty means none, as there.
     web_config_file: str | None = setting(
-        parse=_text, commands=(RUN,), metavar="PATH",
+        parse=text, commands=(RUN,), metavar="PATH",
         help="Prometheus exporter-toolkit web configuration file (as node_exporter's "
              "--web.config.file): TLS, client certificates, basic auth, response headers")
+
+
+@dataclass
+class CaptureSettings:
+    """The on-alert captures' settings (``agent/tools/capture``): one ``--help`` group of
+    ``mrc-agent run``, composed into :class:`AgentConfig`."""
+
+    GROUP: ClassVar[str] = CAPTURES_GROUP
+
     #: The Alertmanager webhook (``POST /hooks/alertmanager``) and the captures endpoints are
     #: served only when a shared token is given: a file (``--webhook-token-file``, mounted from
     #: a Secret) or ``MRC_AGENT_WEBHOOK_TOKEN``. Never on the command line or in the config
     #: file, where it would be visible in ``ps`` or a ConfigMap.
     webhook_token_file: str | None = setting(
-        parse=_text, commands=(RUN,), metavar="PATH", group=CAPTURES_GROUP,
+        parse=text, commands=(RUN,), metavar="PATH",
         help="file holding the shared token that enables POST /hooks/alertmanager and "
              "GET /captures (or the token itself in MRC_AGENT_WEBHOOK_TOKEN)")
     webhook_token: str | None = setting(
-        parse=_text, check=_check_token, flag=None, env_only=True,
+        parse=text, check=_check_token, flag=None, env_only=True,
         help="the shared webhook token itself (environment only)")
     capture_dir: str = setting(
-        DEFAULT_CAPTURE_DIR, parse=_text, check=_check_nonempty, commands=(RUN,), metavar="DIR",
-        group=CAPTURES_GROUP, default_text="$TMPDIR/mrc-agent-captures",
+        DEFAULT_CAPTURE_DIR, parse=text, check=nonempty, commands=(RUN,), metavar="DIR",
+        default_text="$TMPDIR/mrc-agent-captures",
         help="where captures are kept ($TMPDIR is /tmp when unset)")
     #: Seconds one on-alert capture samples for: long enough for a few hundred stacks and a
     #: few GPU idle windows, short enough that the moment the alert caught is still going on.
     capture_duration: float = setting(
-        10.0, parse=_float, check=_between(1.0, 120.0), commands=(RUN,), metavar="SECONDS",
-        group=CAPTURES_GROUP, help="how long one capture samples")
+        10.0, parse=number, check=between(1.0, 120.0), commands=(RUN,), metavar="SECONDS",
+        help="how long one capture samples")
     #: At most this many captures start per rolling hour (and only one runs at a time): an
     #: alert that re-fires every group_interval must not keep py-spy attached all day.
     capture_max_per_hour: int = setting(
-        6, parse=_whole, check=_between(1, 60), commands=(RUN,), metavar="N",
-        group=CAPTURES_GROUP, help="captures started per rolling hour at most")
+        6, parse=whole, check=between(1, 60), commands=(RUN,), metavar="N",
+        help="captures started per rolling hour at most")
     #: Bounds of the captures directory; the oldest captures are deleted first.
     capture_max_count: int = setting(
-        20, parse=_whole, check=_between(1, 1000), commands=(RUN,), metavar="N",
-        group=CAPTURES_GROUP, help="captures kept at most, oldest deleted first")
+        20, parse=whole, check=between(1, 1000), commands=(RUN,), metavar="N",
+        help="captures kept at most, oldest deleted first")
     capture_max_bytes: int = setting(
-        100 * 1024 * 1024, parse=_bytes, check=_between(1 << 20, 1 << 40), commands=(RUN,),
-        metavar="BYTES", group=CAPTURES_GROUP, default_text="100Mi",
+        100 * 1024 * 1024, parse=_bytes, check=between(1 << 20, 1 << 40), commands=(RUN,),
+        metavar="BYTES", default_text="100Mi",
         help="bytes the captures may use, e.g. 100Mi")
     #: Captures older than this many seconds are deleted (7 days).
     capture_retention: float = setting(
-        7 * 86400.0, parse=_seconds, check=_between(60.0, 365 * 86400.0), commands=(RUN,),
-        metavar="DURATION", group=CAPTURES_GROUP, default_text="7d",
+        7 * 86400.0, parse=_seconds, check=between(60.0, 365 * 86400.0), commands=(RUN,),
+        metavar="DURATION", default_text="7d",
         help="delete captures older than this, e.g. 24h or 7d")
+
+    @property
+    def webhook_enabled(self) -> bool:
+        return bool(self.webhook_token_file or self.webhook_token)
+
+
+@dataclass
+class AgentConfig(CaptureSettings, SamplingSettings):
+    """Every setting of the agent, in the order ``--help`` lists them: a dataclass lists the
+    fields of its last base first, so the sidecar's come before the captures'."""
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -439,29 +346,20 @@ class AgentConfig:
         return self.gpu_backend[len("replay:"):] if self.gpu_backend.startswith("replay:") else None
 
     @property
-    def webhook_enabled(self) -> bool:
-        return bool(self.webhook_token_file or self.webhook_token)
-
-    @property
     def enabled(self) -> list[str]:
         """Enabled collector names in sampling order."""
         return [name for name in COLLECTOR_NAMES if self.collectors.get(name)]
 
 
-def _settings() -> dict[str, Setting]:
-    out = {}
-    for f in fields(AgentConfig):
-        out[f.name] = Setting(name=f.name, **f.metadata["setting"])
-    return out
-
-
+#: The agent's settings, read by the shared mechanism; environment names MRC_AGENT_<NAME>.
+DECLARATIONS = Declarations(AgentConfig, ENV_PREFIX)
 #: Every setting, by field name, in declaration order.
-SETTINGS: dict[str, Setting] = _settings()
+SETTINGS: dict[str, Setting] = DECLARATIONS.specs
 
 
 def default_of(name: str) -> Any:
     """The default value of setting ``name``."""
-    return getattr(AgentConfig(), name)
+    return DECLARATIONS.default_of(name)
 
 
 # -- values ------------------------------------------------------------------------------------
@@ -502,18 +400,7 @@ def check_token(token: str, origin: str) -> None:
 
 def apply(cfg: AgentConfig, values: Mapping[str, Any], origin: str) -> None:
     """Overlay ``values`` (already keyed by field name) onto ``cfg``."""
-    for key, value in values.items():
-        spec = SETTINGS.get(key)
-        if spec is None:
-            raise ConfigError(f"{origin}: unknown setting {shown(key)}")
-        try:
-            parsed = spec.parse(value, cfg)
-        except ConfigError as exc:
-            raise ConfigError(f"{origin}: {exc}") from exc
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise ConfigError(f"{origin}: invalid value {shown(value)} for {key} "
-                              f"({clipped(str(exc))})") from exc
-        setattr(cfg, key, parsed)
+    DECLARATIONS.apply(cfg, values, origin)
 
 
 class YAMLRefused(yaml.MarkedYAMLError):
@@ -594,24 +481,12 @@ def from_file(path: str) -> dict[str, Any]:
 def from_env(env: Mapping[str, str]) -> dict[str, Any]:
     """``MRC_AGENT_<SETTING>`` for every setting (``MRC_AGENT_PID`` for ``pids`` too);
     ``MRC_AGENT_CONFIG`` names the file and is not a setting."""
-    by_env = {s.env: s.name for s in SETTINGS.values()}
-    by_env.update({alias: s.name for s in SETTINGS.values() for alias in s.aliases})
-    out: dict[str, Any] = {}
-    for name, value in env.items():
-        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
-            continue
-        key = by_env.get(name)
-        if key is None:
-            raise ConfigError(f"environment: unknown setting {clipped(name)}")
-        out[key] = value
-    return out
+    return DECLARATIONS.from_env(env, ignore=(CONFIG_ENV,))
 
 
 def validate(cfg: AgentConfig) -> AgentConfig:
     """Check every setting; the first problem raises ConfigError."""
-    for spec in SETTINGS.values():
-        if spec.check is not None:
-            spec.check(getattr(cfg, spec.name), spec.name)
+    DECLARATIONS.check(cfg)
     if cfg.webhook_token_file and cfg.webhook_token:
         raise ConfigError("give the webhook token once: webhook-token-file or "
                           "MRC_AGENT_WEBHOOK_TOKEN, not both")
@@ -633,23 +508,10 @@ def load(cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
 
 # -- flags -------------------------------------------------------------------------------------
 
-_FLAG_TYPES: dict[Callable[[Any, Any], Any], Callable[[str], Any]] = {_float: float, _whole: int}
-
-
 def default_text(name: str) -> str | None:
     """How ``--help`` and ``docs/settings.md`` show setting ``name``'s default; None when it
     has none."""
-    value = default_of(name)
-    if value in (None, [], ""):
-        return None
-    spec = SETTINGS[name]
-    if spec.default_text:
-        return spec.default_text
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    if isinstance(value, dict):
-        return ",".join(n for n, on in value.items() if on)
-    return str(value)
+    return default_shown(SETTINGS[name], default_of(name))
 
 
 def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
@@ -657,41 +519,12 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
     so only the flags given override the environment and the file."""
     parser.add_argument("--config", metavar="PATH",
                         help=f"YAML config file (env {CONFIG_ENV})")
-    groups: dict[str, Any] = {}
-    for spec in SETTINGS.values():
-        if command not in spec.commands or spec.flag_name is None:
-            continue
-        target: Any = parser
-        if spec.group:
-            target = groups.get(spec.group) or groups.setdefault(
-                spec.group, parser.add_argument_group(spec.group))
-        shown = default_text(spec.name)
-        text = f"{spec.help}{f' (default {shown})' if shown else ''}; env {spec.env}"
-        if spec.name == "collectors":
-            names = list(COLLECTOR_NAMES)
-            target.add_argument("--collector", dest="enable", action="append", default=[],
-                                choices=names, metavar="NAME",
-                                help=f"switch a collector on (repeatable: {', '.join(names)}; "
-                                     f"default {shown}; env {spec.env}=profiling,-gpm)")
-            target.add_argument("--no-collector", dest="disable", action="append", default=[],
-                                choices=names, metavar="NAME",
-                                help=f"switch a collector off (repeatable; env {spec.env})")
-            continue
-        # argparse checks the numbers a flag takes; the setting's parser checks the rest.
-        kind: dict[str, Any] = {"type": _FLAG_TYPES.get(spec.parse, str)}
-        if spec.repeatable:
-            kind = {"type": int if spec.parse is _pids else str, "action": "append"}
-        target.add_argument(spec.flag_name, dest=spec.name, metavar=spec.metavar,
-                            help=text, **kind)
+    DECLARATIONS.add_flags(parser, command)
 
 
 def flag_values(args: argparse.Namespace) -> dict[str, Any]:
     """The settings given as flags in ``args`` (as :func:`add_flags` declared them)."""
-    cli = {name: getattr(args, name) for name in SETTINGS if getattr(args, name, None) is not None}
-    switches = [*getattr(args, "enable", []), *(f"-{n}" for n in getattr(args, "disable", []))]
-    if switches:
-        cli["collectors"] = ",".join(switches)
-    return cli
+    return DECLARATIONS.flag_values(args)
 
 
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> AgentConfig:

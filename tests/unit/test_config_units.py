@@ -1,6 +1,7 @@
 """The settings module's parts one at a time: each parser, range check and source (config
-file, environment, flags) of ``agent/core/config.py``, with the exact line a user reads for a
-bad value. Fast and in-process; ``tests/unit/test_config.py`` covers the precedence end to end."""
+file, environment, flags) of ``agent/core/config.py`` and of the mechanism beneath it
+(``exporters/settings.py``), with the exact line a user reads for a bad value. Fast and
+in-process; ``tests/unit/test_config.py`` covers the precedence end to end."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from mrc_agent.agent.core.config import (
     read_token_file,
     validate,
 )
+from mrc_agent.exporters import settings as s
 
 TOKEN = "0123456789abcdef"  # exactly MIN_TOKEN_LENGTH characters
 
@@ -48,25 +50,25 @@ def _error(cli: dict | None = None, env: dict | None = None, path: str | None = 
 # -- parsers -----------------------------------------------------------------------------------
 
 def test_text_keeps_none_and_turns_anything_else_into_a_string() -> None:
-    assert c._text(None, None) is None
-    assert c._text(5, None) == "5"
-    assert c._text("", None) == ""
+    assert s.text(None, None) is None
+    assert s.text(5, None) == "5"
+    assert s.text("", None) == ""
 
 
 def test_float_refuses_a_boolean_and_reads_numbers_and_strings() -> None:
     with pytest.raises(TypeError, match="^expected a number$"):
-        c._float(True, None)
-    assert c._float("1.5", None) == 1.5
-    assert c._float(2, None) == 2.0
+        s.number(True, None)
+    assert s.number("1.5", None) == 1.5
+    assert s.number(2, None) == 2.0
 
 
 def test_whole_takes_whole_numbers_only() -> None:
     with pytest.raises(TypeError, match="^expected a whole number$"):
-        c._whole(False, None)
+        s.whole(False, None)
     with pytest.raises(ValueError, match="^expected a whole number$"):
-        c._whole(1.5, None)
-    assert c._whole(2.0, None) == 2 and isinstance(c._whole(2.0, None), int)
-    assert c._whole("3", None) == 3
+        s.whole(1.5, None)
+    assert s.whole(2.0, None) == 2 and isinstance(s.whole(2.0, None), int)
+    assert s.whole("3", None) == 3
 
 
 @pytest.mark.parametrize(("value", "expected"), [
@@ -100,12 +102,12 @@ def test_pids_refuse_booleans_and_fractions() -> None:
     (1, True), ("false", False), ("No", False), ("off", False), ("0", False), (0, False),
 ])
 def test_a_collector_switch_reads_the_usual_words_for_true_and_false(value, expected) -> None:
-    assert c._switch(value, "gpm") is expected
+    assert s.switch(value, "gpm") is expected
 
 
 def test_a_collector_switch_that_is_neither_says_so() -> None:
     with pytest.raises(ConfigError) as err:
-        c._switch("maybe", "gpm")
+        s.switch("maybe", "gpm")
     assert str(err.value) == "collector 'gpm': 'maybe' is not true or false"
 
 
@@ -159,7 +161,7 @@ def test_a_bad_switch_in_the_file_names_the_file_and_the_collector(tmp_path) -> 
 # -- range checks ------------------------------------------------------------------------------
 
 def test_between_is_inclusive_and_says_the_range() -> None:
-    check = c._between(1, 2.5)
+    check = s.between(1, 2.5)
     check(1, "capture_duration")
     check(2.5, "capture_duration")
     with pytest.raises(ConfigError) as err:
@@ -169,7 +171,7 @@ def test_between_is_inclusive_and_says_the_range() -> None:
         check(2.6, "capture_duration")
     assert str(err.value) == "capture-duration 2.6 is out of range (1-2.5)"
     with pytest.raises(ConfigError) as err:
-        c._between(1, 2, "seconds")(3, "a_b_c")
+        s.between(1, 2, "seconds")(3, "a_b_c")
     assert str(err.value) == "a-b-c 3 is out of range (1-2 seconds)"
 
 
@@ -510,21 +512,21 @@ def test_a_settings_environment_name_and_flag_follow_its_name() -> None:
 
 
 def test_setting_makes_a_field_that_carries_its_declaration() -> None:
-    plain = c.setting(5, parse=c._whole, help="h")
+    plain = s.setting(5, parse=s.whole, help="h")
     assert plain.default == 5 and plain.default_factory is MISSING
-    assert dict(plain.metadata) == {"setting": {"parse": c._whole, "help": "h"}}
-    made = c.setting(default_factory=list, help="h")
+    assert dict(plain.metadata) == {"setting": {"parse": s.whole, "help": "h"}}
+    made = s.setting(default_factory=list, help="h")
     assert made.default is MISSING and made.default_factory is list
     assert dict(made.metadata) == {"setting": {"help": "h"}}
-    assert c.setting(help="h").default is None
+    assert s.setting(help="h").default is None
 
 
 def test_the_settings_are_built_from_the_fields_in_order() -> None:
-    built = c._settings()
+    built = s.declare(AgentConfig, c.ENV_PREFIX)
     assert built == SETTINGS
     assert list(built) == [f.name for f in fields(AgentConfig)]
     assert all(spec.name == name for name, spec in built.items())
-    assert built["interval"].parse is c._float and built["interval"].commands == ("run",)
+    assert built["interval"].parse is s.number and built["interval"].commands == ("run",)
 
 
 def test_the_defaults_and_how_help_shows_them() -> None:
@@ -650,15 +652,15 @@ def test_pids_and_counts_have_a_ceiling() -> None:
     with pytest.raises(ValueError, match="^PIDs are at most 4194304$"):
         c._pids([1, 4194305], None)
     with pytest.raises(ValueError, match="too large"):
-        c._whole(1 << 70, None)
+        s.whole(1 << 70, None)
 
 
 def test_shown_values_are_cut_and_bounded_in_work() -> None:
-    assert c.shown("x" * 10) == "'xxxxxxxxxx'"
-    assert len(c.shown("x" * 100_000)) <= c.SHOWN_CHARS
+    assert s.shown("x" * 10) == "'xxxxxxxxxx'"
+    assert len(s.shown("x" * 100_000)) <= s.SHOWN_CHARS
     nested: list[object] = ["lol"] * 9
     for _ in range(30):  # 9 ** 30 items if walked
         nested = [nested] * 9
-    assert len(c.shown(nested)) <= c.SHOWN_CHARS
-    assert c.shown(1 << 20_000) == "<an integer of 20001 bits>"
-    assert c.clipped("y" * 1000, 10) == "yyyyyyy..."
+    assert len(s.shown(nested)) <= s.SHOWN_CHARS
+    assert s.shown(1 << 20_000) == "<an integer of 20001 bits>"
+    assert s.clipped("y" * 1000, 10) == "yyyyyyy..."
