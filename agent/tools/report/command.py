@@ -11,7 +11,12 @@ from typing import Any
 
 from mrc_agent.agent.tools.report.chromium import screenshot
 from mrc_agent.agent.tools.report.data import Report, collect
-from mrc_agent.agent.tools.report.options import ReportOptions, options_from_args
+from mrc_agent.agent.tools.report.options import (
+    FLAGS,
+    REPORT,
+    ReportOptions,
+    options_from_args,
+)
 from mrc_agent.agent.tools.report.page import page_height, render_html
 from mrc_agent.agent.tools.report.prom import PromClient, Unreachable
 from mrc_agent.dashboards.queries import PROMPT_LENGTH_ORDER, RESOLUTION_ORDER
@@ -66,21 +71,7 @@ def run_report_command(args: Any) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prometheus", required=True, metavar="URL",
-                        help="Prometheus base URL, e.g. http://prometheus:9090")
-    parser.add_argument("--out", required=True, metavar="FILE", help="report.html or report.png")
-    parser.add_argument("--range", default="1h", metavar="DURATION",
-                        help="how far back from now, e.g. 5m, 1h, 1d (1h)")
-    parser.add_argument("--step", default="15s", metavar="DURATION",
-                        help="resolution of the charts (15s)")
-    parser.add_argument("--selector", metavar="MATCHERS",
-                        help='label matchers added to every query, e.g. namespace="mrc"')
-    parser.add_argument("--format", choices=["html", "png"],
-                        help="html, or png via headless Chromium (from --out's suffix)")
-    parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
-                        help="per request to Prometheus (10)")
-    parser.add_argument("--chromium", metavar="PATH", help="Chromium for --format png "
-                        "(chromium on PATH)")
+    FLAGS.add_flags(parser, REPORT)
 
 
 run = run_report_command

@@ -1,5 +1,7 @@
-"""The validated flags of ``mrc-agent report`` (:class:`ReportOptions`): one clear line and
-exit code 2 (a :class:`ConfigError`) for each bad one.
+"""The flags of ``mrc-agent report``, declared once (:class:`ReportSettings`, read by the
+settings mechanism of :mod:`mrc_agent.exporters.settings`), and validated together
+(:class:`ReportOptions`): one clear line and exit code 2 (a :class:`ConfigError`) for each bad
+one.
 """
 
 from __future__ import annotations
@@ -9,16 +11,55 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mrc_agent.agent.core.config import ConfigError, clipped
 from mrc_agent.agent.core.units import parse_duration
 from mrc_agent.agent.tools.report.chromium import find_chromium
 from mrc_agent.alerts.config import Config
+from mrc_agent.exporters.settings import (
+    ConfigError,
+    Declarations,
+    clipped,
+    number,
+    setting,
+    text,
+)
 
 #: Prometheus refuses a range query that would return more points per series than this.
 MAX_POINTS = 11_000
 #: The longest --range: ten years is past any retention, and the dates of a longer one fall
 #: outside what the report can write (before year 1).
 MAX_RANGE_S = 3650 * 86400.0
+
+
+REPORT = "report"
+
+
+@dataclass
+class ReportSettings:
+    """The flags of ``mrc-agent report`` as given; :func:`options_from_args` checks them
+    together."""
+
+    prometheus: str | None = setting(
+        parse=text, commands=(REPORT,), required=True, metavar="URL",
+        help="Prometheus base URL, e.g. http://prometheus:9090")
+    out: str | None = setting(parse=text, commands=(REPORT,), required=True, metavar="FILE",
+                              help="report.html or report.png")
+    range: str = setting("1h", parse=text, commands=(REPORT,), metavar="DURATION",
+                         help="how far back from now, e.g. 5m, 1h, 1d")
+    step: str = setting("15s", parse=text, commands=(REPORT,), metavar="DURATION",
+                        help="resolution of the charts")
+    selector: str | None = setting(
+        parse=text, commands=(REPORT,), metavar="MATCHERS",
+        help='label matchers added to every query, e.g. namespace="mrc"')
+    format: str | None = setting(parse=text, commands=(REPORT,), choices=("html", "png"),
+                                 help="html, or png via headless Chromium (from --out's suffix)")
+    timeout: float = setting(10.0, parse=number, commands=(REPORT,), metavar="SECONDS",
+                             help="per request to Prometheus")
+    chromium: str | None = setting(parse=text, commands=(REPORT,), metavar="PATH",
+                                   help="Chromium for --format png (chromium on PATH)")
+
+
+#: The flags of ``mrc-agent report``: no environment, no config file.
+FLAGS = Declarations(ReportSettings)
 
 
 @dataclass(frozen=True)
