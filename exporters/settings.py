@@ -1,7 +1,8 @@
 """The one settings mechanism of the project's command lines: the agent's subcommands
-(:mod:`mrc_agent.agent.core.config` declares the sidecar's settings) and, in time, the
-reference service, which may import nothing of the agent; hence it lives here, beside the other
-code both share. Plain Python: no third-party import.
+(:mod:`mrc_agent.agent.core.config` declares the sidecar's settings,
+:mod:`mrc_agent.agent.tools.report.options` the report's flags) and the reference service
+(:mod:`mrc_agent.reference_service.settings`), which may import nothing of the agent; hence it
+lives here, beside the other code both share. Plain Python: no third-party import.
 
 A setting is declared once, as a dataclass field made by :func:`setting`: its default, how a
 value is read (``parse``) and checked (``check``), its flag, ``--help`` text, metavar and the
@@ -129,8 +130,9 @@ def setting(default: Any = None, *, default_factory: Callable[[], Any] | None = 
 
 
 def declare(cls: type, env_prefix: str | None = None) -> dict[str, Setting]:
-    """The :class:`Setting` of every field of the dataclass ``cls``, in field order; the fields
-    a class of settings with a ``GROUP`` title declares are in that ``--help`` group."""
+    """The :class:`Setting` of every field of the dataclass ``cls`` made by :func:`setting`, in
+    field order; the fields a class of settings with a ``GROUP`` title declares are in that
+    ``--help`` group."""
     group_of: dict[str, str] = {}
     for base in cls.__mro__:
         title = base.__dict__.get("GROUP")
@@ -139,6 +141,8 @@ def declare(cls: type, env_prefix: str | None = None) -> dict[str, Setting]:
                 group_of.setdefault(name, title)
     out = {}
     for f in fields(cls):
+        if "setting" not in f.metadata:  # a field of the object that is no setting
+            continue
         spec = {"group": group_of.get(f.name), **f.metadata["setting"]}
         out[f.name] = Setting(name=f.name, env_prefix=env_prefix, **spec)
     return out
@@ -188,6 +192,11 @@ def switch(value: Any, name: object, what: str = "collector") -> bool:
     raise ConfigError(f"{what} {shown(name)}: {shown(value)} is not true or false")
 
 
+def yes_no(value: Any, _cfg: Any) -> bool:
+    """A toggle's value (argparse's ``store_true`` gives a bool)."""
+    return switch(value, "value", "setting")
+
+
 # -- checks: (value, setting name) -> None or ConfigError -------------------------------------
 
 def between(low: float, high: float, unit: str = "") -> Callable[[Any, str], None]:
@@ -213,10 +222,10 @@ _FLAG_TYPES: dict[Callable[[Any, Any], Any], Callable[[str], Any]] = {number: fl
 def default_shown(spec: Setting, value: Any) -> str | None:
     """How ``--help`` and the settings reference show ``value``, the default of ``spec``;
     None when it has none."""
-    if value in (None, [], "", ()) or (spec.toggle and value is False):
-        return None
     if spec.default_text:
         return spec.default_text
+    if value in (None, [], "", ()) or (spec.toggle and value is False):
+        return None
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     if isinstance(value, dict):
@@ -327,3 +336,10 @@ class Declarations:
             if value is not None:
                 out[name] = value
         return out
+
+    def from_args(self, args: argparse.Namespace) -> Any:
+        """The settings of a command whose flags are its only source: the declared defaults,
+        the flags given over them, every value parsed and checked."""
+        cfg = self.cls()
+        self.apply(cfg, self.flag_values(args), "command line")
+        return self.check(cfg)
