@@ -1,8 +1,25 @@
-"""What many tests share: a clock the test moves by hand, and a free loopback port."""
+"""What many tests share: a clock the test moves by hand, a free loopback port, and a
+collector's view of one pass."""
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TypeVar
+
+from mrc_agent.agent.core.collectors.base import (
+    Collector,
+    PassView,
+    Processes,
+    TargetState,
+    Update,
+)
+from mrc_agent.agent.core.collectors.gpu import GpuReadings
+from mrc_agent.agent.core.hw.base import GPUIdentity
+from mrc_agent.agent.core.sample import Sample
+from mrc_agent.agent.core.targets import Target
+
+T = TypeVar("T")
 
 
 class Clock:
@@ -29,3 +46,45 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def pass_view(now: float = 1.0, targets: Iterable[int] = (), *, wall: float | None = None,
+              processes: Mapping[int, TargetState] | None = None,
+              util: Mapping[GPUIdentity, float] | None = None,
+              points: Mapping[GPUIdentity, Sequence[tuple[float, float]]] | None = None,
+              gpus_of_pid: Mapping[int, Iterable[GPUIdentity]] | None = None,
+              outputs: Sequence[object] = ()) -> PassView:
+    """A collector's view of one pass at ``now``, watching ``targets`` (PIDs), with what the
+    collectors before it would have published: the process collector's ``processes``, the gpu
+    collector's ``util``/``points``/``gpus_of_pid`` (each given builds its GpuReadings), and
+    any other ``outputs``."""
+    published: list[object] = list(outputs)
+    if processes is not None:
+        published.append(Processes(dict(processes)))
+    if util is not None or points is not None or gpus_of_pid is not None:
+        published.append(GpuReadings(
+            dict(util or {}), dict(points or {}),
+            {pid: frozenset(g) for pid, g in (gpus_of_pid or {}).items()}))
+    view = PassView(now=now, wall=now if wall is None else wall,
+                    targets=tuple(Target(pid, "pid") for pid in targets))
+    return view.with_outputs(published)
+
+
+def published(update: Update, kind: type[T]) -> T | None:
+    """The output of type ``kind`` a collector's update published, or None."""
+    found = [o for o in update.outputs if isinstance(o, kind)]
+    return found[-1] if found else None
+
+
+def run_pass(view: PassView, collectors: Iterable[Collector]) -> tuple[PassView, list[Sample]]:
+    """``collectors`` run in order on ``view`` as the runner runs them, each seeing what those
+    before it published: (the last view, every sample). A collector that fails raises, as
+    one whose update returns an error (:attr:`Update.error`) is raised here."""
+    samples: list[Sample] = []
+    for collector in collectors:
+        update = collector.update(view)
+        if update.error is not None:
+            raise update.error
+        samples.extend(update.samples)
+        view = view.with_outputs(update.outputs)
+    return view, samples

@@ -17,7 +17,13 @@ import time
 from collections.abc import Callable, Sequence
 
 from mrc_agent.agent import __version__
-from mrc_agent.agent.core.collectors.base import Collector, PassFinisher, SampleContext
+from mrc_agent.agent.core.collectors.base import (
+    Collector,
+    PassFinisher,
+    PassView,
+    Processes,
+    Update,
+)
 from mrc_agent.agent.core.hw.base import SourceUnavailable
 from mrc_agent.agent.core.sample import EMPTY, Sample, Snapshot, counter, gauge, info
 from mrc_agent.agent.core.targets import TargetResolver
@@ -140,24 +146,20 @@ class Runner:
     def sample_once(self) -> Snapshot:
         started = time.perf_counter()
         now = self._clock()
-        ctx = SampleContext(now=now, wall=self._wallclock(), targets=self.targets.resolve())
+        view = PassView(now=now, wall=self._wallclock(),
+                        targets=tuple(self.targets.resolve()))
         samples: list[Sample] = []
         health: list[Sample] = []
         for index, collector in enumerate(self.collectors):
             t0 = time.perf_counter()
             self._running = (collector.name, self._clock(), index)
-            success, available = 1.0, 1.0
             try:
-                samples.extend(collector.update(ctx))
-                self._say(collector.name, "")
-            except SourceUnavailable as exc:
-                success, available = 0.0, 0.0
-                self._say(collector.name, f"not available here: {exc}", logging.INFO)
+                update = collector.update(view)
             except Exception as exc:  # one collector's failure never fails the pass
-                success = 0.0
-                self._say(collector.name, f"failed: {type(exc).__name__}: {exc}",
-                          logging.WARNING)
-            ctx.succeeded[collector.name] = bool(success)
+                update = Update([], error=exc)
+            samples.extend(update.samples)
+            view = view.with_outputs(update.outputs)
+            success, available = self._health(collector.name, update.error)
             name = (collector.name,)
             health.append((COLLECTOR_SUCCESS.name, name, success))
             health.append((COLLECTOR_AVAILABLE.name, name, available))
@@ -165,7 +167,8 @@ class Runner:
         self._running = None
         finished: list[Sample] = []
         for finish in self._finishers:
-            finished.extend(finish(ctx))
+            finished.extend(finish(view))
+        processes = view.get(Processes)
         self._samples_total += 1
         self._passes += 1
         seq = self._passes * self._step
@@ -174,17 +177,29 @@ class Runner:
             (SAMPLES.name, (), float(self._samples_total)),
             (SAMPLE_OVERRUNS.name, (), float(self._overruns)),
             (SAMPLE_DURATION.name, (), time.perf_counter() - started),
-            (LAST_SAMPLE_TIMESTAMP.name, (), ctx.wall),
+            (LAST_SAMPLE_TIMESTAMP.name, (), view.wall),
             (INTERVAL.name, (), self.interval),
-            (TARGETS.name, (), float(len(ctx.processes))),
+            (TARGETS.name, (), float(len(processes.by_pid) if processes is not None else 0)),
         ]
-        snap = Snapshot(seq=seq, timestamp=ctx.wall,
+        snap = Snapshot(seq=seq, timestamp=view.wall,
                         samples=tuple(agent + finished + health + samples))
         self._snapshot = snap
         self._last_end = self._clock()
         self._failed = ""
         self.ready.set()
         return snap
+
+    def _health(self, collector: str, error: Exception | None) -> tuple[float, float]:
+        """(success, available) of a collector whose update ended with ``error`` (None: it
+        succeeded); a reason is logged once when it first appears or changes."""
+        if error is None:
+            self._say(collector, "")
+            return 1.0, 1.0
+        if isinstance(error, SourceUnavailable):
+            self._say(collector, f"not available here: {error}", logging.INFO)
+            return 0.0, 0.0
+        self._say(collector, f"failed: {type(error).__name__}: {error}", logging.WARNING)
+        return 0.0, 1.0
 
     def _say(self, collector: str, message: str, level: int = logging.INFO) -> None:
         if self._said.get(collector, "") == message:

@@ -14,17 +14,17 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from prometheus_client.registry import CollectorRegistry
 
 from mrc_agent.agent.core.catalog import CATALOG
-from mrc_agent.agent.core.collectors.base import Collector, SampleContext, TargetState
+from mrc_agent.agent.core.collectors.base import Collector, TargetState
 from mrc_agent.agent.core.collectors.derived import DerivedCollector
 from mrc_agent.agent.core.collectors.gpm import GpmCollector
 from mrc_agent.agent.core.collectors.gpu import GpuCollector
 from mrc_agent.agent.core.collectors.profiling import ProfilingCollector
 from mrc_agent.agent.core.hw.replay import ReplayBackend
-from mrc_agent.agent.core.sample import Snapshot
-from mrc_agent.agent.core.targets import Target
+from mrc_agent.agent.core.sample import Sample, Snapshot
 from mrc_agent.agent.tools.reference_docs import render, render_settings
 from mrc_agent.exporters.exposition.snapshot import MetricSpec, SnapshotCollector
 from tests.conftest import BUSY, DATA, REPO, Procs, parse_metrics, series
+from tests.support import pass_view, run_pass
 
 GOLDEN = DATA / "golden_gpu_metrics.txt"
 FIXED_TRACE = DATA / "fixed_device.jsonl"
@@ -35,12 +35,11 @@ def _fixed_snapshot() -> Snapshot:
     backend = ReplayBackend(str(FIXED_TRACE), clock=lambda: clock_t[0])
     collectors: list[Collector] = [GpuCollector(backend), GpmCollector(backend),
                                    ProfilingCollector(backend), DerivedCollector()]
-    samples = []
+    samples: list[Sample] = []
     for now in (50.0, 50.5, 51.0):
         clock_t[0] = now
-        ctx = SampleContext(now=now, wall=now, targets=[Target(4242, "pid")])
-        ctx.processes[4242] = TargetState(4242, "python", 1.0, 1.0)
-        samples = [s for c in collectors for s in c.update(ctx)]
+        view = pass_view(now, (4242,), processes={4242: TargetState(4242, "python", 1.0, 1.0)})
+        _, samples = run_pass(view, collectors)
     return Snapshot(1, 51.0, tuple(samples))
 
 

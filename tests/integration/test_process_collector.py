@@ -13,20 +13,24 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from mrc_agent.agent.core import targets
-from mrc_agent.agent.core.collectors.base import SampleContext
+from mrc_agent.agent.core.collectors.base import PassView, Processes, TargetState
 from mrc_agent.agent.core.collectors.process import ProcessCollector
 from mrc_agent.agent.core.hw.procfs import CLK_TCK, ProcessGone, ProcFS
 from mrc_agent.agent.core.targets import Target, TargetResolver
 from tests.conftest import BUSY, IDLE, THREADED, Procs
+from tests.support import published
 
 
-def _pass(collector: ProcessCollector, targets: list[Target]) -> tuple[SampleContext, dict]:
-    ctx = SampleContext(now=time.monotonic(), wall=time.time(), targets=targets)
-    samples = collector.update(ctx)
-    return ctx, {(name, labels): value for name, labels, value in samples}
+def _pass(collector: ProcessCollector, targets: list[Target]
+          ) -> tuple[Mapping[int, TargetState], dict]:
+    """(what the pass published of each target, its series)."""
+    update = collector.update(PassView(time.monotonic(), time.time(), tuple(targets)))
+    processes = published(update, Processes)
+    assert processes is not None
+    return processes.by_pid, {(name, labels): value for name, labels, value in update.samples}
 
 
 def _window(collector: ProcessCollector, targets: list[Target], seconds: float = 1.0):
@@ -71,7 +75,7 @@ def test_busy_process_is_counted_and_idle_is_not(procs: Procs) -> None:
     _settled(fs, idle.pid)
     targets = [Target(busy.pid, "pid"), Target(idle.pid, "pid")]
     collector = ProcessCollector()
-    ctx, out = _window(collector, targets)
+    procs_read, out = _window(collector, targets)
     comm = fs.stat(busy.pid).comm
     b, i = (str(busy.pid), comm), (str(idle.pid), comm)
     # A spinner gets some share of a core however loaded the machine is (0.1: ten ticks a
@@ -84,7 +88,7 @@ def test_busy_process_is_counted_and_idle_is_not(procs: Procs) -> None:
     assert out[("mrc_process_cpu_seconds_total", b + ("user",))] > 0.1
     assert out[("mrc_process_threads", b)] == 1
     assert out[("mrc_process_resident_memory_bytes", b)] > 1e6
-    assert ctx.processes[busy.pid].user_ratio is not None
+    assert procs_read[busy.pid].user_ratio is not None
     fs.close()
 
 
@@ -111,18 +115,18 @@ def test_ratio_lies_within_what_proc_says_around_the_window(procs: Procs) -> Non
     fs, collector = ProcFS(), ProcessCollector()
     target = [Target(p.pid, "pid")]
 
-    def bracketed() -> tuple[SampleContext, float, int, int, float]:
+    def bracketed() -> tuple[Mapping[int, TargetState], float, int, int, float]:
         t_before, u_before = time.monotonic(), fs.stat(p.pid).user_ticks
-        ctx, _ = _pass(collector, target)
+        read, _ = _pass(collector, target)
         u_after = fs.stat(p.pid).user_ticks
-        return ctx, t_before, u_before, u_after, time.monotonic()
+        return read, t_before, u_before, u_after, time.monotonic()
 
     bracketed()
     time.sleep(1.0)
     _, tb0, ub0, ua0, ta0 = bracketed()
     time.sleep(1.0)
-    ctx, tb1, ub1, ua1, ta1 = bracketed()
-    got = ctx.processes[p.pid].user_ratio
+    procs_read, tb1, ub1, ua1, ta1 = bracketed()
+    got = procs_read[p.pid].user_ratio
     assert got is not None and got > 0.1
     low = (ub1 - ua0) / CLK_TCK / (ta1 - tb0)
     high = (ua1 - ub0) / CLK_TCK / (tb1 - ta0)

@@ -23,12 +23,13 @@ import pytest
 
 from mrc_agent.agent.core import targets
 from mrc_agent.agent.core.collectors import process as process_collector
-from mrc_agent.agent.core.collectors.base import SampleContext
+from mrc_agent.agent.core.collectors.base import Processes, TargetState, Update
 from mrc_agent.agent.core.collectors.process import ProcessCollector, ratio
 from mrc_agent.agent.core.hw import procfs
 from mrc_agent.agent.core.hw.procfs import ProcFS
 from mrc_agent.agent.core.sample import Value
 from mrc_agent.agent.core.targets import Target, TargetResolver
+from tests.support import pass_view, published
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "proc"
 #: Monotonic time of each moment (the README's table).
@@ -80,6 +81,13 @@ class ProcRoot:
 Out = dict[str, dict[tuple[str, ...], Value]]
 
 
+def _processes(update: Update) -> dict[int, TargetState]:
+    """What the process collector published of each target this pass."""
+    processes = published(update, Processes)
+    assert processes is not None
+    return dict(processes.by_pid)
+
+
 class Agent:
     """A ProcessCollector over a ProcRoot, sampled at the moments' monotonic times."""
 
@@ -89,18 +97,18 @@ class Agent:
         self.collector = ProcessCollector(procfs=self.fs, threads=threads)
 
     def sample(self, moment: str, pids: list[int] = ALL,
-               now: float | None = None) -> tuple[SampleContext, Out]:
-        """``now``: the monotonic time of the pass (default: the moment's own)."""
+               now: float | None = None) -> tuple[dict[int, TargetState], Out]:
+        """(what the pass published of each target, its series); ``now``: the monotonic time
+        of the pass (default: the moment's own)."""
         self.root.become(moment)
         now = NOW[moment] if now is None else now
-        ctx = SampleContext(now=now, wall=BTIME + now,
-                            targets=[Target(pid, "pid") for pid in pids])
+        update = self.collector.update(pass_view(now, pids, wall=BTIME + now))
         out: Out = {}
-        for name, labels, value in self.collector.update(ctx):
+        for name, labels, value in update.samples:
             key = tuple(labels)
             assert key not in out.get(name, {}), (name, key)
             out.setdefault(name, {})[key] = value
-        return ctx, out
+        return _processes(update), out
 
     def kept(self, pid: int) -> list[str]:
         return sorted(p for p in self.fs._fds if p.startswith(f"{self.fs.root}/{pid}/"))
@@ -125,7 +133,7 @@ def approx(value: float) -> object:
 
 
 def test_first_pass_has_counters_and_no_ratio(agent: Agent) -> None:
-    ctx, out = agent.sample("t0")
+    procs, out = agent.sample("t0")
     assert USER not in out and SYSTEM not in out and HOTTEST not in out
     assert pids(out) == set(ALL)
     busy = ("100", "python3")
@@ -137,14 +145,14 @@ def test_first_pass_has_counters_and_no_ratio(agent: Agent) -> None:
     assert out[SWITCHES][busy + ("involuntary",)] == 500
     assert out[START][busy] == approx(BTIME + 123.45)  # btime + starttime / USER_HZ
     assert out[THREADS][("300", "python3")] == 5
-    assert ctx.processes[100].process == "python3" and ctx.processes[100].user_ratio is None
-    assert ctx.processes[100].pid == 100 and ctx.processes[200].pid == 200
-    assert ctx.processes[100].hottest_thread_user_ratio is None
+    assert procs[100].process == "python3" and procs[100].user_ratio is None
+    assert procs[100].pid == 100 and procs[200].pid == 200
+    assert procs[100].hottest_thread_user_ratio is None
 
 
 def test_target_that_never_existed_gives_nothing(agent: Agent) -> None:
-    ctx, out = agent.sample("t0", [999])
-    assert out == {} and ctx.processes == {}
+    procs, out = agent.sample("t0", [999])
+    assert out == {} and procs == {}
 
 
 # --- ratios from tick deltas -------------------------------------------------------------------
@@ -152,14 +160,14 @@ def test_target_that_never_existed_gives_nothing(agent: Agent) -> None:
 
 def test_user_and_system_ratio_from_tick_deltas(agent: Agent) -> None:
     agent.sample("t0")
-    ctx, out = agent.sample("t1")
+    procs, out = agent.sample("t1")
     assert out[USER][("100", "python3")] == approx(0.9)  # +180 ticks in 2 s
     assert out[SYSTEM][("100", "python3")] == approx(0.1)  # +20
     assert out[USER][("300", "python3")] == approx(0.825)  # +165
     assert out[SYSTEM][("300", "python3")] == approx(0.05)  # +10
     assert out[SWITCHES][("100", "python3", "involuntary")] == 700
-    assert ctx.processes[100].user_ratio == approx(0.9)
-    assert ctx.processes[300].user_ratio == approx(0.825)
+    assert procs[100].user_ratio == approx(0.9)
+    assert procs[300].user_ratio == approx(0.825)
 
 
 @pytest.mark.parametrize(("window", "user", "system"), [
@@ -170,10 +178,10 @@ def test_ratios_divide_by_the_measured_window(agent: Agent, window: float, user:
     between the two passes as measured, whatever the configured interval (a late pass must
     not read as a busier process). Above 1 is more than one core busy."""
     agent.sample("t0")
-    ctx, out = agent.sample("t1", now=NOW["t0"] + window)
+    procs, out = agent.sample("t1", now=NOW["t0"] + window)
     assert out[USER][("100", "python3")] == approx(user)
     assert out[SYSTEM][("100", "python3")] == approx(system)
-    assert ctx.processes[100].user_ratio == approx(user)
+    assert procs[100].user_ratio == approx(user)
 
 
 def test_idle_process_reads_zero_and_comm_keeps_its_parentheses(agent: Agent) -> None:
@@ -195,10 +203,10 @@ def test_ratio_is_never_negative_and_zero_without_a_window() -> None:
 
 def test_hottest_thread_found_among_sleepers(agent: Agent) -> None:
     agent.sample("t0")
-    ctx, out = agent.sample("t1")
+    procs, out = agent.sample("t1")
     # thread 301: +160 ticks in 2 s; the nappers +2, +2, +1; the main thread +0
     assert out[HOTTEST][("300", "python3")] == approx(0.8)
-    assert ctx.processes[300].hottest_thread_user_ratio == approx(0.8)
+    assert procs[300].hottest_thread_user_ratio == approx(0.8)
 
 
 def test_hottest_thread_is_clamped_to_the_process(agent: Agent) -> None:
@@ -224,10 +232,10 @@ def test_thread_born_in_the_window_counts_from_zero(agent: Agent) -> None:
 def test_without_threads_no_hottest_series_and_no_thread_files(tmp_path: Path) -> None:
     agent = Agent(ProcRoot(tmp_path / "proc"), 4096, threads=False)
     agent.sample("t0")
-    ctx, out = agent.sample("t1")
+    procs, out = agent.sample("t1")
     assert HOTTEST not in out
     assert out[USER][("300", "python3")] == approx(0.825)
-    assert ctx.processes[300].hottest_thread_user_ratio is None
+    assert procs[300].hottest_thread_user_ratio is None
     assert not [p for p in agent.fs._fds if "/task/" in p]
     agent.fs.close()
 
@@ -238,27 +246,27 @@ def test_without_threads_no_hottest_series_and_no_thread_files(tmp_path: Path) -
 def test_restarted_pid_starts_afresh(agent: Agent) -> None:
     agent.sample("t0")
     agent.sample("t1")
-    ctx, out = agent.sample("t2", [100, 300])
+    procs, out = agent.sample("t2", [100, 300])
     new = ("100", "python3")
     assert new not in out[USER] and new not in out[HOTTEST]  # no ratio across two processes
-    assert ctx.processes[100].user_ratio is None
+    assert procs[100].user_ratio is None
     assert out[SECONDS][new + ("user",)] == approx(0.3)  # the new process's own counters
     assert out[START][new] == approx(BTIME + 1003.0)
     assert out[USER][("300", "python3")] == approx(0.825)  # the other target is unaffected
-    ctx, out = agent.sample("t3", [100, 300])
+    procs, out = agent.sample("t3", [100, 300])
     assert out[USER][new] == approx(0.9)  # +90 ticks in 1 s, from the restart's baseline
     assert out[SYSTEM][new] == 0.0
     assert out[HOTTEST][new] == approx(0.9)
     assert out[USER][("300", "python3")] == approx(0.8)
-    assert ctx.processes[100].user_ratio == approx(0.9)
+    assert procs[100].user_ratio == approx(0.9)
 
 
 def test_vanished_targets_stop_producing_series_and_release_files(agent: Agent) -> None:
     agent.sample("t0")
     agent.sample("t1")
-    ctx, out = agent.sample("t2")
+    procs, out = agent.sample("t2")
     assert pids(out) == {100, 300}
-    assert set(ctx.processes) == {100, 300}
+    assert set(procs) == {100, 300}
     for pid in (200, 400, 700, 30):
         assert agent.kept(pid) == [], pid
     if agent.fs._max_open:
@@ -268,11 +276,11 @@ def test_vanished_targets_stop_producing_series_and_release_files(agent: Agent) 
 def test_a_zombie_target_is_no_target(agent: Agent) -> None:
     """A target that exited is gone at once, reaped or not: no series, not counted in
     mrc_agent_targets (so MRCAgentTargetAbsent can fire)."""
-    ctx, out = agent.sample("t0")
+    procs, out = agent.sample("t0")
     zombie = ("700", "worker")
-    assert 700 in ctx.processes and zombie in out[RSS]  # alive at t0
-    ctx, out = agent.sample("t1")  # a zombie now
-    assert 700 not in ctx.processes
+    assert 700 in procs and zombie in out[RSS]  # alive at t0
+    procs, out = agent.sample("t1")  # a zombie now
+    assert 700 not in procs
     assert all(zombie not in series for series in out.values())
     _, out = agent.sample("t2", [700])
     assert out == {}  # reaped
@@ -474,8 +482,8 @@ def test_threads_are_read_by_default(tmp_path: Path) -> None:
     collector = ProcessCollector(procfs=ProcFS(root=str(root.path)))
     for moment in ("t0", "t1"):
         root.become(moment)
-        ctx = SampleContext(now=NOW[moment], wall=BTIME + NOW[moment], targets=[Target(300, "pid")])
-        out = {(name, tuple(labels)): v for name, labels, v in collector.update(ctx)}
+        view = pass_view(NOW[moment], (300,), wall=BTIME + NOW[moment])
+        out = {(name, tuple(labels)): v for name, labels, v in collector.update(view).samples}
     assert out[(HOTTEST, ("300", "python3"))] == approx(0.8)
 
 
@@ -485,8 +493,8 @@ def test_start_time_is_boot_time_plus_start_ticks_even_at_the_epoch(tmp_path: Pa
     stat = tmp_path / "proc" / "stat"
     stat.write_bytes(stat.read_bytes().replace(b"btime 1700000000", b"btime 0"))
     collector = ProcessCollector(procfs=ProcFS(root=str(tmp_path / "proc"), max_open=0))
-    ctx = SampleContext(now=1000.0, wall=1000.0, targets=[Target(100, "pid")])
-    out = {(name, tuple(labels)): v for name, labels, v in collector.update(ctx)}
+    update = collector.update(pass_view(1000.0, (100,)))
+    out = {(name, tuple(labels)): v for name, labels, v in update.samples}
     assert out[(START, ("100", "python3"))] == approx(123.45)
 
 
@@ -501,16 +509,16 @@ def test_a_process_whose_threads_all_vanished_mid_read_has_a_cold_hottest_thread
         f.write_bytes(b"")
         f.unlink()
     thread.rmdir()
-    ctx = SampleContext(now=NOW["t1"], wall=BTIME + NOW["t1"], targets=[Target(100, "pid")])
-    out = {(name, tuple(labels)): v for name, labels, v in agent.collector.update(ctx)}
+    update = agent.collector.update(pass_view(NOW["t1"], (100,), wall=BTIME + NOW["t1"]))
+    out = {(name, tuple(labels)): v for name, labels, v in update.samples}
     assert out[(USER, ("100", "python3"))] == approx(0.9)
     assert out[(HOTTEST, ("100", "python3"))] == 0.0
-    assert ctx.processes[100].hottest_thread_user_ratio == 0.0
+    assert _processes(update)[100].hottest_thread_user_ratio == 0.0
 
 
 def test_a_zombie_on_the_first_pass_keeps_no_file_open(agent: Agent) -> None:
-    ctx, out = agent.sample("t1", [700, 300])
-    assert 700 not in ctx.processes and pids(out) == {300}
+    procs, out = agent.sample("t1", [700, 300])
+    assert 700 not in procs and pids(out) == {300}
     assert agent.kept(700) == []
 
 
@@ -518,8 +526,8 @@ def test_a_process_that_is_no_longer_a_target_releases_its_files(agent: Agent) -
     agent.sample("t0", [100, 300])
     if agent.fs._max_open:
         assert agent.kept(300)
-    ctx, out = agent.sample("t1", [100])  # 300 runs on, but the resolver dropped it
-    assert pids(out) == {100} and set(ctx.processes) == {100}
+    procs, out = agent.sample("t1", [100])  # 300 runs on, but the resolver dropped it
+    assert pids(out) == {100} and set(procs) == {100}
     assert agent.kept(300) == []
     if agent.fs._max_open:
         assert agent.kept(100)

@@ -7,10 +7,11 @@ import time
 from collections.abc import Sequence
 
 from mrc_agent.agent.core.collectors import PASS_FINISHERS
-from mrc_agent.agent.core.collectors.base import SampleContext
+from mrc_agent.agent.core.collectors.base import PassView, Update
+from mrc_agent.agent.core.collectors.gpm import GpmReadings
 from mrc_agent.agent.core.hw.base import HardwareError, SourceUnavailable
 from mrc_agent.agent.core.runner import INTERVAL, SAMPLES, Runner
-from mrc_agent.agent.core.sample import Sample, Snapshot, first
+from mrc_agent.agent.core.sample import Snapshot, first
 from mrc_agent.agent.core.targets import TargetResolver
 from tests.support import Clock as ManualClock
 
@@ -18,15 +19,17 @@ from tests.support import Clock as ManualClock
 class Scripted:
     """A collector that follows a script of results: a value, or an exception to raise."""
 
-    def __init__(self, name: str, script: Sequence[float | Exception]) -> None:
+    def __init__(self, name: str, script: Sequence[float | Exception],
+                 outputs: tuple[object, ...] = ()) -> None:
         self.name = name
         self.script = list(script)
+        self.outputs = outputs  # published with each value
 
-    def update(self, ctx: SampleContext) -> list[Sample]:
+    def update(self, view: PassView) -> Update:
         step = self.script.pop(0) if len(self.script) > 1 else self.script[0]
         if isinstance(step, Exception):
             raise step
-        return [("mrc_gpu_power_watts", ("0", "GPU-a", "H"), float(step))]
+        return Update([("mrc_gpu_power_watts", ("0", "GPU-a", "H"), float(step))], self.outputs)
 
 
 def _health(snap, metric: str) -> dict[str, float]:
@@ -35,7 +38,7 @@ def _health(snap, metric: str) -> dict[str, float]:
 
 def test_one_failing_collector_never_breaks_the_others(caplog) -> None:
     ok = Scripted("gpu", [100.0])
-    broken = Scripted("gpm", [HardwareError("GPU is lost")] * 3 + [5.0])
+    broken = Scripted("gpm", [HardwareError("GPU is lost")] * 3 + [5.0], (GpmReadings(()),))
     absent = Scripted("profiling", [SourceUnavailable("no_permission", "admin only")])
     runner = Runner([ok, broken, absent], TargetResolver(), interval=1.0,
                     finishers=PASS_FINISHERS)
@@ -60,6 +63,41 @@ def test_one_failing_collector_never_breaks_the_others(caplog) -> None:
     info = [labels for n, labels, _ in snap.samples
             if n == "mrc_agent_compute_memory_source_info"]
     assert info == [("gpm_activity_proxy", "not_requested")]
+
+
+def test_each_collector_sees_what_those_before_it_published_and_a_failure_may_leave_some(
+        caplog) -> None:
+    """A pass hands typed outputs on: the second collector sees the first one's, even from a
+    pass in which the first failed yet left them (its :attr:`Update.error`), which the
+    runner reports as a failure all the same."""
+    seen: list[object] = []
+
+    class First:
+        name = "gpu"
+        fail = False
+
+        def update(self, view: PassView) -> Update:
+            error = HardwareError("GPU is lost") if self.fail else None
+            return Update([], (GpmReadings(()),), error=error)
+
+    class Second:
+        name = "derived"
+
+        def update(self, view: PassView) -> Update:
+            seen.append(view.get(GpmReadings))
+            return Update([])
+
+    first = First()
+    runner = Runner([first, Second()], TargetResolver(), interval=1.0)
+    assert _health(runner.sample_once(), "mrc_agent_collector_success") == {
+        "gpu": 1.0, "derived": 1.0}
+    first.fail = True
+    with caplog.at_level(logging.INFO, logger="mrc_agent.agent.core.runner"):
+        snap = runner.sample_once()
+    assert _health(snap, "mrc_agent_collector_success") == {"gpu": 0.0, "derived": 1.0}
+    assert _health(snap, "mrc_agent_collector_available") == {"gpu": 1.0, "derived": 1.0}
+    assert seen == [GpmReadings(()), GpmReadings(())]
+    assert sum("GPU is lost" in r.message for r in caplog.records) == 1
 
 
 def test_background_loop_keeps_sampling_at_100ms() -> None:
@@ -108,12 +146,12 @@ class Stalling:
         self.runner: Runner | None = None
         self.seen: list[tuple[object, str | None, int]] = []
 
-    def update(self, ctx: SampleContext) -> list[Sample]:
+    def update(self, view: PassView) -> Update:
         if self.stall and self.runner is not None:
             self.clock.t += self.stall
             r = self.runner
             self.seen.append((r.latest(), r.not_ready_reason(), r.version()))
-        return [("mrc_gpu_power_watts", ("0", "GPU-a", "H"), 1.0)]
+        return Update([("mrc_gpu_power_watts", ("0", "GPU-a", "H"), 1.0)])
 
 
 def test_a_stuck_collector_shows_as_failed_and_not_ready_while_it_is_stuck() -> None:
@@ -144,8 +182,8 @@ def test_reading_the_latest_snapshot_changes_nothing() -> None:
     reads: list[tuple[int, int, int]] = []
 
     class Reading(Stalling):
-        def update(self, ctx: SampleContext) -> list[Sample]:
-            out = super().update(ctx)
+        def update(self, view: PassView) -> Update:
+            out = super().update(view)
             if self.stall and self.runner is not None:
                 r = self.runner
                 for _ in range(3):
@@ -163,9 +201,9 @@ def test_reading_the_latest_snapshot_changes_nothing() -> None:
     (v, seq, again), = set(reads)
     assert v == seq == again and first.seq < v < second.seq
     class Unread(Stalling):
-        def update(self, ctx: SampleContext) -> list[Sample]:
+        def update(self, view: PassView) -> Update:
             self.clock.t += self.stall
-            return [("mrc_gpu_power_watts", ("0", "GPU-a", "H"), 1.0)]
+            return Update([("mrc_gpu_power_watts", ("0", "GPU-a", "H"), 1.0)])
 
     # The same passes with nobody reading: the same versions.
     assert [s.seq for s in two_passes(Unread(clock))] == [first.seq, second.seq]

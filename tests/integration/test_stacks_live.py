@@ -14,10 +14,10 @@ import pytest
 
 from mrc_agent.agent.core.collectors.base import (
     BuildContext,
-    SampleContext,
     StackSettings,
     TargetState,
 )
+from mrc_agent.agent.core.collectors.derived import Starvation
 from mrc_agent.agent.core.collectors.stacks import (
     AVAILABLE,
     DEFINITION,
@@ -25,7 +25,7 @@ from mrc_agent.agent.core.collectors.stacks import (
     StacksCollector,
 )
 from mrc_agent.agent.core.hw.base import GPUIdentity
-from mrc_agent.agent.core.targets import Target
+from tests.support import pass_view
 
 GPU0 = GPUIdentity(0, "GPU-a", "NVIDIA H200")
 
@@ -69,14 +69,13 @@ def test_a_real_austin_names_the_function_the_target_ran_while_its_gpu_starved(
         for _ in range(150):  # up to 15 s of passes, every 0.1 s (a loaded machine)
             time.sleep(0.1)
             now = time.monotonic()
-            ctx = SampleContext(now=now, wall=time.time(), targets=[Target(pid, "pid")])
-            ctx.processes[pid] = TargetState(pid, "python", 0.5, 0.95)
             # The GPU idles the whole time and the target is starved: points every 0.05 s.
-            ctx.gpu_util_points = {GPU0: [(t0 + k * 0.05, 0.0) for k in range(
-                int((now - t0) / 0.05) + 1)]}
-            ctx.gpu_util = {GPU0: 0.0}
-            ctx.starved[pid] = True
-            out = collector.update(ctx)
+            view = pass_view(
+                now, (pid,), wall=time.time(),
+                processes={pid: TargetState(pid, "python", 0.5, 0.95)},
+                points={GPU0: [(t0 + k * 0.05, 0.0) for k in range(int((now - t0) / 0.05) + 1)]},
+                util={GPU0: 0.0}, outputs=[Starvation({pid: True})])
+            out = collector.update(view).samples
             got = {(labels[2], labels[3]): float(v) for name, labels, v in out  # type: ignore[arg-type]
                    if name == FUNCTION_SECONDS.name}
             if got.get(("culprit_mod:decode_and_resize", "starved"), 0.0) >= 1.0:
@@ -99,10 +98,9 @@ def test_a_process_that_is_not_python_is_said_so(tmp_path: Path) -> None:
         out: list = []
         for _ in range(150):
             time.sleep(0.1)
-            ctx = SampleContext(now=time.monotonic(), wall=time.time(),
-                                targets=[Target(proc.pid, "pid")])
-            ctx.processes[proc.pid] = TargetState(proc.pid, "sleep", 0.0, 0.0)
-            out = collector.update(ctx)
+            view = pass_view(time.monotonic(), (proc.pid,), wall=time.time(),
+                             processes={proc.pid: TargetState(proc.pid, "sleep", 0.0, 0.0)})
+            out = collector.update(view).samples
             if (AVAILABLE.name, (str(proc.pid), "sleep", "not_python"), 0.0) in out:
                 break
         assert (AVAILABLE.name, (str(proc.pid), "sleep", "not_python"), 0.0) in out, out

@@ -26,10 +26,10 @@ from mrc_agent.agent.core.attribution import (
 )
 from mrc_agent.agent.core.collectors import PASS_FINISHERS
 from mrc_agent.agent.core.collectors import gpu as gpu_collector
-from mrc_agent.agent.core.collectors.base import BuildContext, SampleContext, TargetState
+from mrc_agent.agent.core.collectors.base import BuildContext, PassView, Processes, TargetState
 from mrc_agent.agent.core.collectors.derived import DerivedCollector
 from mrc_agent.agent.core.collectors.gpm import GpmCollector
-from mrc_agent.agent.core.collectors.gpu import GpuCollector
+from mrc_agent.agent.core.collectors.gpu import GpuCollector, GpuReadings
 from mrc_agent.agent.core.collectors.process import ProcessCollector
 from mrc_agent.agent.core.collectors.profiling import ProfilingCollector
 from mrc_agent.agent.core.config import ConfigError, load
@@ -38,7 +38,7 @@ from mrc_agent.agent.core.hw.base import DeviceSample, GpmSample, GPUIdentity, P
 from mrc_agent.agent.core.hw.procfs import ProcFS
 from mrc_agent.agent.core.hw.replay import ReplayBackend, ReplayFormatError, load_trace
 from mrc_agent.agent.core.hw.sources import Sources
-from mrc_agent.agent.core.targets import Target
+from tests.support import pass_view, published, run_pass
 from tests.unit.test_procfs import stat_line
 
 NAME = "NVIDIA H200"
@@ -360,9 +360,9 @@ def test_the_process_collector_reads_each_view_once_per_process(tmp_path: Path) 
     collector = ProcessCollector(procfs=fs)
 
     def view() -> TargetView | None:
-        ctx = SampleContext(now=1.0, wall=1.0, targets=[Target(5, "pid")])
-        collector.update(ctx)
-        return ctx.processes[5].view
+        processes = published(collector.update(pass_view(1.0, (5,))), Processes)
+        assert processes is not None
+        return processes.by_pid[5].view
 
     assert view() == TargetView(5, nspid=7, environ={NV: "GPU-a"})
     (tmp_path / "5" / "environ").write_bytes(b"NVIDIA_VISIBLE_DEVICES=GPU-b\0")
@@ -394,17 +394,28 @@ class Source:
 
 
 def _pass(source: Source, views: list[TargetView], gpus: str = "targets"
-          ) -> tuple[SampleContext, list[tuple[str, tuple[str, ...]]]]:
-    """One pass of gpu, gpm, profiling, derived and the finishers; (context, series)."""
-    ctx = SampleContext(now=5.0, wall=5.0, targets=[Target(v.pid, "pid") for v in views])
-    for v in views:
-        ctx.processes[v.pid] = TargetState(v.pid, "python3", 1.0, 1.0, view=v)
+          ) -> tuple[PassView, list[tuple[str, tuple[str, ...]]]]:
+    """One pass of gpu, gpm, profiling, derived and the finishers; (last view, series)."""
+    view = _targets(*views, now=5.0)
     build = BuildContext(Sources(source, source, source), gpus=gpus)
     collectors = [gpu_collector.DEFINITION.factory(build), GpmCollector(source),
                   ProfilingCollector(source), DerivedCollector()]
-    out = [s for c in collectors for s in c.update(ctx)]
-    out += [s for finish in PASS_FINISHERS for s in finish(ctx)]
-    return ctx, [(name, labels) for name, labels, _ in out]
+    view, out = run_pass(view, collectors)
+    out += [s for finish in PASS_FINISHERS for s in finish(view)]
+    return view, [(name, labels) for name, labels, _ in out]
+
+
+def _targets(*views: TargetView, now: float = 1.0) -> PassView:
+    """A pass whose process collector read these targets' views."""
+    return pass_view(now, [v.pid for v in views],
+                     processes={v.pid: TargetState(v.pid, "python3", 1.0, 1.0, view=v)
+                                for v in views})
+
+
+def _gpu_readings(view: PassView) -> GpuReadings:
+    readings = view.get(GpuReadings)
+    assert readings is not None
+    return readings
 
 
 def _uuids(series: list[tuple[str, tuple[str, ...]]]) -> set[str]:
@@ -413,53 +424,56 @@ def _uuids(series: list[tuple[str, tuple[str, ...]]]) -> set[str]:
 
 
 def test_only_the_targets_gpus_have_series_in_every_gpu_collector() -> None:
-    ctx, series = _pass(Source(), [TargetView(10, environ={NV: UUIDS[1]})])
+    view, series = _pass(Source(), [TargetView(10, environ={NV: UUIDS[1]})])
     assert _uuids(series) == {UUIDS[1]}
     for metric in ("mrc_gpu_utilization_ratio", "mrc_gpu_sm_active_ratio",
                    "mrc_gpu_sm_instructions_executed_total", "mrc_gpu_idle_window_seconds",
                    "mrc_gpu_starved"):
         assert [n for n, _ in series if n == metric], metric
     # The derived signals judge the target on its own GPU only.
-    assert set(ctx.gpu_util) == {GPUS[1]} and set(ctx.gpu_util_points) == {GPUS[1]}
+    readings = _gpu_readings(view)
+    assert set(readings.util) == {GPUS[1]} and set(readings.util_points) == {GPUS[1]}
     assert ("mrc_agent_watched_gpus", ("targets",)) in series
     assert ("mrc_agent_gpu_attribution_info", GPUS[1].labels + ("environ",)) in series
 
 
 def test_the_all_setting_reports_both_gpus_through_the_factory() -> None:
-    ctx, series = _pass(Source(), [TargetView(10, environ={NV: UUIDS[1]})], gpus="all")
+    view, series = _pass(Source(), [TargetView(10, environ={NV: UUIDS[1]})], gpus="all")
     assert _uuids(series) == {UUIDS[0], UUIDS[1]}
     assert ("mrc_agent_watched_gpus", ("all",)) in series
-    assert ctx.attribution is not None and ctx.attribution.mode == "all"
+    decided = view.get(Attribution)
+    assert decided is not None and decided.mode == "all"
 
 
 def test_a_target_listed_by_its_namespace_pid_gets_its_memory_under_the_agents_pid() -> None:
     source = Source({0: {7: 5e9, 99: 1e9}})
-    ctx, series = _pass(source, [TargetView(4100, nspid=7, environ={})])
+    view, series = _pass(source, [TargetView(4100, nspid=7, environ={})])
     assert _uuids(series) == {UUIDS[0]}
     assert ("mrc_gpu_process_memory_used_bytes", GPUS[0].labels + ("4100", "python3")) in series
     assert not [labels for name, labels in series if "99" in labels]
-    assert ctx.gpus_of_pid == {4100: {GPUS[0]}}
+    assert _gpu_readings(view).gpus_of_pid == {4100: {GPUS[0]}}
 
 
 def test_with_the_gpu_collector_off_gpm_and_profiling_decide_from_the_environment() -> None:
     """No gpu collector: the first collector with GPUs decides from the targets' environments
     (no process lists), so a pod's agent still skips its neighbours' GPUs."""
-    ctx = SampleContext(now=1.0, wall=1.0, targets=[Target(10, "pid")])
-    ctx.processes[10] = TargetState(10, "python3", view=TargetView(10, environ={NV: UUIDS[1]}))
-    gpm = GpmCollector(Source()).update(ctx)
+    view = _targets(TargetView(10, environ={NV: UUIDS[1]}))
+    view, gpm = run_pass(view, [GpmCollector(Source())])
     assert _uuids([(n, labels) for n, labels, _ in gpm]) == {UUIDS[1]}
-    prof = ProfilingCollector(Source()).update(ctx)
+    view, prof = run_pass(view, [ProfilingCollector(Source())])
     assert _uuids([(n, labels) for n, labels, _ in prof]) == {UUIDS[1]}
-    assert gpu_collector.attribution_samples(ctx) == [
+    assert gpu_collector.attribution_samples(view) == [
         ("mrc_agent_watched_gpus", ("targets",), 1.0),
         ("mrc_agent_gpu_attribution_info", GPUS[1].labels + ("environ",), {})]
 
 
 def test_with_the_gpu_collector_off_and_no_target_information_every_gpu_is_reported() -> None:
-    ctx = SampleContext(now=1.0, wall=1.0, targets=[])
-    assert len(GpmCollector(Source()).update(ctx)) == 2
-    assert len(ProfilingCollector(Source()).update(ctx)) == 2
-    assert ctx.attribution is not None and ctx.attribution.mode == "unknown"
+    view, gpm = run_pass(pass_view(), [GpmCollector(Source())])
+    assert len(gpm) == 2
+    view, prof = run_pass(view, [ProfilingCollector(Source())])
+    assert len(prof) == 2
+    decided = view.get(Attribution)
+    assert decided is not None and decided.mode == "unknown"
 
 
 class FailingDevices(Source):
@@ -482,33 +496,34 @@ def test_a_failed_gpu_pass_keeps_the_last_decision_for_gpm_and_profiling() -> No
     source = FailingDevices({0: {10: 1e9}})
     collector = GpuCollector(source)
     for expected_gpu_series in (True, False):
-        ctx = SampleContext(now=1.0, wall=1.0, targets=[Target(10, "pid")])
-        ctx.processes[10] = TargetState(10, "python3", view=TargetView(10, environ={}))
+        view = _targets(TargetView(10, environ={}))
+        update = collector.update(view)
         if expected_gpu_series:
-            assert _uuids([(n, ls) for n, ls, _ in collector.update(ctx)]) == {UUIDS[0]}
+            assert update.error is None
+            assert _uuids([(n, ls) for n, ls, _ in update.samples]) == {UUIDS[0]}
         else:
-            with pytest.raises(RuntimeError):
-                collector.update(ctx)
-        series = GpmCollector(source).update(ctx) + ProfilingCollector(source).update(ctx)
+            assert isinstance(update.error, RuntimeError) and update.samples == []
+        view, series = run_pass(view.with_outputs(update.outputs),
+                                [GpmCollector(source), ProfilingCollector(source)])
         assert _uuids([(n, ls) for n, ls, _ in series]) == {UUIDS[0]}
-        assert ctx.attribution is not None and set(ctx.attribution.gpus) == {GPUS[0]}
+        decided = view.get(Attribution)
+        assert decided is not None and set(decided.gpus) == {GPUS[0]}
 
 
 def test_a_gpu_collector_failing_from_its_first_pass_leaves_the_environment_decision() -> None:
     source = FailingDevices({})
     source.calls = 1
-    ctx = SampleContext(now=1.0, wall=1.0, targets=[Target(10, "pid")])
-    ctx.processes[10] = TargetState(10, "python3", view=TargetView(10, environ={NV: "0"}))
+    view = _targets(TargetView(10, environ={NV: "0"}))
     with pytest.raises(RuntimeError):
-        GpuCollector(source).update(ctx)
-    assert ctx.attribution is None
-    assert _uuids([(n, ls) for n, ls, _ in GpmCollector(source).update(ctx)]) == {UUIDS[0]}
+        GpuCollector(source).update(view)
+    assert view.get(Attribution) is None
+    _, gpm = run_pass(view, [GpmCollector(source)])
+    assert _uuids([(n, ls) for n, ls, _ in gpm]) == {UUIDS[0]}
 
 
 def test_the_default_gpu_collector_attributes() -> None:
-    ctx = SampleContext(now=1.0, wall=1.0, targets=[Target(10, "pid")])
-    ctx.processes[10] = TargetState(10, "python3", view=TargetView(10, environ={NV: "none"}))
-    assert GpuCollector(Source()).update(ctx) == []
+    view = _targets(TargetView(10, environ={NV: "none"}))
+    assert GpuCollector(Source()).update(view).samples == []
 
 
 # --- the setting -------------------------------------------------------------------------------

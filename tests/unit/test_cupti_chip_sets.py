@@ -9,10 +9,12 @@ from collections.abc import Sequence
 import pytest
 
 from mrc_agent.agent.core.collectors import profiling
-from mrc_agent.agent.core.collectors.base import SampleContext
+from mrc_agent.agent.core.collectors.base import PassView
+from mrc_agent.agent.core.collectors.gpm import GpmReadings
 from mrc_agent.agent.core.collectors.profiling import (
     PROFILING_METRICS_INFO,
     ProfilingCollector,
+    ProfilingStatus,
     compute_memory_source,
 )
 from mrc_agent.agent.core.hw.base import GPUIdentity, ProfilingSample
@@ -29,6 +31,7 @@ from mrc_agent.agent.core.hw.cupti_metrics import (
 )
 from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
 from tests.fakes.fake_cupti import FakeCupti, FakeDevice, fake_uuid, real_device, real_sets
+from tests.support import pass_view, run_pass
 
 VERSIONS = ("13.4.92", "13.5.25")
 SM = "sm__inst_executed_realtime.sum"
@@ -203,24 +206,23 @@ def test_the_bare_user_metric_name_is_refused_where_the_set_lists_it_with_its_pr
                         single_pass_metric_set_name="Compute_Triage")
 
 
-def _update(device: FakeDevice, **lib_options: bool) -> tuple[list, SampleContext]:
+def _update(device: FakeDevice, **lib_options: bool) -> tuple[list, PassView]:
     sampler, _ = _sampler(device, **lib_options)
-    ctx = SampleContext(now=1.0, wall=1.0, targets=[])
-    samples = ProfilingCollector(sampler).update(ctx)
-    return samples, ctx
+    view, samples = run_pass(pass_view(), [ProfilingCollector(sampler)])
+    return samples, view
 
 
 def test_the_info_metric_states_the_conversion_basis() -> None:
     device = real_device("13.4.92", "gh100", decodes=[[{SM: 1.0, GH100_SECTORS: 2.0}]])
 
-    samples, ctx = _update(device, properties_api=True)
+    samples, view = _update(device, properties_api=True)
 
     [(_, values, _)] = [s for s in samples if s[0] == PROFILING_METRICS_INFO.name]
     labels = dict(zip(PROFILING_METRICS_INFO.labels, values, strict=True))
     assert (labels["dram_metric"], labels["dram_unit"], labels["dram_unit_bytes"],
             labels["dram_unit_basis"]) == (GH100_SECTORS, "sectors", "32", BASIS_CUPTI)
-    assert ctx.profiling_status == ("ok", "")
-    assert compute_memory_source(ctx) == [
+    assert view.get(ProfilingStatus) == ProfilingStatus("ok", "")
+    assert compute_memory_source(view) == [
         (profiling.COMPUTE_MEMORY_SOURCE.name, ("cupti_pm_sampling", "ok"), {})]
 
 
@@ -228,13 +230,15 @@ def test_the_info_metric_states_the_conversion_basis() -> None:
 def test_one_counter_alone_is_degraded_never_ok(gpm: bool) -> None:
     device = real_device("13.4.92", "gb20b", decodes=[[{SM: 1.0}]])
 
-    _, ctx = _update(device)
-    ctx.succeeded["gpm"] = gpm
+    _, view = _update(device)
+    if gpm:
+        view = view.with_outputs([GpmReadings(())])  # the gpm collector sampled
 
-    assert ctx.profiling_status[0] == "degraded"
-    assert "DRAM read byte" in ctx.profiling_status[1]
+    status = view.get(ProfilingStatus)
+    assert status is not None and status.reason == "degraded"
+    assert "DRAM read byte" in status.detail
     source = "gpm_activity_proxy" if gpm else "none"
-    assert compute_memory_source(ctx) == [
+    assert compute_memory_source(view) == [
         (profiling.COMPUTE_MEMORY_SOURCE.name, (source, "degraded"), {})]
 
 

@@ -11,8 +11,12 @@ from collections.abc import Sequence
 import pytest
 
 from mrc_agent.agent.core.attribution import NVIDIA_VISIBLE_DEVICES, TargetView
-from mrc_agent.agent.core.collectors.base import SampleContext, TargetState
-from mrc_agent.agent.core.collectors.profiling import ProfilingCollector, compute_memory_source
+from mrc_agent.agent.core.collectors.base import PassView, TargetState
+from mrc_agent.agent.core.collectors.profiling import (
+    ProfilingCollector,
+    ProfilingStatus,
+    compute_memory_source,
+)
 from mrc_agent.agent.core.hw.base import (
     DeviceSample,
     GPUIdentity,
@@ -24,8 +28,8 @@ from mrc_agent.agent.core.hw.base import (
 from mrc_agent.agent.core.hw.cuda_driver import CudaDriver
 from mrc_agent.agent.core.hw.cupti_pm import PROFILING_METRICS, CuptiPmSampler
 from mrc_agent.agent.core.hw.profiling import LazyProfiling
-from mrc_agent.agent.core.targets import Target
 from tests.fakes.fake_cupti import FakeCupti, FakeDevice, fake_uuid
+from tests.support import pass_view, run_pass
 
 SM, DRAM = PROFILING_METRICS
 LOGGER = "mrc_agent.agent.core.hw.cupti_pm"
@@ -53,15 +57,14 @@ def scope(*watched: GPUIdentity, undecided: bool = False) -> ScopeOf:
 
 
 def pod_pass(collector: ProfilingCollector, environ: dict[str, str] | None
-             ) -> tuple[SampleContext, list[str]]:
+             ) -> tuple[PassView, list[str]]:
     """One pass of the collector for a target with ``environ`` (None: no target at all); the
-    context and the GPU labels of the series."""
-    targets = [] if environ is None else [Target(10, "pid")]
-    ctx = SampleContext(now=1.0, wall=1.0, targets=targets)
-    if environ is not None:
-        ctx.processes[10] = TargetState(10, "python3", view=TargetView(10, environ=environ))
-    samples = collector.update(ctx)
-    return ctx, sorted({labels[0] for _, labels, _ in samples})
+    view after it and the GPU labels of the series."""
+    view = pass_view() if environ is None else pass_view(
+        targets=(10,),
+        processes={10: TargetState(10, "python3", view=TargetView(10, environ=environ))})
+    view, samples = run_pass(view, [collector])
+    return view, sorted({labels[0] for _, labels, _ in samples})
 
 
 # -- only the pod's GPUs ------------------------------------------------------------------------
@@ -71,9 +74,9 @@ def test_the_profiling_collector_enables_only_the_targets_gpu() -> None:
     sampler, lib = rig(3)
     collector = ProfilingCollector(sampler)
 
-    ctx, shown = pod_pass(collector, {NVIDIA_VISIBLE_DEVICES: fake_uuid(1)})
+    view, shown = pod_pass(collector, {NVIDIA_VISIBLE_DEVICES: fake_uuid(1)})
 
-    assert shown == ["1"] and ctx.profiling_status == ("ok", "")
+    assert shown == ["1"] and view.get(ProfilingStatus) == ProfilingStatus("ok", "")
     # The neighbours' performance monitors are never touched.
     assert [lib.count(i, "enable") for i in range(3)] == [0, 1, 0]
     assert sampler.status() == ("ok", "")
@@ -127,10 +130,9 @@ def test_undecided_attribution_over_several_gpus_profiles_none_and_says_why() ->
     assert lib.total("enable") == 0 and lib.driver.calls == []
     assert sampler.status()[0] == "attribution_unknown"
     # The pass says so where the compute-to-memory signal is explained.
-    ctx = SampleContext(now=1.0, wall=1.0, targets=[])
-    with pytest.raises(SourceUnavailable):
-        collector.update(ctx)
-    [(_, labels, _)] = compute_memory_source(ctx)
+    update = collector.update(pass_view())
+    assert isinstance(update.error, SourceUnavailable)
+    [(_, labels, _)] = compute_memory_source(pass_view().with_outputs(update.outputs))
     assert labels[1] == "attribution_unknown"
 
 

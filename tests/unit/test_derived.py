@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from mrc_agent.agent.core.collectors.base import (
     BuildContext,
     DerivedThresholds,
-    SampleContext,
+    PassView,
     TargetState,
+    Update,
 )
-from mrc_agent.agent.core.collectors.derived import DEFINITION, DerivedCollector, IdleTracker
+from mrc_agent.agent.core.collectors.derived import (
+    DEFINITION,
+    DerivedCollector,
+    IdleTracker,
+    Starvation,
+)
 from mrc_agent.agent.core.hw.base import GPUIdentity
-from mrc_agent.agent.core.targets import Target
+from tests.support import pass_view, published
 
 GPU0 = GPUIdentity(0, "GPU-a", "NVIDIA H200")
 GPU1 = GPUIdentity(1, "GPU-b", "NVIDIA H200")
@@ -31,17 +39,15 @@ def test_idle_windows_are_measured_from_first_idle_to_first_busy_point() -> None
 
 
 def _ctx(now: float, user: float, hot: float, utils: dict[GPUIdentity, float],
-         held: dict[int, set[GPUIdentity]] | None = None) -> SampleContext:
-    ctx = SampleContext(now=now, wall=now, targets=[Target(7, "pid")])
-    ctx.processes[7] = TargetState(7, "python", user, hot)
-    ctx.gpu_util = dict(utils)
-    ctx.gpu_util_points = {g: [(now, u)] for g, u in utils.items()}
-    ctx.gpus_of_pid = held or {}
-    return ctx
+         held: dict[int, set[GPUIdentity]] | None = None) -> PassView:
+    return pass_view(now, (7,), processes={7: TargetState(7, "python", user, hot)},
+                     util=utils, points={g: [(now, u)] for g, u in utils.items()},
+                     gpus_of_pid=held or {})
 
 
-def _starved(samples) -> tuple[float, float]:
-    d = {name: v for name, labels, v in samples if labels == ("7", "python")}
+def _starved(update: Update) -> tuple[float, float]:
+    d: dict[str, Any] = {name: v for name, labels, v in update.samples
+                         if labels == ("7", "python")}
     return d["mrc_gpu_starved"], d["mrc_gpu_starved_seconds_total"]
 
 
@@ -66,7 +72,7 @@ def test_starvation_looks_only_at_the_gpus_the_target_holds() -> None:
 
 def test_no_gpu_data_means_no_starvation_series() -> None:
     c = DerivedCollector()
-    assert c.update(_ctx(0.0, 1.0, 1.0, {})) == []
+    assert c.update(_ctx(0.0, 1.0, 1.0, {})).samples == []
 
 
 def test_idle_threshold_is_at_or_below_on_both_sides() -> None:
@@ -101,18 +107,16 @@ def test_the_hottest_thread_alone_can_make_a_target_starved() -> None:
 
 
 def _ctx2(now: float, states: dict[int, tuple[float | None, float | None]],
-          utils: dict[GPUIdentity, float]) -> SampleContext:
-    ctx = SampleContext(now=now, wall=now, targets=[Target(pid, "pid") for pid in states])
-    for pid, (user, hot) in states.items():
-        ctx.processes[pid] = TargetState(pid, "python", user, hot)
-    ctx.gpu_util = dict(utils)
-    ctx.gpu_util_points = {g: [(now, u)] for g, u in utils.items()}
-    return ctx
+          utils: dict[GPUIdentity, float]) -> PassView:
+    return pass_view(now, tuple(states),
+                     processes={pid: TargetState(pid, "python", user, hot)
+                                for pid, (user, hot) in states.items()},
+                     util=utils, points={g: [(now, u)] for g, u in utils.items()})
 
 
-def _by_pid(samples) -> dict[str, tuple[float, float]]:
-    out: dict[str, dict[str, float]] = {}
-    for name, labels, v in samples:
+def _by_pid(update: Update) -> dict[str, tuple[float, float]]:
+    out: dict[str, dict[str, Any]] = {}
+    for name, labels, v in update.samples:
         if name.startswith("mrc_gpu_starved"):
             out.setdefault(labels[0], {})[name] = v
     return {pid: (d["mrc_gpu_starved"], d["mrc_gpu_starved_seconds_total"])
@@ -142,20 +146,18 @@ def test_an_idle_window_spanning_passes_is_measured_once_it_ends() -> None:
     and ends in a later one is one window, and while it runs it is reported as current."""
     c = DerivedCollector(DerivedThresholds(idle_util=0.05))
 
-    def idle(samples) -> tuple[float, int, float]:
-        d = {name: v for name, labels, v in samples if labels == GPU0.labels}
+    def idle(update: Update) -> tuple[float, int, float]:
+        d: dict[str, Any] = {name: v for name, labels, v in update.samples
+                             if labels == GPU0.labels}
         h = d["mrc_gpu_idle_window_seconds"]
         return d["mrc_gpu_idle_current_seconds"], h.total, h.sum
 
-    ctx = SampleContext(now=100.0, wall=100.0, targets=[])
-    ctx.gpu_util_points = {GPU0: [(99.0, 0.9), (99.5, 0.0)]}
-    assert idle(c.update(ctx)) == (0.5, 0, 0.0)
-    ctx = SampleContext(now=101.0, wall=101.0, targets=[])
-    ctx.gpu_util_points = {GPU0: [(99.5, 0.0), (100.5, 0.01)]}  # the buffer overlaps
-    assert idle(c.update(ctx)) == (1.5, 0, 0.0)
-    ctx = SampleContext(now=102.0, wall=102.0, targets=[])
-    ctx.gpu_util_points = {GPU0: [(101.75, 0.8)]}
-    current, total, seconds = idle(c.update(ctx))
+    view = pass_view(100.0, points={GPU0: [(99.0, 0.9), (99.5, 0.0)]})
+    assert idle(c.update(view)) == (0.5, 0, 0.0)
+    view = pass_view(101.0, points={GPU0: [(99.5, 0.0), (100.5, 0.01)]})  # the buffer overlaps
+    assert idle(c.update(view)) == (1.5, 0, 0.0)
+    view = pass_view(102.0, points={GPU0: [(101.75, 0.8)]})
+    current, total, seconds = idle(c.update(view))
     assert (current, total) == (0.0, 1) and abs(seconds - 2.25) < 1e-9
 
 
@@ -199,7 +201,7 @@ def test_a_held_gpu_without_a_reading_is_not_taken_for_idle() -> None:
     held = {7: {GPU1}}
     assert _starved(c.update(_ctx(0.0, 1.0, 1.0, {GPU1: 0.0}, held))) == (1.0, 0.0)
     assert _starved(c.update(_ctx(1.0, 1.0, 1.0, {GPU1: 0.0}, held))) == (1.0, 1.0)
-    samples = c.update(_ctx(2.0, 1.0, 1.0, {GPU0: 0.0}, held))
+    samples = c.update(_ctx(2.0, 1.0, 1.0, {GPU0: 0.0}, held)).samples
     d = {name: v for name, labels, v in samples if labels == ("7", "python")}
     assert d == {"mrc_gpu_starved_seconds_total": 1.0}
     assert _starved(c.update(_ctx(3.0, 1.0, 1.0, {GPU1: 0.0}, held))) == (1.0, 2.0)
@@ -211,3 +213,16 @@ def test_the_registered_factory_passes_the_configured_thresholds_on() -> None:
     c = DEFINITION.factory(BuildContext(thresholds=thresholds))
     assert isinstance(c, DerivedCollector) and c.thresholds == thresholds
     assert _starved(c.update(_ctx(0.0, 0.6, 0.6, {GPU0: 0.25})))[0] == 1.0  # not by the defaults
+
+
+def test_the_verdict_is_published_for_the_collectors_after_it() -> None:
+    """The stacks collector reads each target's verdict from the derived phase's output: the
+    verdict where a GPU of the target gave a reading, nothing where none did."""
+    c = DerivedCollector(DerivedThresholds(starved_cpu=0.9, starved_gpu=0.2))
+    held = {7: {GPU1}}
+    starvation = published(c.update(_ctx(0.0, 1.0, 1.0, {GPU1: 0.0}, held)), Starvation)
+    assert starvation is not None and dict(starvation.by_pid) == {7: True}
+    starvation = published(c.update(_ctx(1.0, 1.0, 1.0, {GPU1: 0.9}, held)), Starvation)
+    assert starvation is not None and dict(starvation.by_pid) == {7: False}
+    starvation = published(c.update(_ctx(2.0, 1.0, 1.0, {GPU0: 0.0}, held)), Starvation)
+    assert starvation is not None and dict(starvation.by_pid) == {}

@@ -9,10 +9,10 @@ import math
 
 import pytest
 
-from mrc_agent.agent.core.collectors.base import SampleContext
 from mrc_agent.agent.core.collectors.derived import DerivedCollector, IdleTracker
 from mrc_agent.agent.core.hw.base import GPUIdentity
 from mrc_agent.agent.core.sample import Sample
+from tests.support import pass_view
 
 GPU0 = GPUIdentity(0, "GPU-a", "NVIDIA H200")
 #: NVML's utilisation sample period on datacenter parts.
@@ -66,12 +66,10 @@ def run(interval: float, seconds: float) -> list[tuple[float, float, float]]:
     out = []
     now, seen = interval, 0.0
     while now <= seconds + 1e-9:
-        ctx = SampleContext(now=now, wall=now, targets=[])
         points = samples(seen, now)
-        ctx.gpu_util_points = {GPU0: points}
-        ctx.gpu_util = {GPU0: points[-1][1]} if points else {}
-        busy = busy_of(c.update(ctx))
-        out.append((now, busy, ctx.gpu_util.get(GPU0, 0.0)))
+        util = {GPU0: points[-1][1]} if points else {}
+        busy = busy_of(c.update(pass_view(now, points={GPU0: points}, util=util)).samples)
+        out.append((now, busy, util.get(GPU0, 0.0)))
         seen = now
         now += interval
     return out
@@ -110,7 +108,6 @@ def test_one_point_per_pass_stands_for_the_whole_pass() -> None:
     c = DerivedCollector()
     totals = []
     for now, util in ((100.0, 0.9), (101.0, 0.5), (103.0, 0.25)):
-        ctx = SampleContext(now=now, wall=now, targets=[])
-        ctx.gpu_util, ctx.gpu_util_points = {GPU0: util}, {GPU0: [(now, util)]}
-        totals.append(busy_of(c.update(ctx)))
+        view = pass_view(now, util={GPU0: util}, points={GPU0: [(now, util)]})
+        totals.append(busy_of(c.update(view).samples))
     assert totals == [0.0, 0.5, 1.0]

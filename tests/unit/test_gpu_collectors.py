@@ -1,6 +1,6 @@
 """Tests of the gpu and gpm collectors (agent/core/collectors/gpu.py, gpm.py) on hand-built
 samples: which series each field becomes, with which labels and in which order, and what they
-leave in the sampling context for the derived collector."""
+publish for the derived collector."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import pytest
 
 from mrc_agent.agent.core.collectors import gpm as gpm_collector
 from mrc_agent.agent.core.collectors import gpu as gpu_collector
-from mrc_agent.agent.core.collectors.base import BuildContext, SampleContext, TargetState
+from mrc_agent.agent.core.collectors.base import BuildContext, PassView, TargetState, Update
 from mrc_agent.agent.core.collectors.gpm import GpmCollector
-from mrc_agent.agent.core.collectors.gpu import GpuCollector
+from mrc_agent.agent.core.collectors.gpu import GpuCollector, GpuReadings
 from mrc_agent.agent.core.hw.base import DeviceSample, GpmSample, GPUIdentity, SourceUnavailable
 from mrc_agent.agent.core.hw.sources import Sources
-from mrc_agent.agent.core.targets import Target
+from tests.support import pass_view, published
 
 GPU0 = GPUIdentity(index=0, uuid="GPU-0", name="NVIDIA H200")
 GPU1 = GPUIdentity(index=1, uuid="GPU-1", name="NVIDIA H200")
@@ -42,11 +42,16 @@ class Gpms:
         return self.samples
 
 
-def context(targets: tuple[int, ...] = (), names: dict[int, str] | None = None) -> SampleContext:
-    ctx = SampleContext(now=NOW, wall=1.7e9, targets=[Target(pid, "pid") for pid in targets])
-    for pid, name in (names or {}).items():
-        ctx.processes[pid] = TargetState(pid=pid, process=name)
-    return ctx
+def context(targets: tuple[int, ...] = (), names: dict[int, str] | None = None) -> PassView:
+    return pass_view(NOW, targets, wall=1.7e9,
+                     processes={pid: TargetState(pid=pid, process=name)
+                                for pid, name in (names or {}).items()})
+
+
+def readings(update: Update) -> GpuReadings:
+    out = published(update, GpuReadings)
+    assert out is not None
+    return out
 
 
 # --- gpu collector ------------------------------------------------------------------------
@@ -60,7 +65,7 @@ def test_every_device_field_becomes_its_series_in_table_order() -> None:
         sm_clock_hertz=1.98e9, temperature_celsius=41.0, xid_errors_total=2.0, last_xid=79.0,
         ecc_corrected_total=5.0, ecc_uncorrected_total=6.0,
     )
-    out = GpuCollector(Devices(s)).update(context())
+    out = GpuCollector(Devices(s)).update(context()).samples
     assert out == [
         ("mrc_gpu_utilization_ratio", L0, 0.5),
         ("mrc_gpu_memory_utilization_ratio", L0, 0.25),
@@ -82,14 +87,15 @@ def test_every_device_field_becomes_its_series_in_table_order() -> None:
 
 
 def test_a_device_sample_without_values_emits_nothing_and_leaves_no_utilisation() -> None:
-    ctx = context(targets=(7,))
-    assert GpuCollector(Devices(DeviceSample(gpu=GPU0))).update(ctx) == []
-    assert ctx.gpu_util == {} and ctx.gpu_util_points == {} and ctx.gpus_of_pid == {}
+    update = GpuCollector(Devices(DeviceSample(gpu=GPU0))).update(context(targets=(7,)))
+    assert update.samples == []
+    got = readings(update)
+    assert got.util == {} and got.util_points == {} and got.gpus_of_pid == {}
 
 
 def test_per_link_nvlink_counters_are_sorted_by_link_and_labelled_with_it() -> None:
     s = DeviceSample(gpu=GPU0, nvlink_links={2: (20.0, 21.0), 0: (1.0, 2.0)})
-    out = GpuCollector(Devices(s)).update(context())
+    out = GpuCollector(Devices(s)).update(context()).samples
     assert out == [
         ("mrc_gpu_nvlink_link_tx_bytes_total", L0 + ("0",), 1.0),
         ("mrc_gpu_nvlink_link_rx_bytes_total", L0 + ("0",), 2.0),
@@ -110,7 +116,7 @@ def test_ecc_kinds_are_emitted_independently(
     corrected: float | None, uncorrected: float | None, expected: list[tuple[str, float]]
 ) -> None:
     s = DeviceSample(gpu=GPU0, ecc_corrected_total=corrected, ecc_uncorrected_total=uncorrected)
-    out = GpuCollector(Devices(s)).update(context())
+    out = GpuCollector(Devices(s)).update(context()).samples
     assert out == [("mrc_gpu_ecc_errors_total", L0 + (kind,), v) for kind, v in expected]
 
 
@@ -118,32 +124,30 @@ def test_process_memory_only_for_targets_sorted_by_pid_with_their_names() -> Non
     s0 = DeviceSample(gpu=GPU0, process_memory_bytes={300: 3.0, 100: 1.0, 200: 2.0})
     s1 = DeviceSample(gpu=GPU1, process_memory_bytes={100: 5.0})
     # 200 is another tenant's process; 300 is a target the process collector has no name for.
-    ctx = context(targets=(300, 100), names={100: "python3", 200: "other"})
-    out = GpuCollector(Devices(s0, s1)).update(ctx)
-    assert out == [
+    update = GpuCollector(Devices(s0, s1)).update(
+        context(targets=(300, 100), names={100: "python3", 200: "other"}))
+    assert update.samples == [
         ("mrc_gpu_process_memory_used_bytes", L0 + ("100", "python3"), 1.0),
         ("mrc_gpu_process_memory_used_bytes", L0 + ("300", ""), 3.0),
         ("mrc_gpu_process_memory_used_bytes", L1 + ("100", "python3"), 5.0),
     ]
-    assert ctx.gpus_of_pid == {100: {GPU0, GPU1}, 300: {GPU0}}
+    assert readings(update).gpus_of_pid == {100: {GPU0, GPU1}, 300: {GPU0}}
 
 
-def test_utilisation_and_its_points_are_left_in_the_context() -> None:
+def test_utilisation_and_its_points_are_published() -> None:
     points = [(NOW - 0.5, 0.25), (NOW - 0.25, 0.75)]
     fine = DeviceSample(gpu=GPU0, gpu_util=0.5, util_samples=points)
     coarse = DeviceSample(gpu=GPU1, gpu_util=0.0)  # no sample buffer; 0 is a real value
-    ctx = context()
-    GpuCollector(Devices(fine, coarse)).update(ctx)
-    assert ctx.gpu_util == {GPU0: 0.5, GPU1: 0.0}
+    got = readings(GpuCollector(Devices(fine, coarse)).update(context()))
+    assert got.util == {GPU0: 0.5, GPU1: 0.0}
     # Without fine-grained points the rate itself stands for the pass, stamped now.
-    assert ctx.gpu_util_points == {GPU0: points, GPU1: [(NOW, 0.0)]}
+    assert got.util_points == {GPU0: points, GPU1: [(NOW, 0.0)]}
 
 
-def test_utilisation_points_without_a_rate_are_not_left_in_the_context() -> None:
+def test_utilisation_points_without_a_rate_are_not_published() -> None:
     s = DeviceSample(gpu=GPU0, util_samples=[(NOW, 0.5)])
-    ctx = context()
-    GpuCollector(Devices(s)).update(ctx)
-    assert ctx.gpu_util == {} and ctx.gpu_util_points == {}
+    got = readings(GpuCollector(Devices(s)).update(context()))
+    assert got.util == {} and got.util_points == {}
 
 
 def test_collectors_without_a_source_are_unavailable() -> None:
@@ -160,10 +164,10 @@ def test_factories_take_their_own_source() -> None:
     ctx = BuildContext(sources=Sources(device=devices, gpm=gpms))
     gpu_c = gpu_collector.DEFINITION.factory(ctx)
     gpm_c = gpm_collector.DEFINITION.factory(ctx)
-    assert gpu_c.update(context()) == [("mrc_gpu_power_watts", L0, 1.0)]
-    assert gpm_c.update(context()) == []
+    assert gpu_c.update(context()).samples == [("mrc_gpu_power_watts", L0, 1.0)]
+    assert gpm_c.update(context()).samples == []
     gpms.samples.append(GpmSample(gpu=GPU1, sm_occupancy=0.5))
-    assert gpm_c.update(context()) == [("mrc_gpu_sm_occupancy_ratio", L1, 0.5)]
+    assert gpm_c.update(context()).samples == [("mrc_gpu_sm_occupancy_ratio", L1, 0.5)]
 
 
 # --- gpm collector ------------------------------------------------------------------------
@@ -175,7 +179,7 @@ def test_every_gpm_field_becomes_its_series_then_the_activity_quotient() -> None
         pcie_tx_bytes_per_second=1.0, pcie_rx_bytes_per_second=2.0,
         nvlink_tx_bytes_per_second=3.0, nvlink_rx_bytes_per_second=4.0,
     )
-    out = GpmCollector(Gpms(s, GpmSample(gpu=GPU1))).update(context())
+    out = GpmCollector(Gpms(s, GpmSample(gpu=GPU1))).update(context()).samples
     assert out == [
         ("mrc_gpu_sm_active_ratio", L0, 0.8),
         ("mrc_gpu_sm_occupancy_ratio", L0, 0.4),
@@ -191,7 +195,8 @@ def test_every_gpm_field_becomes_its_series_then_the_activity_quotient() -> None
 
 
 def _quotient(sm: float | None, dram: float | None) -> list[object]:
-    out = GpmCollector(Gpms(GpmSample(gpu=GPU0, sm_util=sm, dram_bw_util=dram))).update(context())
+    gpms = Gpms(GpmSample(gpu=GPU0, sm_util=sm, dram_bw_util=dram))
+    out = GpmCollector(gpms).update(context()).samples
     return [v for name, _, v in out if name == "mrc_gpu_gpm_sm_to_dram_activity"]
 
 

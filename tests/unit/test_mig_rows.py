@@ -15,7 +15,6 @@ from typing import Any
 import pynvml
 import pytest
 
-from mrc_agent.agent.core.collectors.base import SampleContext
 from mrc_agent.agent.core.collectors.gpm import GPM_SCOPE_INFO, GpmCollector
 from mrc_agent.agent.core.hw.nvml import NvmlBackend
 from mrc_agent.agent.core.hw.replay import ReplayBackend, ReplayFormatError, load_trace
@@ -23,6 +22,7 @@ from mrc_agent.agent.core.hw.sources import Sources
 from mrc_agent.agent.tools.record import record
 from mrc_agent.agent.tools.tracegen import write_trace
 from tests.fakes.fake_pynvml import FakeNvml, gpu, mig_device
+from tests.support import pass_view
 
 SM = pynvml.NVML_GPM_METRIC_SM_UTIL
 PARENT = "GPU-00000000-fake-uuid"
@@ -201,7 +201,7 @@ def test_gpm_of_mig_devices_is_labelled_gpu_instance_scoped() -> None:
         def sample_gpm(self) -> list[Any]:
             return samples
 
-    out = GpmCollector(Source()).update(SampleContext(now=1.0, wall=1.7e9, targets=[]))
+    out = GpmCollector(Source()).update(pass_view(wall=1.7e9)).samples
     scope = [labels for name, labels, _ in out if name == GPM_SCOPE_INFO.name]
     name = "NVIDIA H100 80GB HBM3 MIG GI 1"
     assert scope == [("0", MIG_A, name, "gpu_instance", "1"),
@@ -220,7 +220,7 @@ def test_a_whole_gpu_has_no_scope_series() -> None:
         def sample_gpm(self) -> list[Any]:
             return [whole]
 
-    out = GpmCollector(Source()).update(SampleContext(now=1.0, wall=1.7e9, targets=[]))
+    out = GpmCollector(Source()).update(pass_view(wall=1.7e9)).samples
     assert [n for n, _, _ in out if n == GPM_SCOPE_INFO.name] == []
 
 

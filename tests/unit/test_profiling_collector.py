@@ -10,12 +10,12 @@ from prometheus_client.registry import CollectorRegistry
 
 from mrc_agent.agent.core.attribution import Attribution
 from mrc_agent.agent.core.catalog import CATALOG
-from mrc_agent.agent.core.collectors.base import SampleContext
 from mrc_agent.agent.core.collectors.profiling import (
     DRAM_READ_BYTES,
     DRAM_READ_THROUGHPUT,
     PROFILING_METRICS_INFO,
     ProfilingCollector,
+    ProfilingStatus,
 )
 from mrc_agent.agent.core.hw.base import GPUIdentity, SourceUnavailable
 from mrc_agent.agent.core.hw.cuda_driver import CudaDriver
@@ -23,6 +23,7 @@ from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
 from mrc_agent.agent.core.sample import Snapshot
 from mrc_agent.exporters.exposition.snapshot import SnapshotCollector
 from tests.fakes.fake_cupti import FakeCupti, FakeDevice, fake_uuid
+from tests.support import pass_view, published
 
 SM = "sm__inst_executed_realtime.sum"
 PCT = "dramc__read_throughput.avg.pct_of_peak_sustained_elapsed"
@@ -35,7 +36,7 @@ def _exposition(*devices: FakeDevice) -> dict[str, list[tuple[dict[str, str], fl
     # No targets: the attribution is undecided, so several GPUs need the opt-in.
     collector = ProfilingCollector(CuptiPmSampler(gpus, lib=lib, cuda=CudaDriver(lib.driver),
                                                   profile_undecided=True))
-    samples = collector.update(SampleContext(now=1.0, wall=1.0, targets=[]))
+    samples = collector.update(pass_view()).samples
     registry = CollectorRegistry()
     registry.register(SnapshotCollector(CATALOG, lambda: Snapshot(1, 1.0, tuple(samples))))
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
@@ -84,32 +85,31 @@ def _collector(*devices: FakeDevice) -> ProfilingCollector:
 def test_status_says_not_requested_then_why_not_and_leaves_it_in_the_pass() -> None:
     collector = _collector(FakeDevice(errors={"enable": [PermissionError("admin only")]}))
     assert collector.status == ("not_requested", "")
-    ctx = SampleContext(now=1.0, wall=1.0, targets=[])
 
-    with pytest.raises(SourceUnavailable):
-        collector.update(ctx)
+    update = collector.update(pass_view())
 
-    assert collector.status == ctx.profiling_status == (
-        "no_permission", "PermissionError: admin only")
+    assert isinstance(update.error, SourceUnavailable) and update.samples == []
+    assert collector.status == ("no_permission", "PermissionError: admin only")
+    assert published(update, ProfilingStatus) == ProfilingStatus(*collector.status)
 
 
 def test_a_working_source_is_ok_with_no_detail_in_the_pass() -> None:
     collector = _collector(FakeDevice(decodes=[[{SM: 1.0, BYTES: 2.0}]]))
-    ctx = SampleContext(now=1.0, wall=1.0, targets=[])
 
-    collector.update(ctx)
+    update = collector.update(pass_view())
 
-    assert collector.status == ctx.profiling_status == ("ok", "")
+    assert update.error is None
+    assert collector.status == ("ok", "")
+    assert published(update, ProfilingStatus) == ProfilingStatus("ok", "")
 
 
 def test_only_watched_gpus_are_exported() -> None:
     collector = _collector(FakeDevice(decodes=[[{SM: 1.0, BYTES: 2.0}]]),
                            FakeDevice(decodes=[[{SM: 3.0, BYTES: 4.0}]]))
     watched = GPUIdentity(1, fake_uuid(1), "NVIDIA H200")
-    ctx = SampleContext(now=1.0, wall=1.0, targets=[],
-                        attribution=Attribution(mode="test", gpus={watched: frozenset()}))
+    view = pass_view(outputs=[Attribution(mode="test", gpus={watched: frozenset()})])
 
-    samples = collector.update(ctx)
+    samples = collector.update(view).samples
 
     assert samples and {labels[0] for _, labels, _ in samples} == {"1"}
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mrc_agent.agent.core.collectors.base import SampleContext, TargetState
+from mrc_agent.agent.core.collectors.base import PassView, TargetState
+from mrc_agent.agent.core.collectors.derived import Starvation
 from mrc_agent.agent.core.collectors.stacks import (
     AVAILABLE,
     FUNCTION_SECONDS,
@@ -19,7 +20,7 @@ from mrc_agent.agent.core.stacks import (
     function_name,
     module_of,
 )
-from mrc_agent.agent.core.targets import Target
+from tests.support import pass_view
 
 GPU0 = GPUIdentity(0, "GPU-a", "NVIDIA H200")
 
@@ -117,14 +118,18 @@ class FakeSampler:
 
 
 def _ctx(now: float, points: list[tuple[float, float]], starved: bool | None,
-         pid: int = 7) -> SampleContext:
-    ctx = SampleContext(now=now, wall=now, targets=[Target(pid, "pid")])
-    ctx.processes[pid] = TargetState(pid, "python", 0.5, 0.98)
-    ctx.gpu_util_points = {GPU0: points}
-    ctx.gpu_util = {GPU0: points[-1][1]} if points else {}
-    if starved is not None:
-        ctx.starved[pid] = starved
-    return ctx
+         pid: int = 7, *, read: bool = True) -> PassView:
+    """The pass at ``now``: the target ``pid`` (read by the process collector unless
+    ``read`` is false), GPU0's ``points`` and, unless None, the target's verdict."""
+    verdict = {} if starved is None else {pid: starved}
+    return pass_view(now, (pid,),
+                     processes={pid: TargetState(pid, "python", 0.5, 0.98)} if read else {},
+                     points={GPU0: points}, util={GPU0: points[-1][1]} if points else {},
+                     outputs=[Starvation(verdict)])
+
+
+def _run(c: StacksCollector, view: PassView) -> list:
+    return c.update(view).samples
 
 
 def _seconds(samples: list) -> dict[tuple[str, str], float]:
@@ -150,7 +155,7 @@ def _run_phases() -> tuple[StacksCollector, list]:
         # NVML's points every 1/6 s, up to this pass.
         pts = [(k / 6, 0.9 if k / 6 <= 5 else 0.0) for k in range((second - 1) * 6 + 1,
                                                                   second * 6 + 1)]
-        out = c.update(_ctx(float(second), pts, starved=second > 5))
+        out = _run(c, _ctx(float(second), pts, starved=second > 5))
     return c, out
 
 
@@ -168,7 +173,7 @@ def test_idle_without_starvation_is_idle() -> None:
     samples = [StackSample(t / 10, 0.1, "T0:1", "app:loop") for t in range(1, 21, 2)]
     c = StacksCollector(lambda pid: FakeSampler(samples), idle_util=0.05, clock=lambda: 0.0)
     pts = [(k / 6, 0.0) for k in range(1, 13)]
-    got = _seconds(c.update(_ctx(2.0, pts, starved=False)))
+    got = _seconds(_run(c, _ctx(2.0, pts, starved=False)))
     assert got == {("app:loop", "idle"): pytest.approx(1.0)}
 
 
@@ -177,9 +182,9 @@ def test_the_hottest_thread_is_the_one_that_ran_most_lately() -> None:
     late = [StackSample(60 + t / 10, 0.1, "T0:2", "serve:handle") for t in range(1, 31)]
     sampler = FakeSampler(early)
     c = StacksCollector(lambda pid: sampler, idle_util=0.05, clock=lambda: 0.0)
-    c.update(_ctx(5.0, [(k / 6, 0.9) for k in range(1, 31)], None))
+    _run(c, _ctx(5.0, [(k / 6, 0.9) for k in range(1, 31)], None))
     sampler.samples = late
-    got = _seconds(c.update(_ctx(63.0, [(60 + k / 6, 0.9) for k in range(1, 19)], None)))
+    got = _seconds(_run(c, _ctx(63.0, [(60 + k / 6, 0.9) for k in range(1, 19)], None)))
     # Five seconds of T0:1 a minute ago weigh 5 * 2**-6 now: T0:2's three seconds win.
     assert got[("serve:handle", "busy")] == pytest.approx(3.0)
 
@@ -187,9 +192,9 @@ def test_the_hottest_thread_is_the_one_that_ran_most_lately() -> None:
 def test_samples_wait_for_the_gpu_timeline_to_cover_them() -> None:
     samples = [StackSample(t / 10, 0.1, "T0:1", "app:work") for t in range(1, 31)]
     c = StacksCollector(lambda pid: FakeSampler(samples), idle_util=0.05, clock=lambda: 0.0)
-    got = _seconds(c.update(_ctx(1.0, [(k / 6, 0.9) for k in range(1, 7)], None)))
+    got = _seconds(_run(c, _ctx(1.0, [(k / 6, 0.9) for k in range(1, 7)], None)))
     assert got == {("app:work", "busy"): pytest.approx(1.0)}  # up to t = 1.0 only
-    got = _seconds(c.update(_ctx(3.0, [(k / 6, 0.9) for k in range(7, 19)], None)))
+    got = _seconds(_run(c, _ctx(3.0, [(k / 6, 0.9) for k in range(7, 19)], None)))
     assert got == {("app:work", "busy"): pytest.approx(3.0)}
 
 
@@ -197,7 +202,7 @@ def test_functions_past_the_top_k_are_other_and_labels_never_move() -> None:
     samples = [StackSample(i / 10, 0.1, "T0:1", f"mod:f{i % 5}") for i in range(1, 11)]
     c = StacksCollector(lambda pid: FakeSampler(samples), idle_util=0.05, top_k=3,
                         clock=lambda: 0.0)
-    got = _seconds(c.update(_ctx(1.0, [(k / 6, 0.9) for k in range(1, 7)], None)))
+    got = _seconds(_run(c, _ctx(1.0, [(k / 6, 0.9) for k in range(1, 7)], None)))
     assert set(got) == {("mod:f1", "busy"), ("mod:f2", "busy"), ("mod:f3", "busy"),
                         ("other", "busy")}
     assert got[("other", "busy")] == pytest.approx(0.4)  # f4 and f0, twice each
@@ -212,11 +217,11 @@ def test_a_target_that_cannot_be_sampled_says_why_and_is_not_retried_for_rights(
 
     now = [0.0]
     c = StacksCollector(factory, idle_util=0.05, clock=lambda: now[0])
-    c.update(_ctx(1.0, [(1.0, 0.9)], None))
-    out = c.update(_ctx(2.0, [(2.0, 0.9)], None))
+    _run(c, _ctx(1.0, [(1.0, 0.9)], None))
+    out = _run(c, _ctx(2.0, [(2.0, 0.9)], None))
     assert (AVAILABLE.name, ("7", "python", "permission"), 0.0) in out
     now[0] = 1000.0
-    c.update(_ctx(3.0, [(3.0, 0.9)], None))
+    _run(c, _ctx(3.0, [(3.0, 0.9)], None))
     assert len(made) == 1 and made[0].stopped == 1
 
 
@@ -230,20 +235,18 @@ def test_a_sampler_that_failed_is_tried_again_later_and_a_gone_target_stopped() 
 
     now = [0.0]
     c = StacksCollector(factory, idle_util=0.05, clock=lambda: now[0])
-    c.update(_ctx(1.0, [(1.0, 0.9)], None))
-    assert (AVAILABLE.name, ("7", "python", "failed"), 0.0) in c.update(
-        _ctx(2.0, [(2.0, 0.9)], None))
+    _run(c, _ctx(1.0, [(1.0, 0.9)], None))
+    assert (AVAILABLE.name, ("7", "python", "failed"), 0.0) in _run(
+        c, _ctx(2.0, [(2.0, 0.9)], None))
     now[0] = 31.0
-    assert (AVAILABLE.name, ("7", "python", "ok"), 1.0) in c.update(
-        _ctx(3.0, [(3.0, 0.9)], None))
-    ctx = _ctx(4.0, [(4.0, 0.9)], None)
-    ctx.processes.clear()
-    assert c.update(ctx) == []
+    assert (AVAILABLE.name, ("7", "python", "ok"), 1.0) in _run(
+        c, _ctx(3.0, [(3.0, 0.9)], None))
+    assert _run(c, _ctx(4.0, [(4.0, 0.9)], None, read=False)) == []
     assert len(made) == 2 and made[1].stopped == 1
 
 
 def test_without_austin_every_target_says_missing() -> None:
     c = StacksCollector(None, idle_util=0.05,
                         unavailable=StacksUnavailable("missing", "austin is not installed"))
-    assert c.update(_ctx(1.0, [(1.0, 0.9)], None)) == [
+    assert _run(c, _ctx(1.0, [(1.0, 0.9)], None)) == [
         (AVAILABLE.name, ("7", "python", "missing"), 0.0)]

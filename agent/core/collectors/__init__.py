@@ -3,7 +3,8 @@
 Each collector module declares its name, default, factory and metrics in one
 :class:`~mrc_agent.agent.core.collectors.base.CollectorDef` beside the code that emits them. This
 list is the sampling order; :func:`~mrc_agent.agent.core.collectors.base.check_order` fails at
-import when a collector would run before one it reads from (derived reads process and gpu).
+import when a collector would run before one whose output it reads (derived reads the process
+collector's ``Processes`` and the gpu collector's ``GpuReadings``).
 """
 
 from __future__ import annotations

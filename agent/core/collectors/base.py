@@ -1,20 +1,25 @@
 """What a collector is, and how one is registered.
 
-A collector is a name and ``update(ctx)`` returning fresh samples. It raises on failure, or
-:class:`mrc_agent.agent.core.hw.base.SourceUnavailable` when its source does not apply here; the
-runner owns health and timing. Collectors run in a fixed order each pass and leave what later
-collectors need (target CPU, GPU utilisation) in the shared :class:`SampleContext`.
+A collector is a name and ``update(view)`` returning an :class:`Update`: fresh samples and the
+typed outputs later collectors read (target CPU, the GPU decision, GPU utilisation). It raises on
+failure, or :class:`mrc_agent.agent.core.hw.base.SourceUnavailable` when its source does not
+apply here; the runner owns health and timing. Collectors run in a fixed order each pass, and
+each sees an immutable :class:`PassView` of the outputs published before it: a pass runs as
+phases (targets, then attribution and the device collectors, then the derived signals) that
+hand typed values on, not as a shared context that each collector changes.
 
 Each collector module ends with one :class:`CollectorDef`: its name, whether it is on by default,
-its factory, the metrics it emits and the collectors it reads from (``after``), side by side with
-the code that emits them (node_exporter's ``registerCollector`` beside its descriptors).
-:mod:`mrc_agent.agent.core.collectors` lists them and checks the order.
+its factory, the metrics it emits and the output types it reads and publishes, side by side
+with the code that emits them (node_exporter's ``registerCollector`` beside its descriptors).
+:mod:`mrc_agent.agent.core.collectors` lists them and checks that every output a collector
+reads comes from one registered before it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Protocol, TypeVar
 
 from mrc_agent.agent.core import attribution as attribution_rule
@@ -31,7 +36,7 @@ PROC = ("pid", "process")
 GPU = ("gpu", "uuid", "gpu_model")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TargetState:
     """What the process collector learned about one target this pass."""
 
@@ -43,58 +48,94 @@ class TargetState:
     view: TargetView | None = None
 
 
-@dataclass
-class SampleContext:
-    """Shared state of one sampling pass."""
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PassView:
+    """What a collector sees of its pass: the pass's clocks and targets, and the typed outputs
+    the collectors before it published (:class:`Update`). It is immutable: the runner hands
+    each collector a new view with the outputs so far, so no collector changes what another
+    reads, and what one reads was published by exactly one earlier collector.
+
+    The outputs, by the phase that publishes them:
+
+    1. targets: :class:`Processes` (the process collector);
+    2. attribution and devices: :class:`~mrc_agent.agent.core.attribution.Attribution` (the
+       first collector with GPUs decides), the gpu collector's ``GpuReadings``, the gpm
+       collector's ``GpmReadings`` and the profiling collector's ``ProfilingStatus``;
+    3. derived: the derived collector's ``Starvation``.
+    """
 
     now: float  # monotonic seconds
     wall: float  # Unix seconds
-    targets: list[Target]
-    #: Filled by the process collector, keyed by PID.
-    processes: dict[int, TargetState] = field(default_factory=dict)
-    #: Filled by the gpu collector: latest utilisation and fine-grained points per GPU.
-    gpu_util: dict[GPUIdentity, float] = field(default_factory=dict)
-    gpu_util_points: dict[GPUIdentity, list[tuple[float, float]]] = field(default_factory=dict)
-    #: GPUs on which each target PID holds memory.
-    gpus_of_pid: dict[int, set[GPUIdentity]] = field(default_factory=dict)
-    #: Filled by the runner: whether each collector run so far this pass succeeded.
-    succeeded: dict[str, bool] = field(default_factory=dict)
-    #: Filled by the profiling collector: (reason, detail) of its source, "ok" when it works.
-    profiling_status: tuple[str, str] = ("not_requested", "")
-    #: Filled by the derived collector: whether each target PID was starved this pass
-    #: (absent while none of its GPUs gave a reading).
-    starved: dict[int, bool] = field(default_factory=dict)
-    #: The GPUs reported this pass (agent.core.attribution): the gpu collector's decision
-    #: (its last one when it failed this pass), or :meth:`decide_gpus`'s.
-    attribution: Attribution | None = None
+    targets: tuple[Target, ...]
+    outputs: Mapping[type, object] = field(default_factory=lambda: MappingProxyType({}))
+
+    def get(self, kind: type[T]) -> T | None:
+        """The output of type ``kind`` published this pass, or None (its collector is off,
+        comes later, or failed without leaving one)."""
+        out = self.outputs.get(kind)
+        return out if isinstance(out, kind) else None
+
+    def with_outputs(self, outputs: Sequence[object]) -> PassView:
+        """This view with ``outputs`` added (each replacing this pass's one of its type)."""
+        if not outputs:
+            return self
+        merged = dict(self.outputs)
+        merged.update((type(o), o) for o in outputs)
+        return replace(self, outputs=MappingProxyType(merged))
 
     def target_views(self) -> list[TargetView]:
         """Each target's view, as the process collector read it (an empty one where it did
         not: the collector is off, or the target went this pass)."""
+        processes = self.get(Processes)
+        by_pid = processes.by_pid if processes is not None else {}
         out = []
         for t in self.targets:
-            state = self.processes.get(t.pid)
+            state = by_pid.get(t.pid)
             view = state.view if state is not None else None
             out.append(view or TargetView(t.pid, why="not read (process collector off or "
                                                      "target gone)"))
         return out
 
     def decide_gpus(self, setting: str, gpus: Sequence[GPUIdentity]) -> Attribution:
-        """This pass's decision. Where the gpu collector made none (it is off, or failed
-        before it ever decided) the first collector with GPUs makes it from the targets'
-        environments and ``gpus`` alone: without NVML's process lists, but never every GPU
-        of the node while a target says which are its own."""
-        if self.attribution is None:
-            self.attribution = attribution_rule.decide(
+        """This pass's decision: the one published before (the gpu collector's), or — where
+        none was (the gpu collector is off, or failed before it ever decided) — one made from
+        the targets' environments and ``gpus`` alone: without NVML's process lists, but never
+        every GPU of the node while a target says which are its own. A collector that makes
+        one publishes it, so the collectors after it report the same GPUs."""
+        decided = self.get(Attribution)
+        if decided is None:
+            decided = attribution_rule.decide(
                 setting, self.target_views(), [DeviceSample(gpu=g) for g in gpus])
-        return self.attribution
+        return decided
+
+
+@dataclass(frozen=True)
+class Processes:
+    """The targets phase's output: what the process collector read of each target this pass,
+    by PID (a target it could not read is absent)."""
+
+    by_pid: Mapping[int, TargetState]
+
+
+@dataclass(frozen=True)
+class Update:
+    """One collector's pass: its samples, the typed outputs it publishes to the collectors
+    after it, and — for a collector that failed yet leaves something standing (the gpu
+    collector's last GPU decision) — the failure, which the runner reports as if raised."""
+
+    samples: list[Sample]
+    outputs: tuple[object, ...] = ()
+    error: Exception | None = None
 
 
 class Collector(Protocol):
     name: str
 
-    def update(self, ctx: SampleContext) -> list[Sample]:
-        """Sample the source and return the samples of this pass."""
+    def update(self, view: PassView) -> Update:
+        """Sample the source and return this pass's samples and outputs."""
         ...
 
 
@@ -134,8 +175,8 @@ class BuildContext:
     stacks: StackSettings = field(default_factory=StackSettings)
 
 
-#: Runs once per pass after every collector, with the filled context; returns more samples.
-PassFinisher = Callable[[SampleContext], list[Sample]]
+#: Runs once per pass after every collector, with the last view; returns more samples.
+PassFinisher = Callable[[PassView], list[Sample]]
 
 
 @dataclass(frozen=True)
@@ -147,20 +188,26 @@ class CollectorDef:
     default_on: bool
     factory: Callable[[BuildContext], Collector]
     metrics: tuple[MetricSpec, ...]
-    #: Collectors whose context entries this one reads; they must come earlier in the order.
-    after: tuple[str, ...] = ()
+    #: The output types it reads from the pass view; their publishers must come earlier.
+    reads: tuple[type, ...] = ()
+    #: The output types it publishes (:attr:`Update.outputs`).
+    provides: tuple[type, ...] = ()
 
 
 def check_order(defs: Sequence[CollectorDef]) -> tuple[CollectorDef, ...]:
-    """``defs`` unchanged, after checking names are unique and every ``after`` comes first."""
+    """``defs`` unchanged, after checking names are unique and every type a collector reads
+    is published by one registered before it."""
     seen: set[str] = set()
+    published: set[type] = set()
     for d in defs:
         if d.name in seen:
             raise ValueError(f"collector {d.name!r} registered twice")
-        missing = [a for a in d.after if a not in seen]
+        missing = [t.__name__ for t in d.reads if t not in published]
         if missing:
-            raise ValueError(f"collector {d.name!r} reads {missing} and must come after them")
+            raise ValueError(f"collector {d.name!r} reads {missing}, which no collector "
+                             f"before it publishes")
         seen.add(d.name)
+        published.update(d.provides)
     return tuple(defs)
 
 

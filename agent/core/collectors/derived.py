@@ -14,14 +14,21 @@ the GPU threshold: the CPU-side pipeline is the bottleneck and the GPU waits.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
 from mrc_agent.agent.core.collectors.base import (
     GPU,
     PROC,
     BuildContext,
     CollectorDef,
     DerivedThresholds,
-    SampleContext,
+    PassView,
+    Processes,
+    Update,
 )
+from mrc_agent.agent.core.collectors.gpu import NO_READINGS, GpuReadings
 from mrc_agent.agent.core.hw.base import GPUIdentity
 from mrc_agent.agent.core.sample import HistogramValue, Sample, counter, gauge, histogram
 
@@ -71,7 +78,7 @@ class IdleTracker:
         self.histogram = HistogramValue(IDLE_WINDOW_BUCKETS)
         self.busy_seconds = 0.0
 
-    def feed(self, points: list[tuple[float, float]]) -> None:
+    def feed(self, points: Sequence[tuple[float, float]]) -> None:
         for t, util in points:
             if self.last_t is not None and t <= self.last_t:
                 continue  # already seen
@@ -89,6 +96,14 @@ class IdleTracker:
         return 0.0 if self.idle_since is None else max(now - self.idle_since, 0.0)
 
 
+@dataclass(frozen=True)
+class Starvation:
+    """The derived phase's output: whether each target PID was starved this pass (absent
+    while none of its GPUs gave a reading)."""
+
+    by_pid: Mapping[int, bool]
+
+
 class DerivedCollector:
     name = NAME
 
@@ -98,25 +113,29 @@ class DerivedCollector:
         self._starved_seconds: dict[tuple[int, str], float] = {}
         self._last_now: float | None = None
 
-    def update(self, ctx: SampleContext) -> list[Sample]:
+    def update(self, view: PassView) -> Update:
         out: list[Sample] = []
-        for gpu, points in ctx.gpu_util_points.items():
+        gpus_read = view.get(GpuReadings) or NO_READINGS
+        processes = view.get(Processes)
+        starved_now: dict[int, bool] = {}
+        for gpu, points in gpus_read.util_points.items():
             tracker = self._idle.get(gpu)
             if tracker is None:
                 tracker = self._idle[gpu] = IdleTracker(self.thresholds.idle_util)
             tracker.feed(points)
             out.append((IDLE_WINDOW.name, gpu.labels, tracker.histogram.copy()))
-            out.append((IDLE_CURRENT.name, gpu.labels, tracker.current(ctx.now)))
+            out.append((IDLE_CURRENT.name, gpu.labels, tracker.current(view.now)))
             out.append((BUSY_SECONDS.name, gpu.labels, tracker.busy_seconds))
-        dt = 0.0 if self._last_now is None else ctx.now - self._last_now
-        self._last_now = ctx.now
+        dt = 0.0 if self._last_now is None else view.now - self._last_now
+        self._last_now = view.now
         live = set()
-        if ctx.gpu_util:
-            for pid, st in ctx.processes.items():
+        util = gpus_read.util
+        if util and processes is not None:
+            for pid, st in processes.by_pid.items():
                 cpu = max(st.user_ratio or 0.0, st.hottest_thread_user_ratio or 0.0)
                 if st.user_ratio is None:
                     continue  # no CPU window yet
-                gpus = ctx.gpus_of_pid.get(pid) or set(ctx.gpu_util)
+                gpus = gpus_read.gpus_of_pid.get(pid) or set(util)
                 key = (pid, st.process)
                 live.add(key)
                 labels = (str(pid), st.process)
@@ -124,19 +143,19 @@ class DerivedCollector:
                 # (NVML cannot read it, e.g. a MIG parent) is not taken for idle. With no
                 # reading at all there is no verdict: the gauge is absent this pass and the
                 # counter keeps its total.
-                readings = [ctx.gpu_util[g] for g in gpus if g in ctx.gpu_util]
+                readings = [util[g] for g in gpus if g in util]
                 total = self._starved_seconds.get(key, 0.0)
                 if readings:
                     starved = cpu >= self.thresholds.starved_cpu and (
                         max(readings) <= self.thresholds.starved_gpu)
                     total += dt if starved else 0.0
                     out.append((STARVED.name, labels, 1.0 if starved else 0.0))
-                    ctx.starved[pid] = starved
+                    starved_now[pid] = starved
                 self._starved_seconds[key] = total
                 out.append((STARVED_SECONDS.name, labels, total))
         for key in [k for k in self._starved_seconds if k not in live]:
             del self._starved_seconds[key]
-        return out
+        return Update(out, (Starvation(MappingProxyType(starved_now)),))
 
 
 def _build(ctx: BuildContext) -> DerivedCollector:
@@ -144,5 +163,6 @@ def _build(ctx: BuildContext) -> DerivedCollector:
 
 
 DEFINITION = CollectorDef(
-    name=NAME, default_on=True, factory=_build, metrics=METRICS, after=("process", "gpu"),
+    name=NAME, default_on=True, factory=_build, metrics=METRICS,
+    reads=(Processes, GpuReadings), provides=(Starvation,),
     description="GPU idle windows and the GPU-starvation signal, computed in the agent.")

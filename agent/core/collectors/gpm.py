@@ -8,16 +8,20 @@ GPU has no scope series: its GPM is its own, like every other series of its ``uu
 
 from __future__ import annotations
 
-from mrc_agent.agent.core.attribution import MODE_TARGETS
+from dataclasses import dataclass
+
+from mrc_agent.agent.core.attribution import MODE_TARGETS, Attribution
 from mrc_agent.agent.core.collectors.base import (
     GPU,
     BuildContext,
     CollectorDef,
-    SampleContext,
+    PassView,
+    Processes,
+    Update,
     field_samples,
     require,
 )
-from mrc_agent.agent.core.hw.base import GpmSource
+from mrc_agent.agent.core.hw.base import GpmSource, GPUIdentity
 from mrc_agent.agent.core.sample import Sample, gauge, info
 
 NAME = "gpm"
@@ -72,6 +76,14 @@ _GPM_FIELDS = {
 MIN_DRAM_UTIL_FOR_PROXY = 0.01
 
 
+@dataclass(frozen=True)
+class GpmReadings:
+    """The gpm collector's output: the watched GPUs it sampled this pass (the
+    compute-to-memory signal's source falls back to GPM where it sampled)."""
+
+    gpus: tuple[GPUIdentity, ...]
+
+
 class GpmCollector:
     name = NAME
 
@@ -79,10 +91,10 @@ class GpmCollector:
         self._source = source
         self._gpus = gpus
 
-    def update(self, ctx: SampleContext) -> list[Sample]:
+    def update(self, view: PassView) -> Update:
         out: list[Sample] = []
         samples = require(self._source).sample_gpm()
-        att = ctx.decide_gpus(self._gpus, [s.gpu for s in samples])
+        att = view.decide_gpus(self._gpus, [s.gpu for s in samples])
         for s in samples:
             if not att.watches(s.gpu):
                 continue  # not a GPU of this pod's targets (agent.core.attribution)
@@ -95,7 +107,8 @@ class GpmCollector:
                 # "" where a trace names a MIG device but not its GPU instance.
                 instance = "" if s.gpu_instance is None else str(s.gpu_instance)
                 out.append((GPM_SCOPE_INFO.name, labels + ("gpu_instance", instance), {}))
-        return out
+        return Update(out, (att, GpmReadings(tuple(s.gpu for s in samples
+                                                   if att.watches(s.gpu)))))
 
 
 def _build(ctx: BuildContext) -> GpmCollector:
@@ -104,4 +117,5 @@ def _build(ctx: BuildContext) -> GpmCollector:
 
 DEFINITION = CollectorDef(
     name=NAME, default_on=True, factory=_build, metrics=METRICS,
+    reads=(Processes, Attribution), provides=(Attribution, GpmReadings),
     description="NVML GPM activity ratios and rates (Hopper and newer).")

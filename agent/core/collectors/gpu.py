@@ -3,16 +3,20 @@ errors and per-target device memory.
 
 It only translates :class:`mrc_agent.agent.core.hw.base.DeviceSample` into metric samples; which
 library answered (NVML or a replayed trace) is the source's business. It leaves each GPU's
-utilisation (and its fine-grained points) and the GPUs each target holds memory on in the context
-for the derived collector.
+utilisation (and its fine-grained points) and the GPUs each target holds memory on to the derived
+collector in its output, :class:`GpuReadings`.
 
 It also decides which GPUs are reported this pass (:mod:`mrc_agent.agent.core.attribution`: by
-default the GPUs the targets can use), leaves that decision in the context for the gpm and profiling
+default the GPUs the targets can use), publishes that decision for the gpm and profiling
 collectors (its last one when it fails), and skips the other GPUs; :func:`attribution_samples`
 exports the decision.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
 
 from mrc_agent.agent.core import attribution
 from mrc_agent.agent.core.attribution import MODE_TARGETS, Attribution
@@ -21,11 +25,13 @@ from mrc_agent.agent.core.collectors.base import (
     PROC,
     BuildContext,
     CollectorDef,
-    SampleContext,
+    PassView,
+    Processes,
+    Update,
     field_samples,
     require,
 )
-from mrc_agent.agent.core.hw.base import DeviceSource
+from mrc_agent.agent.core.hw.base import DeviceSource, GPUIdentity
 from mrc_agent.agent.core.sample import Sample, counter, gauge, info
 
 NAME = "gpu"
@@ -112,6 +118,21 @@ _DEVICE_FIELDS = {
 }
 
 
+@dataclass(frozen=True)
+class GpuReadings:
+    """The gpu collector's output for the derived signals: each watched GPU's latest
+    utilisation and its fine-grained (time, utilisation) points, and the GPUs on which each
+    target PID holds memory."""
+
+    util: Mapping[GPUIdentity, float]
+    util_points: Mapping[GPUIdentity, Sequence[tuple[float, float]]]
+    gpus_of_pid: Mapping[int, frozenset[GPUIdentity]]
+
+
+#: No GPU readings: what the derived collectors see where the gpu collector gave none.
+NO_READINGS = GpuReadings(MappingProxyType({}), MappingProxyType({}), MappingProxyType({}))
+
+
 class GpuCollector:
     name = NAME
 
@@ -120,18 +141,22 @@ class GpuCollector:
         self._gpus = gpus
         self._last: Attribution | None = None
 
-    def update(self, ctx: SampleContext) -> list[Sample]:
+    def update(self, view: PassView) -> Update:
         out: list[Sample] = []
-        names = {pid: st.process for pid, st in ctx.processes.items()}
+        processes = view.get(Processes)
+        names = {pid: st.process for pid, st in (processes.by_pid if processes else {}).items()}
         try:
             samples = require(self._source).sample_devices()
-        except Exception:
+        except Exception as exc:
             # A failed pass keeps the last decision: gpm and profiling go on reporting this
             # pod's GPUs, not for one pass every GPU of the node.
-            ctx.attribution = self._last
-            raise
-        att = ctx.attribution = self._last = attribution.decide(
-            self._gpus, ctx.target_views(), samples)
+            if self._last is None:
+                raise
+            return Update([], (self._last,), error=exc)
+        att = self._last = attribution.decide(self._gpus, view.target_views(), samples)
+        util: dict[GPUIdentity, float] = {}
+        points: dict[GPUIdentity, Sequence[tuple[float, float]]] = {}
+        held: dict[int, set[GPUIdentity]] = {}
         for s in samples:
             if not att.watches(s.gpu):
                 continue  # another pod's GPU
@@ -155,18 +180,21 @@ class GpuCollector:
                 if pid is not None:
                     name = names.get(pid, "")
                     out.append((PROCESS_MEMORY_USED.name, labels + (str(pid), name), used))
-                    ctx.gpus_of_pid.setdefault(pid, set()).add(s.gpu)
+                    held.setdefault(pid, set()).add(s.gpu)
             if s.gpu_util is not None:
-                ctx.gpu_util[s.gpu] = s.gpu_util
-                ctx.gpu_util_points[s.gpu] = s.util_samples or [(ctx.now, s.gpu_util)]
-        return out
+                util[s.gpu] = s.gpu_util
+                points[s.gpu] = s.util_samples or [(view.now, s.gpu_util)]
+        readings = GpuReadings(MappingProxyType(util), MappingProxyType(points),
+                               MappingProxyType({p: frozenset(g) for p, g in held.items()}))
+        return Update(out, (att, readings))
 
 
 
-def attribution_samples(ctx: SampleContext) -> list[Sample]:
+def attribution_samples(view: PassView) -> list[Sample]:
     """Pass finisher: which GPUs this pass reported and why (none when no collector with GPUs
     ran: every one off, or failed before it ever decided)."""
-    return attribution.samples(ctx.attribution) if ctx.attribution is not None else []
+    decided = view.get(Attribution)
+    return attribution.samples(decided) if decided is not None else []
 
 
 def _build(ctx: BuildContext) -> GpuCollector:
@@ -174,5 +202,6 @@ def _build(ctx: BuildContext) -> GpuCollector:
 
 
 DEFINITION = CollectorDef(
-    name=NAME, default_on=True, factory=_build, metrics=METRICS, after=("process",),
+    name=NAME, default_on=True, factory=_build, metrics=METRICS,
+    reads=(Processes,), provides=(Attribution, GpuReadings),
     description="NVML device state: utilisation, memory, PCIe, NVLink, power, clocks, errors.")

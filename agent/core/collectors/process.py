@@ -6,22 +6,25 @@ next pass on. A PID whose start time changes is a new process and starts afresh;
 vanished, or exited and waits as a zombie, simply stops producing series.
 
 It also leaves, once per process, what GPU attribution reads (the GPU variables of the initial
-environment and the innermost-namespace PID, :mod:`mrc_agent.agent.core.attribution`) in the
-context.
+environment and the innermost-namespace PID, :mod:`mrc_agent.agent.core.attribution`) in its
+output, :class:`~mrc_agent.agent.core.collectors.base.Processes`: the pass's targets phase.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from mrc_agent.agent.core.attribution import TargetView, read_view
 from mrc_agent.agent.core.collectors.base import (
     PROC,
     BuildContext,
     CollectorDef,
-    SampleContext,
+    PassView,
+    Processes,
     TargetState,
+    Update,
 )
 from mrc_agent.agent.core.hw.procfs import CLK_TCK, ProcessGone, ProcFS, ProcStat
 from mrc_agent.agent.core.sample import Sample, counter, gauge
@@ -85,14 +88,17 @@ class ProcessCollector:
         self._views: dict[int, tuple[tuple[int, str], TargetView]] = {}
         self._boot_time: float | None = None
 
-    def update(self, ctx: SampleContext) -> list[Sample]:
+    def update(self, view: PassView) -> Update:
         if self._boot_time is None:
             self._boot_time = self._procfs.boot_time()
         out: list[Sample] = []
         seen = set()
-        for target in ctx.targets:
+        states: dict[int, TargetState] = {}
+        for target in view.targets:
             try:
-                out.extend(self._one(ctx, target.pid))
+                state, samples = self._one(view.now, target.pid)
+                out.extend(samples)
+                states[target.pid] = state
                 seen.add(target.pid)
             except ProcessGone as exc:
                 log.debug("target %d gone: %s", target.pid, exc)
@@ -102,9 +108,9 @@ class ProcessCollector:
             self._procfs.release(pid)
         for pid in [p for p in self._views if p not in seen]:
             del self._views[pid]
-        return out
+        return Update(out, (Processes(MappingProxyType(states)),))
 
-    def _one(self, ctx: SampleContext, pid: int) -> list[Sample]:
+    def _one(self, now: float, pid: int) -> tuple[TargetState, list[Sample]]:
         st = self._procfs.stat(pid)
         if st.exited:
             # A zombie has exited: it is no target any more (so "target absent" can fire),
@@ -116,7 +122,7 @@ class ProcessCollector:
         prev = self._prev.get(pid)
         if prev is not None and prev.start_ticks != st.start_ticks:
             prev = None  # the PID was reused by another process
-        state = TargetState(pid=pid, process=st.comm, view=self._view(pid, st))
+        user_ratio = hottest_ratio = None
         out: list[Sample] = [
             (CPU_SECONDS.name, labels + ("user",), st.user_ticks / CLK_TCK),
             (CPU_SECONDS.name, labels + ("system",), st.system_ticks / CLK_TCK),
@@ -127,9 +133,9 @@ class ProcessCollector:
             (START_TIME.name, labels, (self._boot_time or 0.0) + st.start_ticks / CLK_TCK),
         ]
         if prev is not None:
-            dt = ctx.now - prev.at
-            state.user_ratio = ratio(st.user_ticks - prev.user_ticks, dt)
-            out.append((CPU_USER_RATIO.name, labels, state.user_ratio))
+            dt = now - prev.at
+            user_ratio = ratio(st.user_ticks - prev.user_ticks, dt)
+            out.append((CPU_USER_RATIO.name, labels, user_ratio))
             out.append((CPU_SYSTEM_RATIO.name, labels,
                         ratio(st.system_ticks - prev.system_ticks, dt)))
             if self._threads:
@@ -141,12 +147,10 @@ class ProcessCollector:
                 # lifetime falls in the window, so its ticks count from zero.
                 born = [t for tid, t in threads.items() if tid not in prev.threads]
                 hottest = max([hottest, *born])
-                state.hottest_thread_user_ratio = min(ratio(hottest, dt), state.user_ratio)
-                out.append((HOTTEST_THREAD_USER_RATIO.name, labels,
-                            state.hottest_thread_user_ratio))
-        ctx.processes[pid] = state
-        self._prev[pid] = _Prev(st.start_ticks, ctx.now, st.user_ticks, st.system_ticks, threads)
-        return out
+                hottest_ratio = min(ratio(hottest, dt), user_ratio)
+                out.append((HOTTEST_THREAD_USER_RATIO.name, labels, hottest_ratio))
+        self._prev[pid] = _Prev(st.start_ticks, now, st.user_ticks, st.system_ticks, threads)
+        return TargetState(pid, st.comm, user_ratio, hottest_ratio, self._view(pid, st)), out
 
 
     def _view(self, pid: int, st: ProcStat) -> TargetView:
@@ -164,5 +168,5 @@ def _build(_ctx: BuildContext) -> ProcessCollector:
 
 
 DEFINITION = CollectorDef(
-    name=NAME, default_on=True, factory=_build, metrics=METRICS,
+    name=NAME, default_on=True, factory=_build, metrics=METRICS, provides=(Processes,),
     description="Target process CPU (pidstat -u semantics), hottest thread, memory, threads.")

@@ -9,16 +9,20 @@ activity quotient off as an instruction count.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from mrc_agent.agent.core.attribution import MODE_TARGETS, MODE_UNKNOWN
+from mrc_agent.agent.core.attribution import MODE_TARGETS, MODE_UNKNOWN, Attribution
 from mrc_agent.agent.core.collectors.base import (
     GPU,
     BuildContext,
     CollectorDef,
-    SampleContext,
+    PassView,
+    Processes,
+    Update,
     field_samples,
     require,
 )
+from mrc_agent.agent.core.collectors.gpm import GpmReadings
 from mrc_agent.agent.core.hw.base import (
     GPUIdentity,
     ProfilingSample,
@@ -69,9 +73,18 @@ _FIELDS = {
 }
 
 
+@dataclass(frozen=True)
+class ProfilingStatus:
+    """The profiling collector's output: whether its source works (``reason`` "ok"), and
+    why not."""
+
+    reason: str
+    detail: str = ""
+
+
 class ProfilingCollector:
-    """True instruction and DRAM-read counters; ``status`` (also left in the pass context)
-    says whether the profiling source works, and why not."""
+    """True instruction and DRAM-read counters; ``status`` (also published as
+    :class:`ProfilingStatus`) says whether the profiling source works, and why not."""
 
     name = NAME
 
@@ -80,11 +93,14 @@ class ProfilingCollector:
         self._gpus = gpus
         self.status: tuple[str, str] = ("not_requested", "")
 
-    def update(self, ctx: SampleContext) -> list[Sample]:
+    def update(self, view: PassView) -> Update:
+        decided: list[Attribution] = []  # the decision made while sampling, if one was
+
         def scope_of(gpus: Sequence[GPUIdentity]) -> ProfilingScope:
             # This pass's decision (the gpu collector's, or made here from ``gpus``): a source
             # that holds hardware per GPU takes only the pod's GPUs (agent.core.attribution).
-            att = ctx.decide_gpus(self._gpus, gpus)
+            att = view.decide_gpus(self._gpus, gpus)
+            decided.append(att)
             return ProfilingScope(frozenset(g for g in gpus if att.watches(g)),
                                   undecided=att.mode == MODE_UNKNOWN)
 
@@ -94,13 +110,12 @@ class ProfilingCollector:
                 samples = source.sample_profiling_for(scope_of)
             else:  # a recorded trace holds nothing: filtered below
                 samples = source.sample_profiling()
-        except SourceUnavailable as exc:
-            self.status = (exc.reason, exc.detail)
-            raise
-        finally:
-            ctx.profiling_status = self.status
+        except Exception as exc:
+            if isinstance(exc, SourceUnavailable):
+                self.status = (exc.reason, exc.detail)
+            return Update([], (ProfilingStatus(*self.status), *decided[:1]), error=exc)
         out: list[Sample] = []
-        att = ctx.decide_gpus(self._gpus, [s.gpu for s in samples])
+        att = decided[0] if decided else view.decide_gpus(self._gpus, [s.gpu for s in samples])
         one_sided: list[str] = []
         for s in samples:
             if att.watches(s.gpu):  # only this pod's targets' GPUs (agent.core.attribution)
@@ -112,8 +127,7 @@ class ProfilingCollector:
         # Instructions per DRAM byte needs both counters: with one, the profiling source
         # runs but cannot feed the compute-to-memory signal, and must not say "ok".
         self.status = ("degraded", "; ".join(one_sided)) if one_sided else ("ok", "")
-        ctx.profiling_status = self.status
-        return out
+        return Update(out, (ProfilingStatus(*self.status), att))
 
 
 def _missing_side(s: ProfilingSample) -> str:
@@ -138,13 +152,14 @@ def _metrics_info(s: ProfilingSample) -> list[Sample]:
     return [(PROFILING_METRICS_INFO.name, (*s.gpu.labels, *names, unit, per_unit, *basis), {})]
 
 
-def compute_memory_source(ctx: SampleContext) -> list[Sample]:
+def compute_memory_source(view: PassView) -> list[Sample]:
     """(source, reason) of the compute-to-memory signal: never pass one off as the other."""
-    reason = ctx.profiling_status[0]
+    status = view.get(ProfilingStatus)
+    reason = status.reason if status is not None else "not_requested"
     if reason == "ok":
         labels = (SOURCE_PROFILING, "ok")
     else:
-        labels = (SOURCE_GPM if ctx.succeeded.get("gpm") else SOURCE_NONE, reason)
+        labels = (SOURCE_GPM if view.get(GpmReadings) is not None else SOURCE_NONE, reason)
     return [(COMPUTE_MEMORY_SOURCE.name, labels, {})]
 
 
@@ -154,5 +169,6 @@ def _build(ctx: BuildContext) -> ProfilingCollector:
 
 DEFINITION = CollectorDef(
     name=NAME, default_on=False, factory=_build, metrics=METRICS,
+    reads=(Processes, Attribution), provides=(Attribution, ProfilingStatus),
     description="CUPTI PM sampling: true SM instructions and DRAM bytes read, or DRAM read "
                 "throughput where the chip has no byte counter (opt-in).")

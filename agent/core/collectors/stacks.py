@@ -30,7 +30,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from mrc_agent.agent.core.collectors.base import PROC, BuildContext, CollectorDef, SampleContext
+from mrc_agent.agent.core.collectors.base import (
+    PROC,
+    BuildContext,
+    CollectorDef,
+    PassView,
+    Processes,
+    Update,
+)
+from mrc_agent.agent.core.collectors.derived import Starvation
+from mrc_agent.agent.core.collectors.gpu import NO_READINGS, GpuReadings
 from mrc_agent.agent.core.hw.base import GPUIdentity
 from mrc_agent.agent.core.sample import Sample, counter, gauge
 from mrc_agent.agent.core.stacks import (
@@ -108,12 +117,12 @@ class StacksCollector:
         self._said: set[tuple[int, str]] = set()
 
     # -- the GPU timeline --------------------------------------------------------------------
-    def _feed_points(self, ctx: SampleContext) -> None:
-        for gpu, points in ctx.gpu_util_points.items():
+    def _feed_points(self, now: float, readings: GpuReadings) -> None:
+        for gpu, points in readings.util_points.items():
             kept = self._points.setdefault(gpu, [])
             last = kept[-1][0] if kept else float("-inf")
             kept.extend(p for p in points if p[0] > last)
-            cut = bisect.bisect_left(kept, (ctx.now - KEEP_S, float("-inf")))
+            cut = bisect.bisect_left(kept, (now - KEEP_S, float("-inf")))
             if cut:
                 del kept[:cut]
 
@@ -136,10 +145,14 @@ class StacksCollector:
         return "idle"
 
     # -- one pass ----------------------------------------------------------------------------
-    def update(self, ctx: SampleContext) -> list[Sample]:
-        self._feed_points(ctx)
+    def update(self, view: PassView) -> Update:
+        readings = view.get(GpuReadings) or NO_READINGS
+        self._feed_points(view.now, readings)
+        starvation = view.get(Starvation)
+        processes = view.get(Processes)
         # The targets the process collector read this pass, by the name it read.
-        live = {pid: state.process for pid, state in ctx.processes.items()}
+        live = {pid: state.process
+                for pid, state in (processes.by_pid if processes else {}).items()}
         for pid in [p for p in self._targets if p not in live]:
             gone = self._targets.pop(pid)
             if gone.sampler is not None:
@@ -150,20 +163,20 @@ class StacksCollector:
             if st is None:
                 st = self._targets[pid] = _Target(process)
             self._run_sampler(pid, st)
-            starved = ctx.starved.get(pid)
+            starved = starvation.by_pid.get(pid) if starvation is not None else None
             if starved is not None:
-                st.starved.append((ctx.now, starved))
-                cut = bisect.bisect_left(st.starved, (ctx.now - KEEP_S, False))
+                st.starved.append((view.now, starved))
+                cut = bisect.bisect_left(st.starved, (view.now - KEEP_S, False))
                 del st.starved[:cut]
             if st.sampler is not None:
                 st.pending.extend(st.sampler.take())
-            gpus = sorted(ctx.gpus_of_pid.get(pid) or self._points, key=lambda g: g.labels)
+            gpus = sorted(readings.gpus_of_pid.get(pid) or self._points, key=lambda g: g.labels)
             self._join(st, gpus)
             labels = (str(pid), st.process)
             out.append((AVAILABLE.name, (*labels, st.reason), 1.0 if st.reason == "ok" else 0.0))
             for (function, state), seconds in st.seconds.items():
                 out.append((FUNCTION_SECONDS.name, (*labels, function, state), seconds))
-        return out
+        return Update(out)
 
     def _run_sampler(self, pid: int, st: _Target) -> None:
         if self._factory is None:
@@ -253,5 +266,5 @@ def _build(ctx: BuildContext) -> StacksCollector:
 
 DEFINITION = CollectorDef(
     name=NAME, default_on=False, factory=_build, metrics=METRICS,
-    after=("process", "gpu", "derived"),
+    reads=(Processes, GpuReadings, Starvation),
     description="What each target's Python ran, by function and GPU state (austin samples).")

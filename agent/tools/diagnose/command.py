@@ -97,7 +97,7 @@ def diagnose(
         start_wall = time.time()
         idle = IdleWindows(cfg.idle_util_threshold, start)
         built: list[Collector] = build_collectors(cfg, sources, collectors)
-        # The derived collector reads what the others left in the context: it goes last.
+        # The derived collector reads what the others published this pass: it goes last.
         watched = [_Watched(c) for c in built if c.name != "derived"]
         tail = [_Watched(c) for c in built if c.name == "derived"]
         runner = Runner([*watched, *(_Watched(c) for c in extra), *tail, idle],

@@ -6,12 +6,13 @@ hottest thread's share of the window running or ready to run).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from mrc_agent.agent.core.collectors.base import Collector, SampleContext
+from mrc_agent.agent.core.collectors.base import Collector, PassView, Update
 from mrc_agent.agent.core.collectors.derived import IdleTracker
+from mrc_agent.agent.core.collectors.gpu import NO_READINGS, GpuReadings
 from mrc_agent.agent.core.hw.base import GPUIdentity, SourceUnavailable
-from mrc_agent.agent.core.sample import Sample, Snapshot
+from mrc_agent.agent.core.sample import Snapshot
 
 
 class _WindowTracker(IdleTracker):
@@ -22,7 +23,7 @@ class _WindowTracker(IdleTracker):
         self.windows: list[tuple[float, float]] = []
         self.points: list[tuple[float, float]] = []
 
-    def feed(self, points: list[tuple[float, float]]) -> None:
+    def feed(self, points: Sequence[tuple[float, float]]) -> None:
         for t, util in points:
             if self.last_t is not None and t <= self.last_t:
                 continue
@@ -35,7 +36,7 @@ class _WindowTracker(IdleTracker):
 
 class IdleWindows:
     """A collector that only watches: GPU idle windows from the finest utilisation points of
-    the pass (left in the context by the gpu collector), from ``start`` on."""
+    the pass (the gpu collector's :class:`GpuReadings`), from ``start`` on."""
 
     name = "idle_windows"
 
@@ -44,11 +45,11 @@ class IdleWindows:
         self.start = start
         self.trackers: dict[GPUIdentity, _WindowTracker] = {}
 
-    def update(self, ctx: SampleContext) -> list[Sample]:
-        for gpu, points in ctx.gpu_util_points.items():
+    def update(self, view: PassView) -> Update:
+        for gpu, points in (view.get(GpuReadings) or NO_READINGS).util_points.items():
             tracker = self.trackers.setdefault(gpu, _WindowTracker(self.threshold))
             tracker.feed([p for p in points if p[0] >= self.start])
-        return []
+        return Update([])
 
 
 class _Watched:
@@ -59,17 +60,20 @@ class _Watched:
         self.name = inner.name
         self.reason = ""
 
-    def update(self, ctx: SampleContext) -> list[Sample]:
+    def update(self, view: PassView) -> Update:
         try:
-            out = self.inner.update(ctx)
-        except SourceUnavailable as exc:
-            self.reason = exc.detail or exc.reason
-            raise
+            out = self.inner.update(view)
         except Exception as exc:
-            self.reason = f"{type(exc).__name__}: {exc}"
+            self.reason = _reason(exc)
             raise
-        self.reason = ""
+        self.reason = _reason(out.error) if out.error is not None else ""
         return out
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, SourceUnavailable):
+        return exc.detail or exc.reason
+    return f"{type(exc).__name__}: {exc}"
 
 
 class Borrowed:
@@ -81,11 +85,11 @@ class Borrowed:
         self._source = source
         self._metrics = metrics
 
-    def update(self, ctx: SampleContext) -> list[Sample]:
+    def update(self, view: PassView) -> Update:
         out = [s for s in self._source().samples if s[0] in self._metrics]
         if not out:
             raise SourceUnavailable("not_sampled", "the agent's sampler has no such samples")
-        return out
+        return Update(out)
 
 
 #: Above this share of stolen CPU the correction below would mostly be guesswork.
