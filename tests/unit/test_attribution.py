@@ -24,7 +24,8 @@ from mrc_agent.agent.core.attribution import (
     explain,
     read_view,
 )
-from mrc_agent.agent.core.collectors import PASS_FINISHERS
+from mrc_agent.agent.core.catalog import CATALOG
+from mrc_agent.agent.core.collectors import FINISHERS, PASS_FINISHERS
 from mrc_agent.agent.core.collectors import gpu as gpu_collector
 from mrc_agent.agent.core.collectors.base import BuildContext, PassView, Processes, TargetState
 from mrc_agent.agent.core.collectors.derived import DerivedCollector
@@ -416,6 +417,17 @@ def _gpu_readings(view: PassView) -> GpuReadings:
     readings = view.get(GpuReadings)
     assert readings is not None
     return readings
+
+
+def test_each_pass_finisher_emits_what_it_declares_and_the_catalogue_holds_it() -> None:
+    """The catalogue is assembled from the registrations: a finisher that emitted a metric it
+    did not declare would be served with no help text, or not at all."""
+    view, _ = _pass(Source(), [TargetView(10, environ={NV: UUIDS[1]})])
+    catalogued = {spec.name for spec in CATALOG}
+    for finisher in FINISHERS:
+        emitted = {name for name, _, _ in finisher.finish(view)}
+        declared = {spec.name for spec in finisher.metrics}
+        assert emitted and emitted <= declared <= catalogued, finisher.name
 
 
 def _uuids(series: list[tuple[str, tuple[str, ...]]]) -> set[str]:

@@ -10,7 +10,12 @@ collector's ``Processes`` and the gpu collector's ``GpuReadings``).
 from __future__ import annotations
 
 from mrc_agent.agent.core.collectors import derived, gpm, gpu, process, profiling, stacks
-from mrc_agent.agent.core.collectors.base import CollectorDef, PassFinisher, check_order
+from mrc_agent.agent.core.collectors.base import (
+    CollectorDef,
+    FinisherDef,
+    PassFinisher,
+    check_order,
+)
 
 COLLECTORS: tuple[CollectorDef, ...] = check_order([
     process.DEFINITION,
@@ -24,5 +29,5 @@ BY_NAME = {c.name: c for c in COLLECTORS}
 COLLECTOR_NAMES: tuple[str, ...] = tuple(BY_NAME)
 DEFAULT_ON: dict[str, bool] = {c.name: c.default_on for c in COLLECTORS}
 #: Run after every collector in each pass, in this order.
-PASS_FINISHERS: tuple[PassFinisher, ...] = (profiling.compute_memory_source,
-                                             gpu.attribution_samples)
+FINISHERS: tuple[FinisherDef, ...] = (profiling.FINISHER, gpu.FINISHER)
+PASS_FINISHERS: tuple[PassFinisher, ...] = tuple(f.finish for f in FINISHERS)

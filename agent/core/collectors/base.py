@@ -180,6 +180,16 @@ PassFinisher = Callable[[PassView], list[Sample]]
 
 
 @dataclass(frozen=True)
+class FinisherDef:
+    """One pass finisher's registration: its name, the function and the metrics it emits
+    (declared beside it, as a collector's are, so the catalogue is assembled from them)."""
+
+    name: str
+    finish: PassFinisher
+    metrics: tuple[MetricSpec, ...]
+
+
+@dataclass(frozen=True)
 class CollectorDef:
     """One collector's registration."""
 

@@ -25,6 +25,7 @@ from mrc_agent.agent.core.collectors.base import (
     PROC,
     BuildContext,
     CollectorDef,
+    FinisherDef,
     PassView,
     Processes,
     Update,
@@ -205,3 +206,5 @@ DEFINITION = CollectorDef(
     name=NAME, default_on=True, factory=_build, metrics=METRICS,
     reads=(Processes,), provides=(Attribution, GpuReadings),
     description="NVML device state: utilisation, memory, PCIe, NVLink, power, clocks, errors.")
+#: Exports, once per pass, which GPUs the pass reported and why.
+FINISHER = FinisherDef("attribution", attribution_samples, attribution.METRICS)

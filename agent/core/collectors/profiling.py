@@ -16,6 +16,7 @@ from mrc_agent.agent.core.collectors.base import (
     GPU,
     BuildContext,
     CollectorDef,
+    FinisherDef,
     PassView,
     Processes,
     Update,
@@ -172,3 +173,5 @@ DEFINITION = CollectorDef(
     reads=(Processes, Attribution), provides=(Attribution, ProfilingStatus),
     description="CUPTI PM sampling: true SM instructions and DRAM bytes read, or DRAM read "
                 "throughput where the chip has no byte counter (opt-in).")
+#: Says, once per pass, which source feeds the compute-to-memory signal.
+FINISHER = FinisherDef("compute_memory_source", compute_memory_source, (COMPUTE_MEMORY_SOURCE,))
