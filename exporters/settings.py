@@ -95,6 +95,8 @@ class Setting:
     required: bool = False
     #: A flag without a value that switches the setting on (``--json-logs``).
     toggle: bool = False
+    #: The flags of the settings sharing this name are a choice: exactly one must be given.
+    one_of: str | None = None
     #: Adds the flag(s) itself: ``(parser or group, setting, help text)``, for a setting
     #: whose flags are not one ``--name VALUE`` (``--collector``/``--no-collector``).
     add_flag: Callable[[Any, Setting, str], None] | None = None
@@ -298,6 +300,7 @@ class Declarations:
     def add_flags(self, parser: argparse.ArgumentParser, command: str) -> None:
         """Add ``command``'s flags to ``parser``, each with its help, default and env name."""
         groups: dict[str, Any] = {}
+        choices: dict[str, Any] = {}
         for spec in self.specs.values():
             if command not in spec.commands or spec.flag_name is None:
                 continue
@@ -305,6 +308,9 @@ class Declarations:
             if spec.group:
                 target = groups.get(spec.group) or groups.setdefault(
                     spec.group, parser.add_argument_group(spec.group))
+            if spec.one_of:
+                target = choices.get(spec.one_of) or choices.setdefault(
+                    spec.one_of, target.add_mutually_exclusive_group(required=True))
             default = self.default_text(spec.name)
             env = f"; env {spec.env}" if spec.env else ""
             text = f"{spec.help}{f' (default {default})' if default else ''}{env}"

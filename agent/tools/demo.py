@@ -247,19 +247,9 @@ def run_demo(duration: float, listen: str, trace: str | None, port: int = 8000,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mrc_agent.reference_service.loadgen import API_CHOICES
+    from mrc_agent.agent.tools.flags import DEMO, DEMO_FLAGS
 
-    parser.add_argument("--duration", type=float, default=30.0, metavar="SECONDS",
-                        help="how long the load runs (30)")
-    parser.add_argument("--rate", type=float, default=2.0, help="requests per second (2)")
-    parser.add_argument("--port", type=int, default=8000, help="the service's port (8000)")
-    parser.add_argument("--listen", default="127.0.0.1:9478", metavar="HOST:PORT",
-                        help="the agent's address (127.0.0.1:9478)")
-    parser.add_argument("--trace", metavar="PATH", help="replay this GPU trace instead of NVML "
-                        "or the embedded synthetic one")
-    parser.add_argument("--api", choices=API_CHOICES, default="mix",
-                        help="the load's request path: /mrc/upload, the OpenAI chat API whole "
-                        "or streamed, or the three in turn (mix, the default)")
+    DEMO_FLAGS.add_flags(parser, DEMO)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,18 +9,9 @@ from mrc_agent.agent.core.config import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mrc_agent.reference_service.loadgen import API_CHOICES
+    from mrc_agent.agent.tools.flags import LOADGEN, LOADGEN_FLAGS
 
-    parser.add_argument("--url", required=True, help="the service's base URL")
-    parser.add_argument("--rate", type=float, default=2.0, help="requests per second")
-    parser.add_argument("--duration", type=float, default=30.0, metavar="SECONDS")
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--max-in-flight", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--api", choices=API_CHOICES, default="mix",
-                        help="upload: POST /mrc/upload; chat and chat-stream: POST "
-                        "/v1/chat/completions, whole or streamed; mix (the default): the three "
-                        "in turn")
+    LOADGEN_FLAGS.add_flags(parser, LOADGEN)
 
 
 def run(args: argparse.Namespace) -> int:

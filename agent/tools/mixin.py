@@ -8,29 +8,25 @@ import argparse
 from mrc_agent.agent.core.config import ConfigError
 
 
-def _build_parser(parser: argparse.ArgumentParser, dest: str, help: str, out: str,
+def _build_parser(parser: argparse.ArgumentParser, dest: str, help: str,
                   ) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest=dest, required=True, parser_class=type(parser))
-    build = sub.add_parser("build", help=help)
-    build.add_argument("--out", default=out, metavar="DIR", help=f"output directory ({out})")
-    build.add_argument("--selector", metavar="MATCHERS",
-                       help='label matchers added to every selector, e.g. namespace="mrc"')
-    build.add_argument("--runbook-base", metavar="URL",
-                       help="base of the runbook links (docs/runbooks)")
-    return build
+    return sub.add_parser("build", help=help)
 
 
 def add_alerts_arguments(parser: argparse.ArgumentParser) -> None:
-    build = _build_parser(parser, "alerts_command", "write the rule file, the PrometheusRule "
-                          "and alertmanager.yaml", "alerts/generated")
-    build.add_argument("--cluster-label", metavar="NAME",
-                       help="label that tells clusters apart, kept by the fleet rules and "
-                       "Alertmanager's grouping (cluster; empty: none)")
+    from mrc_agent.agent.tools.flags import ALERTS, ALERTS_FLAGS
+
+    ALERTS_FLAGS.add_flags(_build_parser(parser, "alerts_command", "write the rule file, the "
+                                         "PrometheusRule and alertmanager.yaml"), ALERTS)
 
 
 def add_dashboards_arguments(parser: argparse.ArgumentParser) -> None:
-    _build_parser(parser, "dashboards_command", "write the dashboard JSON, the provisioning "
-                  "file and the ConfigMap", "dashboards/generated")
+    from mrc_agent.agent.tools.flags import DASHBOARDS, DASHBOARDS_FLAGS
+
+    DASHBOARDS_FLAGS.add_flags(_build_parser(parser, "dashboards_command", "write the dashboard "
+                                             "JSON, the provisioning file and the ConfigMap"),
+                               DASHBOARDS)
 
 
 def run_alerts(args: argparse.Namespace) -> int:

@@ -592,19 +592,9 @@ def run_proxy(listen: str, upstream: str, metrics_listen: str,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--listen", required=True, metavar="HOST:PORT",
-                        help="address the clients connect to")
-    parser.add_argument("--upstream", required=True, metavar="URL",
-                        help="the server, http(s)://host:port (the request path is kept)")
-    parser.add_argument("--metrics-listen", required=True, metavar="HOST:PORT",
-                        help="address serving /metrics")
-    parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS",
-                        help="give up connecting to the upstream after this long: 502")
-    parser.add_argument("--drain-timeout", type=float, default=25.0, metavar="SECONDS",
-                        help="on SIGTERM, let answers under way finish for this long (below "
-                        "the pod's terminationGracePeriodSeconds, 30 by default)")
-    parser.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error"])
+    from mrc_agent.agent.tools.flags import PROXY, PROXY_FLAGS
+
+    PROXY_FLAGS.add_flags(parser, PROXY)
 
 
 def run(args: argparse.Namespace) -> int:

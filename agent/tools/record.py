@@ -101,11 +101,9 @@ def run_record(path: str, duration: float, interval: float, profiling: bool) -> 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, metavar="FILE")
-    parser.add_argument("--duration", type=float, required=True, metavar="SECONDS")
-    parser.add_argument("--interval", type=float, default=0.1, metavar="SECONDS")
-    parser.add_argument("--profiling", action="store_true",
-                        help="also record CUPTI PM sampling counters")
+    from mrc_agent.agent.tools.flags import RECORD, RECORD_FLAGS
+
+    RECORD_FLAGS.add_flags(parser, RECORD)
 
 
 def run(args: argparse.Namespace) -> int:

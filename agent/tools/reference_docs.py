@@ -11,6 +11,8 @@ import sys
 from mrc_agent.agent.core.catalog import CATALOG
 from mrc_agent.agent.core.collectors import COLLECTORS
 from mrc_agent.agent.core.config import CONFIG_ENV, SETTINGS, default_text
+from mrc_agent.agent.tools.flags import CATALOG as CATALOG_COMMAND
+from mrc_agent.agent.tools.flags import CATALOG_FLAGS
 
 HEADER = """# Metric catalogue
 
@@ -89,9 +91,7 @@ def write_catalog(out: str | None, settings: bool = False) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", metavar="FILE")
-    parser.add_argument("--settings", action="store_true",
-                        help="the settings: key, flag, environment name, default, meaning")
+    CATALOG_FLAGS.add_flags(parser, CATALOG_COMMAND)
 
 
 def run(args: argparse.Namespace) -> int:

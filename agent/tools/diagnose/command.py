@@ -228,25 +228,11 @@ def run_diagnose_command(args: Any) -> int:
     return EXIT_OK
 
 
-#: diagnose samples finer than the sidecar: a 10 s window should hold ~50 passes.
-DIAGNOSE_INTERVAL_S = 0.2
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pid", type=int, required=True, help="the process to diagnose")
-    parser.add_argument("--duration", type=float, default=10.0, metavar="SECONDS",
-                        help="length of the window (10)")
-    parser.add_argument("--out", metavar="DIR", help="output directory "
-                        "(./mrc-diagnose-PID-TIMESTAMP)")
-    parser.add_argument("--py-spy", metavar="PATH", help="the py-spy executable (the one "
-                        "beside this Python, else PATH)")
-    # diagnose's own sampling period, not the sidecar's interval: never read from the
-    # environment or the config file, which set the sidecar's.
-    parser.add_argument("--interval", type=float, default=DIAGNOSE_INTERVAL_S,
-                        metavar="SECONDS",
-                        help=f"collector sampling period over the window (default "
-                             f"{DIAGNOSE_INTERVAL_S:g}; not read from the environment, whose "
-                             "MRC_AGENT_INTERVAL is the sidecar's)")
+    from mrc_agent.agent.tools.flags import DIAGNOSE_FLAGS
+
+    # Its own flags, then the sidecar settings it takes (agent/core/config.py).
+    DIAGNOSE_FLAGS.add_flags(parser, DIAGNOSE)
     add_flags(parser, DIAGNOSE)
 
 

@@ -434,16 +434,9 @@ def run_selfcheck_command(args: Any) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--gpu", action="store_true",
-                      help="on the local NVIDIA GPU (needs torch with CUDA)")
-    mode.add_argument("--dry", action="store_true",
-                      help="on a simulated GPU, through the agent's real readers")
-    parser.add_argument("--out", metavar="DIR", help="output directory for gpu_truth.txt, "
-                        "gpu_truth.json and the trace (./mrc-selfcheck-TIMESTAMP)")
-    parser.add_argument("--duration", type=float, metavar="SECONDS",
-                        help="length of the recorded trace (20; 2 with --dry); shorter also "
-                        "shortens the measured windows")
+    from mrc_agent.agent.tools.flags import SELFCHECK, SELFCHECK_FLAGS
+
+    SELFCHECK_FLAGS.add_flags(parser, SELFCHECK)
 
 
 run = run_selfcheck_command
