@@ -1,7 +1,9 @@
 """Generates the reference pages from the declarations they describe: ``docs/metrics.md`` from
 the metric catalogue (:mod:`mrc_agent.agent.core.catalog`) and ``docs/settings.md`` from the
-settings
-(:mod:`mrc_agent.agent.core.config`). Tests fail when a committed page drifts from the code."""
+settings (:mod:`mrc_agent.agent.core.config`) and every other subcommand's declared flags
+(:mod:`mrc_agent.agent.tools.flags`, :mod:`mrc_agent.agent.tools.report.options`,
+:mod:`mrc_agent.reference_service.settings`). Tests fail when a committed page drifts from the
+code."""
 
 from __future__ import annotations
 
@@ -11,8 +13,12 @@ import sys
 from mrc_agent.agent.core.catalog import CATALOG
 from mrc_agent.agent.core.collectors import COLLECTORS
 from mrc_agent.agent.core.config import CONFIG_ENV, SETTINGS, default_text
+from mrc_agent.agent.tools import flags
 from mrc_agent.agent.tools.flags import CATALOG as CATALOG_COMMAND
 from mrc_agent.agent.tools.flags import CATALOG_FLAGS
+from mrc_agent.agent.tools.report import options as report
+from mrc_agent.exporters.settings import Declarations
+from mrc_agent.reference_service import settings as service
 
 HEADER = """# Metric catalogue
 
@@ -60,6 +66,47 @@ leave the key out for the default. The file is plain YAML data: anchors and alia
 """
 
 
+OTHER_FLAGS_HEADER = """
+## The other subcommands' flags
+
+Declared once each (`agent/tools/flags.py`, `agent/tools/report/options.py` and, for `serve`,
+`reference_service/settings.py`) and added by the same mechanism (`exporters/settings.py`);
+flags only: no environment name, no config file.
+"""
+
+#: Each subcommand's declared flags beside the agent's settings, in the CLI's order.
+OTHER_FLAGS: tuple[tuple[str, tuple[Declarations, ...]], ...] = (
+    (flags.RECORD, (flags.RECORD_FLAGS,)), (flags.DEMO, (flags.DEMO_FLAGS,)),
+    (service.SERVE, (service.SERVER_FLAGS, service.SETTINGS_FLAGS)),
+    (flags.LOADGEN, (flags.LOADGEN_FLAGS,)), (flags.DIAGNOSE, (flags.DIAGNOSE_FLAGS,)),
+    (report.REPORT, (report.FLAGS,)), (flags.SELFCHECK, (flags.SELFCHECK_FLAGS,)),
+    (flags.CATALOG, (flags.CATALOG_FLAGS,)), (flags.ALERTS, (flags.ALERTS_FLAGS,)),
+    (flags.PROXY, (flags.PROXY_FLAGS,)), (flags.DASHBOARDS, (flags.DASHBOARDS_FLAGS,)),
+)
+
+
+def _other_flags() -> list[str]:
+    lines = [OTHER_FLAGS_HEADER]
+    for command, declared in OTHER_FLAGS:
+        build = " build" if command in (flags.ALERTS, flags.DASHBOARDS) else ""
+        lines += [f"### `mrc-agent {command}{build}`\n", "| flag | default | meaning |",
+                  "| --- | --- | --- |"]
+        for decl in declared:
+            for spec in decl.specs.values():
+                if command not in spec.commands or spec.flag_name is None:
+                    continue
+                metavar = spec.metavar or ("{" + ",".join(spec.choices) + "}"
+                                           if spec.choices else spec.name.upper())
+                flag = f"`{spec.flag_name} {'' if spec.toggle else metavar}`".replace(" `", "`")
+                flag += " (repeatable)" if spec.repeatable else ""
+                flag += " (required)" if spec.required else ""
+                flag += f" (one of: {spec.one_of})" if spec.one_of else ""
+                row = [flag, f"`{decl.default_text(spec.name) or '-'}`", spec.help]
+                lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
+        lines.append("")
+    return lines
+
+
 def render_settings() -> str:
     lines = [SETTINGS_HEADER.format(config_env=CONFIG_ENV),
              "| key | flag | environment | default | commands | meaning |",
@@ -77,7 +124,7 @@ def render_settings() -> str:
         commands = ", ".join(spec.commands) or "run (environment only)"
         row = [key, flag, env, f"`{default_text(spec.name) or '-'}`", commands, spec.help]
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _other_flags()).rstrip("\n") + "\n"
 
 
 def write_catalog(out: str | None, settings: bool = False) -> int:
