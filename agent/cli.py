@@ -4,8 +4,11 @@ bad input into exit code 2: a command raises :class:`~mrc_agent.exporters.settin
 
 A command's module is imported only when that command runs (``mrc-agent run`` loads no tool,
 no web framework), or when the whole parser is built (:func:`build_parser` with no argument, as
-the tests and the docs generator do). The flags of ``run``, ``doctor`` and ``diagnose`` come from
-the settings in :mod:`mrc_agent.agent.core.config`.
+the tests and the docs generator do). Every command's flags come from declarations read by the
+one settings mechanism, :mod:`mrc_agent.exporters.settings`: the sidecar's settings
+(:mod:`mrc_agent.agent.core.config`) for ``run``, ``doctor`` and ``diagnose``, the tools' flags
+(:mod:`mrc_agent.agent.tools.flags`, :mod:`mrc_agent.agent.tools.report.options`) and the
+reference service's (:mod:`mrc_agent.reference_service.settings`) for ``serve``.
 """
 
 from __future__ import annotations
