@@ -1,7 +1,12 @@
 """What the CUPTI PM sampling tests share: the metric names, two H200-like GPUs, a clock moved
-by hand, and a sampler over the fake library and driver."""
+by hand, a sampler over the fake library and driver, and devices offering the sets real CUPTI
+releases ship (``tests/data/cupti_sets``)."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,7 +19,8 @@ from mrc_agent.agent.core.hw.cupti_pm import (
     PROFILING_METRICS,
     CuptiPmSampler,
 )
-from tests.fakes.fake_cupti import (
+from mrc_agent.agent.tools.simgpu.chips import COUNTER_ROLLUP, THROUGHPUT_ROLLUP
+from mrc_agent.agent.tools.simgpu.cupti import (
     FakeCupti,
     FakeDevice,
     fake_uuid,
@@ -57,3 +63,38 @@ def unavailable(sampler: CuptiPmSampler) -> SourceUnavailable:
     with pytest.raises(SourceUnavailable) as caught:
         sampler.sample_profiling()
     return caught.value
+
+
+#: The sets ``libcupti.so.13`` ships, read out of the wheels.
+CUPTI_SETS_DIR = Path(__file__).resolve().parent / "data" / "cupti_sets"
+
+
+def real_sets(version: str, chip: str) -> list[dict[str, Any]]:
+    """The set entries (``{"chips", "set", "metrics", "user_metrics"}``) CUPTI ``version``
+    ships for ``chip`` (lower case, as the library's documents name chips)."""
+    data = json.loads((CUPTI_SETS_DIR / f"cupti-{version}.json").read_text(encoding="utf-8"))
+    return [entry for entry in data["sets"] if chip in entry["chips"]]
+
+
+def real_device(version: str, chip: str, **overrides: Any) -> FakeDevice:
+    """A device offering exactly the single-pass sets CUPTI ``version`` has for ``chip``.
+
+    Without a set name ``configure`` accepts a listed metric by its full name with ``.sum``
+    (a throughput user metric with ``.avg.pct_of_peak_sustained_elapsed``); with one, by the
+    name less its rollup. The metric units ``ProfilerHost.get_metric_properties`` gives follow
+    the names (``sectors``, ``bytes``, ``%``), what Nsight Compute's tables state.
+    """
+    entries = real_sets(version, chip)
+    if not entries:
+        raise ValueError(f"CUPTI {version} has no set for {chip}")
+    supported: set[str] = set()
+    for entry in entries:
+        supported.update(m + COUNTER_ROLLUP for m in entry["metrics"])
+        supported.update(name + THROUGHPUT_ROLLUP for name, body in entry["user_metrics"].items()
+                         if body["kind"] == "throughput")
+    fields: dict[str, Any] = {
+        "chip_name": chip, "supported_metrics": frozenset(supported),
+        "single_pass_sets": {entry["set"]: list(entry["metrics"]) for entry in entries},
+    }
+    fields.update(overrides)
+    return FakeDevice(**fields)

@@ -9,7 +9,7 @@ import pynvml
 import pytest
 
 from mrc_agent.agent.core.hw.nvml import NvmlBackend
-from tests.fakes.fake_pynvml import FakeNvml
+from mrc_agent.agent.tools.simgpu.nvml import FakeNvml
 from tests.support import Clock
 
 WALL_NOW = 1_700_000_000.0  # the fake wall clock, seconds since the epoch

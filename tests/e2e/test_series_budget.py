@@ -48,6 +48,7 @@ from mrc_agent.agent.core.hw.sources import Sources
 from mrc_agent.agent.core.runner import Runner
 from mrc_agent.agent.core.targets import TargetResolver
 from mrc_agent.agent.core.wiring import build_collectors, build_registry
+from mrc_agent.agent.tools.simgpu.nvml import FakeNvml, gpu, nvlink
 from mrc_agent.agent.tools.tracegen import write_trace
 from mrc_agent.alerts import rules
 from mrc_agent.alerts.build import rule_file
@@ -55,7 +56,6 @@ from mrc_agent.alerts.config import DEFAULT
 from mrc_agent.reference_service.loadgen import make_photo
 from tests.conftest import REPO
 from tests.e2e_harness import Prometheus, wait_until
-from tests.fakes.fake_pynvml import FakeNvml, gpu, nvlink
 from tests.integration.test_service import Service
 
 DOC = REPO / "docs" / "fleet.md"

@@ -19,7 +19,7 @@ import pytest
 from mrc_agent.agent.core.hw.base import DeviceSample, GPUIdentity, SourceUnavailable
 from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
 from mrc_agent.agent.tools.selfcheck.dry import DryModel
-from mrc_agent.agent.tools.selfcheck.dry_cupti import DryCupti, extract, load_sets
+from mrc_agent.agent.tools.selfcheck.dry_device import DryCupti
 from mrc_agent.agent.tools.selfcheck.phases import AgentReaders
 from mrc_agent.agent.tools.selfcheck.sampler import (
     LocalSampler,
@@ -27,6 +27,7 @@ from mrc_agent.agent.tools.selfcheck.sampler import (
     SamplerServer,
     mapped_libraries,
 )
+from mrc_agent.agent.tools.simgpu.chips import extract, load_sets
 
 SETS = Path(__file__).parents[1] / "data" / "cupti_sets" / "cupti-13.4.92.json"
 

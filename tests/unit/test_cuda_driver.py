@@ -9,7 +9,7 @@ import pytest
 
 from mrc_agent.agent.core.hw.base import HardwareError, SourceUnavailable
 from mrc_agent.agent.core.hw.cuda_driver import CudaDriver, format_uuid
-from tests.fakes.fake_cupti import CUresult, CUuuid, FakeCupti, FakeDevice, fake_uuid
+from mrc_agent.agent.tools.simgpu.cupti import CUresult, CUuuid, FakeCupti, FakeDevice, fake_uuid
 
 LOGGER = "mrc_agent.agent.core.hw.cuda_driver"
 

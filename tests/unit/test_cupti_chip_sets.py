@@ -30,7 +30,8 @@ from mrc_agent.agent.core.hw.cupti_metrics import (
     with_unit,
 )
 from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
-from tests.fakes.fake_cupti import FakeCupti, FakeDevice, fake_uuid, real_device, real_sets
+from mrc_agent.agent.tools.simgpu.cupti import FakeCupti, FakeDevice, fake_uuid
+from tests.cupti_support import real_device, real_sets
 from tests.support import pass_view, run_pass
 
 VERSIONS = ("13.4.92", "13.5.25")

@@ -28,7 +28,7 @@ from mrc_agent.agent.core.hw.base import (
 from mrc_agent.agent.core.hw.cuda_driver import CudaDriver
 from mrc_agent.agent.core.hw.cupti_pm import PROFILING_METRICS, CuptiPmSampler
 from mrc_agent.agent.core.hw.profiling import LazyProfiling
-from tests.fakes.fake_cupti import FakeCupti, FakeDevice, fake_uuid
+from mrc_agent.agent.tools.simgpu.cupti import FakeCupti, FakeDevice, fake_uuid
 from tests.support import pass_view, run_pass
 
 SM, DRAM = PROFILING_METRICS
@@ -195,7 +195,7 @@ def test_the_lazy_source_is_scoped_and_carries_the_opt_in(
 def test_make_sources_gives_the_lazy_source_the_setting() -> None:
     from mrc_agent.agent.core.config import AgentConfig
     from mrc_agent.agent.core.wiring import make_sources
-    from tests.fakes.fake_pynvml import FakeNvml, gpu
+    from mrc_agent.agent.tools.simgpu.nvml import FakeNvml, gpu
 
     for opt_in in (False, True):
         cfg = AgentConfig(gpu_backend="nvml", profile_unattributed=opt_in)

@@ -11,7 +11,7 @@ from mrc_agent.agent.core.hw import cupti_reasons
 from mrc_agent.agent.core.hw.base import GPUIdentity, HardwareError, SourceUnavailable
 from mrc_agent.agent.core.hw.cuda_driver import CudaDriver
 from mrc_agent.agent.core.hw.cupti_pm import BACKOFF_MAX_S, PROFILING_METRICS, CuptiPmSampler
-from tests.fakes.fake_cupti import FakeCupti, FakeDevice, Result, error, fake_uuid
+from mrc_agent.agent.tools.simgpu.cupti import FakeCupti, FakeDevice, Result, error, fake_uuid
 from tests.support import Clock
 
 SM, DRAM = PROFILING_METRICS

@@ -17,7 +17,7 @@ from mrc_agent.agent.core.hw.cupti_metrics import (
     fallback_choices,
     query_sets,
 )
-from tests.fakes.fake_cupti import FakeCupti, FakeDevice, cuptiError
+from mrc_agent.agent.tools.simgpu.cupti import FakeCupti, FakeDevice, cuptiError
 
 PCT = "dramc__read_throughput.avg.pct_of_peak_sustained_elapsed"
 

@@ -27,6 +27,15 @@ from mrc_agent.agent.core.hw.cupti_pm import (
     SM_INSTRUCTION_METRICS,
     CuptiPmSampler,
 )
+from mrc_agent.agent.tools.simgpu.cupti import (
+    CUresult,
+    FakeCupti,
+    FakeDevice,
+    NotSupportedError,
+    TriggerMode,
+    cuptiError,
+    error,
+)
 from tests.cupti_support import (
     DRAM,
     GPU0,
@@ -39,15 +48,6 @@ from tests.cupti_support import (
     sampler_for,
     totals,
     unavailable,
-)
-from tests.fakes.fake_cupti import (
-    CUresult,
-    FakeCupti,
-    FakeDevice,
-    NotSupportedError,
-    TriggerMode,
-    cuptiError,
-    error,
 )
 
 

@@ -24,6 +24,13 @@ from mrc_agent.agent.core.hw.cupti_pm import (
     BUSY_RETRY_S,
     CuptiPmSampler,
 )
+from mrc_agent.agent.tools.simgpu.cupti import (
+    CUresult,
+    FakeCupti,
+    FakeDevice,
+    NotSupportedError,
+    error,
+)
 from tests.cupti_support import (
     DRAM,
     GPU0,
@@ -37,13 +44,6 @@ from tests.cupti_support import (
     sampler_for,
     totals,
     unavailable,
-)
-from tests.fakes.fake_cupti import (
-    CUresult,
-    FakeCupti,
-    FakeDevice,
-    NotSupportedError,
-    error,
 )
 
 
@@ -293,7 +293,7 @@ def test_fake_matches_the_real_library_where_installed() -> None:
     driver = pytest.importorskip("cuda.bindings.driver")
     import inspect
 
-    from tests.fakes import fake_cupti
+    from mrc_agent.agent.tools.simgpu import cupti as fake_cupti
 
     real = cupti.cupti.Result
     assert {m.name: m.value for m in fake_cupti.Result} == {

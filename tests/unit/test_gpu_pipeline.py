@@ -17,9 +17,9 @@ from mrc_agent.agent.core.targets import TargetResolver
 from mrc_agent.agent.core.wiring import build_collectors
 from mrc_agent.agent.tools.doctor import run_doctor
 from mrc_agent.agent.tools.record import record
+from mrc_agent.agent.tools.simgpu.cupti import FakeCupti, FakeDevice
+from mrc_agent.agent.tools.simgpu.nvml import FakeNvml, gpu, nvlink
 from tests.conftest import DATA
-from tests.fakes.fake_cupti import FakeCupti, FakeDevice
-from tests.fakes.fake_pynvml import FakeNvml, gpu, nvlink
 
 
 def _runner(nvml: NvmlBackend, names=("gpu", "gpm", "derived")) -> Runner:

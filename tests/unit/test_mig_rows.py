@@ -20,8 +20,8 @@ from mrc_agent.agent.core.hw.nvml import NvmlBackend
 from mrc_agent.agent.core.hw.replay import ReplayBackend, ReplayFormatError, load_trace
 from mrc_agent.agent.core.hw.sources import Sources
 from mrc_agent.agent.tools.record import record
+from mrc_agent.agent.tools.simgpu.nvml import FakeNvml, gpu, mig_device
 from mrc_agent.agent.tools.tracegen import write_trace
-from tests.fakes.fake_pynvml import FakeNvml, gpu, mig_device
 from tests.support import pass_view
 
 SM = pynvml.NVML_GPM_METRIC_SM_UTIL

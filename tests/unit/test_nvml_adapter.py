@@ -14,7 +14,7 @@ import pytest
 from mrc_agent.agent.core.hw import nvml as nvml_mod
 from mrc_agent.agent.core.hw.base import HardwareError, SourceUnavailable
 from mrc_agent.agent.core.hw.nvml import NvmlBackend
-from tests.fakes.fake_pynvml import FakeNvml, gpu, nvlink
+from mrc_agent.agent.tools.simgpu.nvml import FakeNvml, gpu, nvlink
 from tests.nvml_support import (
     MONO_NOW,
     NVML_LOGGER,

@@ -9,7 +9,7 @@ import pynvml
 import pytest
 
 from mrc_agent.agent.core.hw.base import SourceUnavailable
-from tests.fakes.fake_pynvml import FakeNvml, gpu
+from mrc_agent.agent.tools.simgpu.nvml import FakeNvml, gpu
 from tests.nvml_support import (
     NVML_LOGGER,
     UUID0,

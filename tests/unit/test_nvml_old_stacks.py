@@ -22,7 +22,7 @@ import pynvml
 import pytest
 
 from mrc_agent.agent.core.hw.base import HardwareError
-from tests.fakes import fake_pynvml
+from mrc_agent.agent.tools.simgpu import nvml as fake_pynvml
 from tests.nvml_support import backend
 from tests.unit.test_nvml_truth import _load_old_pynvml
 

@@ -14,7 +14,7 @@ from mrc_agent.agent.core.hw.base import HardwareError, SourceUnavailable
 from mrc_agent.agent.core.hw.nvml import NvmlBackend
 from mrc_agent.agent.core.hw.nvml import pcie as pcie_mod
 from mrc_agent.agent.core.hw.nvml.pcie import PcieReader
-from tests.fakes.fake_pynvml import FakeNvml, gpu
+from mrc_agent.agent.tools.simgpu.nvml import FakeNvml, gpu
 from tests.nvml_support import (
     NVML_LOGGER,
     UUID0,

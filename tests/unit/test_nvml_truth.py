@@ -24,9 +24,9 @@ from mrc_agent.agent.core.hw.nvml.device import default_sample_clocks
 from mrc_agent.agent.core.hw.nvml.gpm import MIN_GPM_INTERVAL_S, check_gpm_interval
 from mrc_agent.agent.core.hw.nvml.pcie_counters import unwrap
 from mrc_agent.agent.core.hw.nvml.units import CLOCK_MATCH_S, identify_clock
+from mrc_agent.agent.tools.simgpu import nvml as fake_pynvml
+from mrc_agent.agent.tools.simgpu.nvml import FakeNvml, gpu, nvlink
 from tests.conftest import REPO
-from tests.fakes import fake_pynvml
-from tests.fakes.fake_pynvml import FakeNvml, gpu, nvlink
 from tests.nvml_support import MONO_NOW, NVML_LOGGER, UUID0, UUID1, WALL_NOW, counted
 from tests.nvml_support import FakeClock as Clock
 

@@ -22,7 +22,7 @@ from mrc_agent.agent.core.hw.nvml.pcie_counters import (
     narrow_period,
     unwrap,
 )
-from tests.fakes.fake_pynvml import FakeNvml, gpu
+from mrc_agent.agent.tools.simgpu.nvml import FakeNvml, gpu
 from tests.nvml_support import NVML_LOGGER as LOGGER
 from tests.nvml_support import UUID0, backend, counted
 from tests.nvml_support import FakeClock as Clock
@@ -167,7 +167,7 @@ def test_the_agent_reads_an_h200_like_32_bit_counter_right_at_its_cadences() -> 
     from mrc_agent.agent.tools.selfcheck import command as selfcheck
     from mrc_agent.agent.tools.selfcheck import compare as cmp
     from mrc_agent.agent.tools.selfcheck.dry import DryModel, DryWorkload
-    from mrc_agent.agent.tools.selfcheck.dry_nvml import DryNvml
+    from mrc_agent.agent.tools.selfcheck.dry_device import DryNvml
     from mrc_agent.agent.tools.selfcheck.pcie import pcie_cadence_checks
 
     model = DryModel(gpus=1)

@@ -21,8 +21,8 @@ from mrc_agent.agent.core.hw.base import GPUIdentity, SourceUnavailable
 from mrc_agent.agent.core.hw.cuda_driver import CudaDriver
 from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
 from mrc_agent.agent.core.sample import Snapshot
+from mrc_agent.agent.tools.simgpu.cupti import FakeCupti, FakeDevice, fake_uuid
 from mrc_agent.exporters.exposition.snapshot import SnapshotCollector
-from tests.fakes.fake_cupti import FakeCupti, FakeDevice, fake_uuid
 from tests.support import pass_view, published
 
 SM = "sm__inst_executed_realtime.sum"

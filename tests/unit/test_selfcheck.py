@@ -25,12 +25,11 @@ from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
 from mrc_agent.agent.tools.selfcheck import command as selfcheck
 from mrc_agent.agent.tools.selfcheck import compare as cmp
 from mrc_agent.agent.tools.selfcheck.dry import DryFaults, DryModel, DryWorkload
-from mrc_agent.agent.tools.selfcheck.dry_cupti import DryCupti
-from mrc_agent.agent.tools.selfcheck.dry_nvml import GPM_METRICS, LINKS, DryNvml
+from mrc_agent.agent.tools.selfcheck.dry_device import GPM_METRICS, LINKS, DryCupti, DryNvml
 from mrc_agent.agent.tools.selfcheck.phases import AgentReaders, timestamp_check
 from mrc_agent.agent.tools.selfcheck.workload import WorkDone
-from tests.fakes.fake_cupti import FakeCupti, FakeDevice
-from tests.fakes.fake_pynvml import FakeNvml, gpu, nvlink
+from mrc_agent.agent.tools.simgpu.cupti import FakeCupti, FakeDevice
+from mrc_agent.agent.tools.simgpu.nvml import FakeNvml, gpu, nvlink
 
 # --- the pure comparisons ----------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from mrc_agent.agent.core.hw.base import DeviceSample, GPUIdentity
 from mrc_agent.agent.tools.selfcheck import command as selfcheck
 from mrc_agent.agent.tools.selfcheck import compare as cmp
 from mrc_agent.agent.tools.selfcheck.dry import DryFaults, DryModel, DryWorkload
-from mrc_agent.agent.tools.selfcheck.dry_nvml import DryNvml
+from mrc_agent.agent.tools.selfcheck.dry_device import DryNvml
 from mrc_agent.agent.tools.selfcheck.pcie import counter_check, pcie_cadence_checks
 
 WINDOW_S = 1.2

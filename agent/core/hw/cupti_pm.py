@@ -14,7 +14,7 @@ The call sequence is the one ``cupti.pm_sampling.Collector`` documents and NVIDI
 (``cuda_driver``; without it CUPTI answers ``ERROR_NOT_INITIALIZED``):
 ``Collector(device_index) -> enable() -> configure(metrics=...) -> start() -> decode()* ->
 stop() -> disable()``. Everything that touches CUPTI sits in the few ``_cupti_*`` methods so a
-hand-written fake (``tests/fakes/fake_cupti.py``) can stand in for the library. If ``enable()``
+hand-written fake (``agent/tools/simgpu/cupti.py``) can stand in for the library. If ``enable()``
 still answers "not initialised" after ``cuInit``, the device's primary context is retained and
 ``enable()`` tried once more; that context costs device memory (a few hundred MiB on recent
 GPUs, to be measured on the hardware check) and is held only where it was needed.

@@ -45,7 +45,7 @@ from mrc_agent.agent.tools.selfcheck import compare as cmp
 from mrc_agent.agent.tools.selfcheck import phases as ph
 from mrc_agent.agent.tools.selfcheck.compare import TruthCheck
 from mrc_agent.agent.tools.selfcheck.dry import DryModel, DryWorkload
-from mrc_agent.agent.tools.selfcheck.dry_cupti import DryCupti
+from mrc_agent.agent.tools.selfcheck.dry_device import DryCupti
 from mrc_agent.agent.tools.selfcheck.pcie import pcie_cadence_checks
 from mrc_agent.agent.tools.selfcheck.sampler import LocalSampler, SamplerProcess, SamplerServer
 from mrc_agent.agent.tools.selfcheck.workload import CudaUnavailable, Workload, run_mixed
@@ -222,7 +222,7 @@ def gpu_rig(plan: Plan, out_dir: Path | None = None) -> Rig:
 
 def dry_rig(plan: Plan, model: DryModel | None = None) -> Rig:
     """The simulated GPU of :mod:`.dry` behind the agent's real readers."""
-    from mrc_agent.agent.tools.selfcheck.dry_nvml import DryNvml
+    from mrc_agent.agent.tools.selfcheck.dry_device import DryNvml
 
     model = model or DryModel()
     work = DryWorkload(model)

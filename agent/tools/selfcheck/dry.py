@@ -1,18 +1,15 @@
-"""``mrc-agent selfcheck --dry``: a simulated GPU, the workload that drives it and the CUPTI
-stand-in that reads it, so the whole self-check runs on a machine without a GPU.
+"""``mrc-agent selfcheck --dry``: a simulated GPU and the workload that drives it, so the whole
+self-check runs on a machine without a GPU.
 
 :class:`DryModel` is the simulated hardware: a log of activities (a copy or GEMM run of known
 size over a monotonic time window, work spread evenly over it) from which every reading is
 integrated at the moment it is asked for: PCIe and NVLink byte counters, 20 ms throughputs, GPM
 ratios over any two sample times, utilisation samples on NVML's grid, CUPTI intervals. So the
-agent's real readers (``NvmlBackend`` and ``CuptiPmSampler``, fed through
-:mod:`.dry_nvml` and :mod:`.dry_cupti`) see numbers that agree with what
-:class:`DryWorkload` says it did, in real time. :class:`DryFaults` makes the device lie in one
-way (half the PCIe bytes, TX and RX swapped, ...) so a test can prove the checks catch it.
-
-These fakes live here, not in ``tests/fakes/``, because the shipped command needs them and the
-wheel does not ship the tests; the tests also run the self-check against the project's own
-fakes (``tests/fakes/fake_pynvml.py``, ``fake_cupti.py``).
+agent's real readers (``NvmlBackend`` and ``CuptiPmSampler``, fed through the project's one
+simulated pynvml and cupti-python, ``agent/tools/simgpu``, whose data :mod:`.dry_device`
+writes from this model) see numbers that agree with what :class:`DryWorkload` says it did, in
+real time. :class:`DryFaults` makes the device lie in one way (half the PCIe bytes, TX and RX
+swapped, ...) so a test can prove the checks catch it.
 """
 
 from __future__ import annotations

@@ -1,15 +1,19 @@
-"""A hand-written, data-driven stand-in for the parts of ``pynvml`` that ``agent/core/hw/nvml/``
-calls, so the NVML adapter can be tested on machines without a GPU.
+"""The simulated ``pynvml``: a hand-written, data-driven stand-in for the parts of ``pynvml``
+that ``agent/core/hw/nvml/`` (and the self-check) call, so the NVML adapter runs on machines
+without a GPU. The tests and ``mrc-agent selfcheck --dry`` both use it.
 
-Build it from plain dicts (see :func:`gpu` for every key and its default), hand it to
-``NvmlBackend(lib=fake)``, then change the dicts between samples to advance counters, queue XID
-events, lose a GPU and so on.
+Build it from plain dicts (:func:`~.nvml_data.gpu` lists every key and its default), hand it
+to ``NvmlBackend(lib=fake)``, then change the dicts between samples to advance counters, queue
+XID events, lose a GPU and so on; or set ``refresh`` to write a moment's readings into the
+dicts just before each call answers (the dry run integrates its model that way) and
+``gpm_between`` where GPM values depend on the window between two samples.
 
 It cannot drift from the real library's vocabulary: every constant (``NVML_*``,
 ``nvmlEventType*``, ``nvmlMemory_v2``), exception class (``NVMLError*``) and ctypes structure
 (``c_nvml*``) is the real one from ``pynvml``, and the functions answer with the real ctypes
 structures, so a misspelt field name in the adapter fails here as it would on a GPU. Functions
-the adapter does not use are deliberately absent (``AttributeError``).
+the adapter does not use are deliberately absent (``AttributeError``). ``pynvml`` is imported
+on first use: importing the agent's modules must not load it (tests/unit/test_footprint.py).
 
 Like NVML, it checks what it is given: calls before ``nvmlInit`` or with a handle from an older
 session raise, wrong enum arguments raise ``NVMLError_InvalidArgument``, and ``calls`` counts
@@ -22,20 +26,36 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import importlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import pynvml
+from mrc_agent.agent.tools.simgpu.nvml_data import gpu as gpu
+from mrc_agent.agent.tools.simgpu.nvml_data import mig_device as mig_device
+from mrc_agent.agent.tools.simgpu.nvml_data import nvlink as nvlink
+
+
+class _OnFirstUse:
+    """``pynvml``, imported when first used (see the module docstring)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(importlib.import_module("pynvml"), name)
+
+
+pynvml: Any = _OnFirstUse()
+
+def not_supported() -> int:
+    """NVML_ERROR_NOT_SUPPORTED, what NVML answers for a feature the GPU lacks."""
+    return int(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
 
 #: Names resolved from the real pynvml module rather than faked.
 _PASSTHROUGH_PREFIXES = ("NVML_", "NVMLError", "NVMLLibraryMismatchError", "c_nvml",
                          "nvmlEventType", "nvmlMemory_v")
-
-NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
 
 
 def load_fake_for(module: Any) -> Any:
@@ -45,109 +65,16 @@ def load_fake_for(module: Any) -> Any:
     import importlib.util
     import sys
 
-    spec = importlib.util.spec_from_file_location(f"{__name__}_for_{id(module)}", __file__)
+    name = f"{__name__}_for_{id(module)}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, __file__)
     assert spec is not None and spec.loader is not None
     fake = importlib.util.module_from_spec(spec)
-    if spec.name in sys.modules:
-        return sys.modules[spec.name]
-    saved = sys.modules.get("pynvml")
-    sys.modules["pynvml"] = module
-    sys.modules[spec.name] = fake  # its dataclasses look their module up while it loads
-    try:
-        spec.loader.exec_module(fake)
-    finally:
-        if saved is not None:
-            sys.modules["pynvml"] = saved
+    sys.modules[name] = fake  # its dataclasses look their module up while it loads
+    spec.loader.exec_module(fake)
+    fake.__dict__["pynvml"] = module  # the global every function of the copy reads
     return fake
-
-
-def gpu(**overrides: Any) -> dict[str, Any]:
-    """A GPU description with realistic defaults (an H100-like board), in NVML's own units."""
-    index = overrides.pop("index", 0)
-    data: dict[str, Any] = {
-        "uuid": f"GPU-0000000{index}-fake-uuid",
-        "name": "NVIDIA H100 80GB HBM3",
-        # nvmlDeviceGetUtilizationRates, percent
-        "util": {"gpu": 50, "memory": 25},
-        # nvmlDeviceGetSamples(NVML_GPU_UTILIZATION_SAMPLES): (wall-clock microseconds, percent)
-        "util_samples": [],
-        # True: GetSamples also answers the sample stamped exactly lastSeenTimeStamp again (the
-        # boundary sample, which a driver's buffer may repeat)
-        "util_samples_repeat_boundary": False,
-        # nvmlDeviceGetMemoryInfo, bytes. v1 ``used`` includes ``reserved``; v2 does not.
-        "memory": {"total": 80 * 2**30, "used": 10 * 2**30, "reserved": 512 * 2**20},
-        # nvmlDeviceGetPcieThroughput (KB/s), nvmlDeviceGetPcieReplayCounter, and
-        # nvmlDeviceGetMaxPcieLinkGeneration / Width (None: answers NOT_SUPPORTED)
-        "pcie": {"tx_kb_per_s": 1000, "rx_kb_per_s": 2000, "replays": 0,
-                 "max_link_generation": 5, "max_link_width": 16},
-        # NVML_FI_DEV_PCIE_COUNT_TX_BYTES / _RX_BYTES raw values (None: a driver without them)
-        # and the NVML_VALUE_TYPE_* name they come back as (32-bit ones wrap at 2**32)
-        "pcie_count": {"tx_bytes": None, "rx_bytes": None,
-                       "value_type": "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG"},
-        # link index -> state and cumulative NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX (KiB).
-        # The link count NVML reports is len(nvlink). scopeId UINT_MAX answers the sum over
-        # links, or is refused (NOT_SUPPORTED) on a driver without the aggregate scope; an
-        # error code here is what the aggregate scope answers instead (INVALID_ARGUMENT, ...).
-        "nvlink": {},
-        "nvlink_aggregate_scope": True,
-        # True: every per-link read answers the aggregate (the per-link reads reported to
-        # return all links' total on some drivers)
-        "nvlink_per_link_is_aggregate": False,
-        # KiB the aggregate scope answers beyond the per-link sum (a driver whose two disagree)
-        "nvlink_aggregate_extra_kib": 0,
-        "power_mw": 300_000,
-        "sm_clock_mhz": 1980,
-        "temperature_c": 40,
-        "ecc": {"corrected": 0, "uncorrected": 0},
-        # NVML_GPM_METRIC_* id -> value in NVML's unit; None = GPM not supported on this GPU.
-        "gpm": None,
-        # NVML_GPM_METRIC_* id -> the error code its nvmlGpmMetric_t.nvmlReturn answers instead
-        "gpm_metric_errors": {},
-        # (pid, usedGpuMemory bytes or None)
-        "compute_processes": [],
-        "graphics_processes": [],
-        # XID codes waiting to be delivered through an event set, oldest first
-        "xid_events": [],
-        # function names that answer NVML_ERROR_NOT_SUPPORTED on this GPU
-        "not_supported": set(),
-        # field ids, or (field id, link) pairs, whose nvmlFieldValue_t.nvmlReturn is
-        # NOT_SUPPORTED on this GPU
-        "fields_not_supported": set(),
-        # field id -> the error code its nvmlFieldValue_t.nvmlReturn answers (e.g. GPU_IS_LOST)
-        "field_errors": {},
-        # True: every call with this GPU's handle answers NVML_ERROR_GPU_IS_LOST
-        "lost": False,
-        # MIG devices (see mig_device()); non-empty means MIG mode is on: the whole GPU then
-        # answers NOT_SUPPORTED for utilisation, utilisation samples and GPM samples, as NVML
-        # does, and GPM is sampled per GPU instance (nvmlGpmMigSampleGet)
-        "mig": [],
-        # nvmlDeviceGetMigMode's (current, pending) when set; else both follow ``mig``
-        "mig_mode": None,
-    }
-    data.update(overrides)
-    return data
-
-
-def mig_device(gi: int, **overrides: Any) -> dict[str, Any]:
-    """One MIG device (GPU instance ``gi``) for ``gpu(mig=[...])``, in NVML's units."""
-    data: dict[str, Any] = {
-        "uuid": f"MIG-0000000{gi}-fake-mig-uuid",
-        "gpu_instance": gi,
-        "memory": {"total": 18 * 2**30, "used": 2 * 2**30, "reserved": 0},
-        "compute_processes": [],
-        "graphics_processes": [],
-        # NVML_GPM_METRIC_* id -> value: this GPU instance's GPM metrics
-        "gpm": {},
-        "not_supported": set(),
-        "lost": False,
-    }
-    data.update(overrides)
-    return data
-
-
-def nvlink(tx_kib: int = 0, rx_kib: int = 0, active: bool = True) -> dict[str, Any]:
-    """One NVLink link for ``gpu(nvlink={0: nvlink(...), ...})``."""
-    return {"active": active, "tx_kib": tx_kib, "rx_kib": rx_kib}
 
 
 @dataclass(frozen=True)
@@ -205,6 +132,17 @@ class FakeNvml:
         self._calls_lock = threading.Lock()
         #: Seconds each nvmlDeviceGetPcieThroughput call blocks (NVML: a 20 ms window).
         self.pcie_throughput_delay_s = 0.0
+        #: Function names that answer NOT_SUPPORTED whatever the handle, implemented here or
+        #: not (per GPU: its dict's ``not_supported``).
+        self.not_supported: set[str] = set()
+        #: Called with (function name, GPU index) just before a call on that GPU answers from
+        #: its dict: a scenario writes that moment's readings there (None: the dicts as set).
+        self.refresh: Callable[[str, int], None] | None = None
+        #: GPM values by metric id for (gpu index, time of sample1, time of sample2), where a
+        #: scenario's values depend on the window (None: the dict's ``gpm`` at sample2).
+        self.gpm_between: Callable[[int, float, float], dict[int, float]] | None = None
+        #: The clock GPM samples are stamped with (for ``gpm_between``).
+        self.clock: Callable[[], float] = time.monotonic
         self.initialized = False
         self.generation = 0
         #: Per GPU index: handles from generations below this are dead (GPU was lost).
@@ -216,8 +154,8 @@ class FakeNvml:
         self.gpm_windows: list[tuple[int, int]] = []
         self._gpm_taken = 0
         # GPM sample buffers: address of the opaque struct -> (gpu index or None, metric values,
-        # sequence number of the sample it holds, 0 while unfilled).
-        self._gpm_buffers: dict[int, tuple[Any, dict[int, float] | None, int]] = {}
+        # sequence number of the sample it holds, 0 while unfilled, time it was taken).
+        self._gpm_buffers: dict[int, tuple[Any, dict[int, float] | None, int, float]] = {}
         self._gpm_structs: list[Any] = []  # keeps the structs (and so their addresses) alive
 
     # --- the real library's vocabulary ----------------------------------------------------
@@ -225,6 +163,8 @@ class FakeNvml:
     def __getattr__(self, name: str) -> Any:
         if name.startswith(_PASSTHROUGH_PREFIXES):
             return getattr(pynvml, name)
+        if name in self.__dict__.get("not_supported", ()):
+            return lambda *_args, **_kwargs: self._enter(name)  # answers NOT_SUPPORTED
         raise AttributeError(f"fake pynvml does not implement {name!r}")
 
     def __getattribute__(self, name: str) -> Any:
@@ -263,10 +203,14 @@ class FakeNvml:
         queued = self.fail_next.get(name)
         if queued:
             raise self._error(queued.pop(0))
+        if name in self.not_supported:
+            raise self._error(not_supported())
         if handle is None:
             return None
         if not isinstance(handle, FakeHandle) or not 0 <= handle.index < len(self.gpus):
             raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if self.refresh is not None:
+            self.refresh(name, handle.index)
         data = self.gpus[handle.index]
         if data["lost"] or handle.generation < self.min_generation.get(handle.index, 0):
             raise self._error(pynvml.NVML_ERROR_GPU_IS_LOST)
@@ -274,12 +218,12 @@ class FakeNvml:
             raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if handle.mig is not None:
             if name not in _MIG_HANDLE_CALLS:
-                raise self._error(NOT_SUPPORTED)  # device-wide queries need the whole GPU
+                raise self._error(not_supported())  # device-wide queries need the whole GPU
             data = data["mig"][handle.mig]
         elif data["mig"] and name in _NOT_IN_MIG_MODE:
-            raise self._error(NOT_SUPPORTED)
+            raise self._error(not_supported())
         if name in data["not_supported"]:
-            raise self._error(NOT_SUPPORTED)
+            raise self._error(not_supported())
         return data
 
     def _gpu(self, name: str, handle: FakeHandle) -> dict[str, Any]:
@@ -331,6 +275,28 @@ class FakeNvml:
 
     def nvmlDeviceGetName(self, handle: FakeHandle) -> str:
         return str(self._gpu("nvmlDeviceGetName", handle)["name"])
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> FakeHandle:
+        self._enter("nvmlDeviceGetHandleByUUID")
+        text = uuid.decode() if isinstance(uuid, bytes) else uuid
+        for index, data in enumerate(self.gpus):
+            if data["uuid"] == text:
+                if data["lost"]:
+                    raise self._error(pynvml.NVML_ERROR_GPU_IS_LOST)
+                return FakeHandle(index, self.generation)
+        raise self._error(pynvml.NVML_ERROR_NOT_FOUND)
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: FakeHandle) -> tuple[int, int]:
+        capability = self._gpu("nvmlDeviceGetCudaComputeCapability", handle)["compute_capability"]
+        if capability is None:
+            raise self._error(not_supported())
+        return int(capability[0]), int(capability[1])
+
+    def nvmlDeviceGetArchitecture(self, device: FakeHandle) -> int:
+        name = self._gpu("nvmlDeviceGetArchitecture", device)["architecture"]
+        if name is None:
+            raise self._error(not_supported())
+        return int(getattr(pynvml, f"NVML_DEVICE_ARCH_{name}"))
 
     # --- device queries -------------------------------------------------------------------
 
@@ -401,7 +367,7 @@ class FakeNvml:
     def _pcie_link(self, name: str, handle: FakeHandle, what: str) -> int:
         value = self._gpu(name, handle)["pcie"].get(f"max_link_{what}")
         if value is None:
-            raise self._error(NOT_SUPPORTED)
+            raise self._error(not_supported())
         return int(value)
 
     def nvmlDeviceGetPcieReplayCounter(self, handle: FakeHandle) -> int:
@@ -410,7 +376,7 @@ class FakeNvml:
     def nvmlDeviceGetNvLinkState(self, handle: FakeHandle, link: int) -> int:
         links = self._gpu("nvmlDeviceGetNvLinkState", handle)["nvlink"]
         if not links:
-            raise self._error(NOT_SUPPORTED)
+            raise self._error(not_supported())
         if link not in links:
             raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return pynvml.NVML_FEATURE_ENABLED if links[link]["active"] else 0
@@ -439,11 +405,11 @@ class FakeNvml:
                 field_id in data["fields_not_supported"]
                 or (field_id, scope) in data["fields_not_supported"]
             ):
-                out.nvmlReturn = NOT_SUPPORTED
+                out.nvmlReturn = not_supported()
             elif field_id in pcie_fields:
                 raw = data["pcie_count"][pcie_fields[field_id]]
                 if raw is None:
-                    out.nvmlReturn = NOT_SUPPORTED
+                    out.nvmlReturn = not_supported()
                     continue
                 out.valueType = getattr(pynvml, data["pcie_count"]["value_type"])
                 if out.valueType == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
@@ -451,7 +417,7 @@ class FakeNvml:
                 else:
                     out.value.ullVal = int(raw) % 2**64
             elif not links:
-                out.nvmlReturn = NOT_SUPPORTED
+                out.nvmlReturn = not_supported()
             elif field_id == pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT:
                 out.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
                 out.value.uiVal = len(links)
@@ -461,7 +427,7 @@ class FakeNvml:
                 if scope == 0xFFFFFFFF:
                     aggregate = data["nvlink_aggregate_scope"]
                     if aggregate is not True:
-                        out.nvmlReturn = NOT_SUPPORTED if aggregate is False else aggregate
+                        out.nvmlReturn = not_supported() if aggregate is False else aggregate
                         continue
                     out.value.ullVal = total + data["nvlink_aggregate_extra_kib"]
                 elif scope not in links:
@@ -471,7 +437,7 @@ class FakeNvml:
                 else:
                     out.value.ullVal = links[scope][key]
             else:
-                out.nvmlReturn = NOT_SUPPORTED
+                out.nvmlReturn = not_supported()
         return values
 
     def nvmlDeviceGetPowerUsage(self, handle: FakeHandle) -> int:
@@ -606,7 +572,8 @@ class FakeNvml:
         self._gpm_taken += 1
         # Keyed like a GPU of its own, so sample1 and sample2 must be the same instance.
         owner = (device.index, gpuInstanceId)
-        self._gpm_buffers[address] = (owner, dict(found[0]["gpm"]), self._gpm_taken)
+        self._gpm_buffers[address] = (owner, dict(found[0]["gpm"]), self._gpm_taken,
+                                      self.clock())
         return gpmSample
 
     # --- GPM ------------------------------------------------------------------------------
@@ -622,7 +589,7 @@ class FakeNvml:
         self._enter("nvmlGpmSampleAlloc")
         struct = pynvml.struct_c_nvmlGpmSample_t()
         self._gpm_structs.append(struct)
-        self._gpm_buffers[ctypes.addressof(struct)] = (None, None, 0)
+        self._gpm_buffers[ctypes.addressof(struct)] = (None, None, 0, 0.0)
         return pynvml.c_nvmlGpmSample_t(struct)
 
     def nvmlGpmSampleFree(self, gpmSample: Any) -> None:
@@ -635,9 +602,10 @@ class FakeNvml:
         if address not in self._gpm_buffers:
             raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if data["gpm"] is None:
-            raise self._error(NOT_SUPPORTED)
+            raise self._error(not_supported())
         self._gpm_taken += 1
-        self._gpm_buffers[address] = (device.index, dict(data["gpm"]), self._gpm_taken)
+        self._gpm_buffers[address] = (device.index, dict(data["gpm"]), self._gpm_taken,
+                                      self.clock())
         return gpmSample
 
     def nvmlGpmMetricsGet(self, metricsGet: Any) -> Any:
@@ -660,6 +628,8 @@ class FakeNvml:
         self.gpm_windows.append((first[2], second[2]))
         values = second[1]
         owner = second[0]
+        if self.gpm_between is not None and isinstance(owner, int):
+            values = self.gpm_between(owner, first[3], second[3])
         errors = self.gpus[owner]["gpm_metric_errors"] if isinstance(owner, int) else {}
         for i in range(metricsGet.numMetrics):
             metric = metricsGet.metrics[i]
@@ -669,5 +639,5 @@ class FakeNvml:
                 metric.nvmlReturn = pynvml.NVML_SUCCESS
                 metric.value = values[metric.metricId]
             else:
-                metric.nvmlReturn = NOT_SUPPORTED
+                metric.nvmlReturn = not_supported()
         return metricsGet

@@ -1,5 +1,7 @@
-"""Hand-written fake of the slice of ``cupti-python`` (>= 13.3) that
-``agent.core.hw.cupti_pm`` uses, and of the ``cuda.bindings.driver`` calls it makes first.
+"""The simulated ``cupti``: a hand-written, data-driven fake of the slice of ``cupti-python``
+(>= 13.3) that ``agent.core.hw.cupti_pm`` and the self-check use, with the
+``cuda.bindings.driver`` calls they make first (:mod:`.cuda`). The tests and
+``mrc-agent selfcheck --dry`` both use it.
 
 It mirrors the real libraries' shape and the behaviour their sources show (cupti-python 13.4
 ``pm_sampling.py`` / ``profiler_host.py``, cuda-bindings 13.x):
@@ -24,10 +26,8 @@ It mirrors the real libraries' shape and the behaviour their sources show (cupti
   ``set_api=False``, as in cupti-python before 13.4).
 - ``lib.pm_sampling.TriggerMode``, ``lib.cupti.cuptiError`` (carries ``.status``) and
   ``lib.cupti.Result`` with the values of ``CUpti_PmSampling_TriggerMode`` / ``cupti_result.h``.
-- ``lib.driver``: ``cuInit / cuDeviceGetCount / cuDeviceGet / cuDeviceGetUuid /
-  cuDevicePrimaryCtxRetain / cuDevicePrimaryCtxRelease / cuCtxSetCurrent`` returning
-  ``(CUresult, value...)`` tuples, raising cuda-pathfinder's ``DynamicLibNotFoundError`` when
-  ``library_missing`` (no libcuda.so.1); ``errors`` injects a result or an exception per call.
+- ``lib.driver`` (:class:`~.cuda.FakeCudaDriver`): ``cuInit / cuDeviceGetCount / cuDeviceGet /
+  cuDeviceGetUuid / cuDevicePrimaryCtxRetain / cuDevicePrimaryCtxRelease / cuCtxSetCurrent``.
   The keys of ``FakeCupti.devices`` are CUDA ordinals (what ``Collector(device_index)`` and
   ``cuDeviceGet`` take); ``cuDeviceGetUuid`` answers a ``CUuuid`` whose ``bytes`` are the 16
   raw bytes of the device's ``uuid`` (by default :func:`fake_uuid` of its ordinal), so a test
@@ -39,18 +39,26 @@ It mirrors the real libraries' shape and the behaviour their sources show (cupti
 A device is described by data: which metrics, sets and trigger modes it accepts, the samples
 its hardware produces (one list per decode call) and the errors to raise per call. An injected
 error is what the call answers before anything else the fake models (for ``enable`` right
-after ``profiler_initialize``, so the real rollback follows it).
+after ``profiler_initialize``, so the real rollback follows it). ``on_call`` runs next, with
+the collector and the method's name: a scenario may raise there, or queue the samples its own
+clock has completed (the dry run integrates its model so).
 """
 
 from __future__ import annotations
 
 import enum
-import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+from mrc_agent.agent.tools.simgpu import chips
+from mrc_agent.agent.tools.simgpu.chips import base_name, unit_of_name
+from mrc_agent.agent.tools.simgpu.cuda import CUresult as CUresult
+from mrc_agent.agent.tools.simgpu.cuda import CUuuid as CUuuid
+from mrc_agent.agent.tools.simgpu.cuda import DynamicLibNotFoundError as DynamicLibNotFoundError
+from mrc_agent.agent.tools.simgpu.cuda import FakeCudaDriver
+from mrc_agent.agent.tools.simgpu.cuda import fake_uuid as fake_uuid
 
 
 class Result(enum.IntEnum):
@@ -90,100 +98,14 @@ class NotSupportedError(RuntimeError):
     """Like ``cupti._internal.utils.NotSupportedError`` (no CUDA driver on the host)."""
 
 
-class DynamicLibNotFoundError(RuntimeError):
-    """Like ``cuda.pathfinder``'s error when a cuda-bindings call finds no libcuda.so.1."""
-
-
 class TriggerMode(enum.IntEnum):
     GPU_SYSCLK_INTERVAL = 0
     GPU_TIME_INTERVAL = 1
 
 
-class CUresult(enum.IntEnum):
-    """The CUresult codes the fake driver answers (values from cuda.h)."""
-
-    CUDA_SUCCESS = 0
-    CUDA_ERROR_OUT_OF_MEMORY = 2
-    CUDA_ERROR_NOT_INITIALIZED = 3
-    CUDA_ERROR_STUB_LIBRARY = 34
-    CUDA_ERROR_NO_DEVICE = 100
-    CUDA_ERROR_INVALID_DEVICE = 101
-    CUDA_ERROR_INVALID_CONTEXT = 201
-    CUDA_ERROR_SYSTEM_NOT_READY = 802
-    CUDA_ERROR_UNKNOWN = 999
-
-
 def error(name: str) -> cuptiError:
     """A cuptiError for a Result name, e.g. ``error("ERROR_HARDWARE_BUSY")``."""
     return cuptiError(Result[name])
-
-
-def fake_uuid(ordinal: int) -> str:
-    """The UUID a :class:`FakeDevice` without one reports for CUDA ordinal ``ordinal``."""
-    return f"GPU-{ordinal:08x}-0000-4000-8000-{ordinal:012x}"
-
-
-class CUuuid:
-    """Like ``cuda.bindings.driver.CUuuid``: the 16 raw bytes in ``bytes``."""
-
-    def __init__(self, raw: bytes) -> None:
-        self.bytes = raw
-
-
-def base_name(metric: str) -> str:
-    """The name less its rollup, prefix kept: ``Compute_Triage.dramc__read_throughput.avg...``
-    -> ``Compute_Triage.dramc__read_throughput``; ``dram__bytes_read.sum`` ->
-    ``dram__bytes_read`` (CUPTI names: ``[<UNIT>.][<set>.]<unit>__<counter>[.<rollup>]``)."""
-    parts = metric.strip().split(".")
-    at = next((i for i, part in enumerate(parts) if "__" in part), 0)
-    return ".".join(parts[:at + 1])
-
-
-#: The sets ``libcupti.so.13`` ships, read out of the wheels (tests/data/cupti_sets).
-CUPTI_SETS_DIR = Path(__file__).resolve().parent.parent / "data" / "cupti_sets"
-#: The rollups a real chip device accepts by full name without a set (see real_device).
-_COUNTER_ROLLUP, _THROUGHPUT_ROLLUP = ".sum", ".avg.pct_of_peak_sustained_elapsed"
-
-
-def real_sets(version: str, chip: str) -> list[dict[str, Any]]:
-    """The set entries (``{"chips", "set", "metrics", "user_metrics"}``) CUPTI ``version``
-    ships for ``chip`` (lower case, as the library's documents name chips)."""
-    data = json.loads((CUPTI_SETS_DIR / f"cupti-{version}.json").read_text(encoding="utf-8"))
-    return [entry for entry in data["sets"] if chip in entry["chips"]]
-
-
-def real_device(version: str, chip: str, **overrides: Any) -> FakeDevice:
-    """A device offering exactly the single-pass sets CUPTI ``version`` has for ``chip``.
-
-    Without a set name ``configure`` accepts a listed metric by its full name with ``.sum``
-    (a throughput user metric with ``.avg.pct_of_peak_sustained_elapsed``); with one, by the
-    name less its rollup. The metric units ``ProfilerHost.get_metric_properties`` gives follow
-    the names (``sectors``, ``bytes``, ``%``), what Nsight Compute's tables state.
-    """
-    entries = real_sets(version, chip)
-    if not entries:
-        raise ValueError(f"CUPTI {version} has no set for {chip}")
-    supported: set[str] = set()
-    for entry in entries:
-        supported.update(m + _COUNTER_ROLLUP for m in entry["metrics"])
-        supported.update(name + _THROUGHPUT_ROLLUP for name, body in entry["user_metrics"].items()
-                         if body["kind"] == "throughput")
-    fields: dict[str, Any] = {
-        "chip_name": chip, "supported_metrics": frozenset(supported),
-        "single_pass_sets": {entry["set"]: list(entry["metrics"]) for entry in entries},
-    }
-    fields.update(overrides)
-    return FakeDevice(**fields)
-
-
-def unit_of_name(metric: str) -> str:
-    """The dimensional unit a metric's name implies, as ``get_metric_properties`` states it."""
-    root = base_name(metric)
-    for word, unit in (("throughput", "%"), ("sectors", "sectors"), ("bytes", "bytes"),
-                       ("inst", "inst")):
-        if word in root:
-            return unit
-    return ""
 
 
 @dataclass
@@ -215,6 +137,22 @@ class FakeDevice:
     metric_units: dict[str, str] = field(default_factory=dict)
 
 
+def shipped_device(sets: dict[str, Any] | None = None, **overrides: Any) -> FakeDevice:
+    """A device offering the wheel's set (:func:`.chips.load_sets`): its metrics by base name
+    with the set, or with ``.sum`` without one; its throughput user metrics likewise, with
+    ``.avg.pct_of_peak_sustained_elapsed`` without the set."""
+    data = sets or chips.load_sets()
+    throughputs = [name for name in data["user_metrics"] if "throughput" in name]
+    fields: dict[str, Any] = {
+        "chip_name": data["chip"],
+        "supported_metrics": frozenset([m + chips.COUNTER_ROLLUP for m in data["metrics"]]
+                                       + [m + chips.THROUGHPUT_ROLLUP for m in throughputs]),
+        "single_pass_sets": {data["set"]: list(data["metrics"])},
+    }
+    fields.update(overrides)
+    return FakeDevice(**fields)
+
+
 @dataclass(frozen=True)
 class Sample:
     start_timestamp: int
@@ -237,113 +175,6 @@ class CounterData:
         return iter(self._samples)
 
 
-#: The enum under a name the fake driver's annotations can use beside its ``CUresult`` attribute.
-_Result = CUresult
-
-
-class FakeCudaDriver:
-    """Stands in for ``cuda.bindings.driver``: answers ``(CUresult, value...)`` tuples."""
-
-    CUresult = _Result
-
-    def __init__(self, lib: FakeCupti) -> None:
-        self._lib = lib
-        self.library_missing = False
-        #: Results cuInit answers, consumed one per call; CUDA_SUCCESS once it runs out.
-        self.init_results: list[_Result] = []
-        self.initialised = False
-        #: Device index -> primary-context references held.
-        self.retained: dict[int, int] = {}
-        self.current: int | None = None
-        self.calls: list[str] = []
-        #: Per function name, outcomes consumed one per call before anything else: a CUresult
-        #: to answer (with ``None`` for any value) or an exception to raise.
-        self.errors: dict[str, list[_Result | BaseException]] = {}
-
-    def _enter(self, name: str) -> _Result | None:
-        """Record the call; the injected result it answers instead, if any."""
-        self.calls.append(name)
-        if self.library_missing:
-            raise DynamicLibNotFoundError(
-                '"cuda" is an NVIDIA driver library and can only be found via system search. '
-                "Ensure the NVIDIA display driver is installed."
-            )
-        outcomes = self.errors.get(name)
-        outcome = outcomes.pop(0) if outcomes else None
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
-
-    def cuInit(self, flags: int) -> tuple[_Result]:
-        injected = self._enter("cuInit")
-        if injected is not None:
-            return (injected,)
-        if flags != 0:
-            return (_Result.CUDA_ERROR_INVALID_CONTEXT,)
-        result = self.init_results.pop(0) if self.init_results else _Result.CUDA_SUCCESS
-        if result == _Result.CUDA_SUCCESS:
-            self.initialised = True
-        return (result,)
-
-    def cuDeviceGetCount(self) -> tuple[_Result, int]:
-        injected = self._enter("cuDeviceGetCount")
-        if injected is not None:
-            return (injected, 0)
-        if not self.initialised:
-            return (_Result.CUDA_ERROR_NOT_INITIALIZED, 0)
-        # Ordinals are 0..count-1, as CUDA numbers them.
-        return (_Result.CUDA_SUCCESS, max(self._lib.devices, default=-1) + 1)
-
-    def cuDeviceGetUuid(self, dev: int) -> tuple[_Result, CUuuid | None]:
-        injected = self._enter("cuDeviceGetUuid")
-        if injected is not None:
-            return (injected, None)
-        if not self.initialised:
-            return (_Result.CUDA_ERROR_NOT_INITIALIZED, None)
-        device = self._lib.devices.get(dev)
-        if device is None:
-            return (_Result.CUDA_ERROR_INVALID_DEVICE, None)
-        text = device.uuid or fake_uuid(dev)
-        return (_Result.CUDA_SUCCESS, CUuuid(bytes.fromhex(text.split("-", 1)[1].replace("-", ""))))
-
-    def cuDeviceGet(self, ordinal: int) -> tuple[_Result, int | None]:
-        injected = self._enter("cuDeviceGet")
-        if injected is not None:
-            return (injected, None)
-        if not self.initialised:
-            return (_Result.CUDA_ERROR_NOT_INITIALIZED, None)
-        if ordinal not in self._lib.devices:
-            return (_Result.CUDA_ERROR_INVALID_DEVICE, None)
-        return (_Result.CUDA_SUCCESS, ordinal)
-
-    def cuDevicePrimaryCtxRetain(self, dev: int) -> tuple[_Result, str | None]:
-        injected = self._enter("cuDevicePrimaryCtxRetain")
-        if injected is not None:
-            return (injected, None)
-        if not self.initialised:
-            return (_Result.CUDA_ERROR_NOT_INITIALIZED, None)
-        self.retained[dev] = self.retained.get(dev, 0) + 1
-        return (_Result.CUDA_SUCCESS, f"ctx{dev}")
-
-    def cuDevicePrimaryCtxRelease(self, dev: int) -> tuple[_Result]:
-        injected = self._enter("cuDevicePrimaryCtxRelease")
-        if injected is not None:
-            return (injected,)
-        if not self.retained.get(dev):
-            return (_Result.CUDA_ERROR_INVALID_CONTEXT,)
-        self.retained[dev] -= 1
-        if not self.retained[dev]:
-            del self.retained[dev]
-        return (_Result.CUDA_SUCCESS,)
-
-    def cuCtxSetCurrent(self, ctx: str | None) -> tuple[_Result]:
-        injected = self._enter("cuCtxSetCurrent")
-        if injected is not None:
-            return (injected,)
-        self.current = int(ctx[3:]) if ctx else None
-        return (_Result.CUDA_SUCCESS,)
-
-
 class FakeCupti:
     """Stands in for the ``cupti`` package: ``.pm_sampling``, ``.profiler_host``, ``.cupti``,
     plus ``.driver`` for the CUDA driver that cupti-python's cuda-bindings reach."""
@@ -355,13 +186,16 @@ class FakeCupti:
         #: Whether profiler_initialize / profiler_deinitialize calls are counted (module
         #: docstring); uncounted, one deinitialise tears the profiler down for all.
         self.counted = counted
-        self.collectors: list[Collector] = []
+        self.collectors: list[FakeCollector] = []
         self.calls: list[tuple[int, str]] = []
         self.profiler_refs = 0
         self.driver = FakeCudaDriver(self)
+        #: Called with (collector, method name) on each Collector call after any injected
+        #: error (module docstring); it may raise, or queue samples on the device.
+        self.on_call: Callable[[FakeCollector, str], None] | None = None
         fake = self
 
-        class BoundCollector(Collector):
+        class BoundCollector(FakeCollector):
             def __init__(self, device_index: int = 0) -> None:
                 super().__init__(fake, device_index)
 
@@ -441,6 +275,21 @@ class ProfilerType(enum.IntEnum):
     PM_SAMPLING = 1
 
 
+class MetricType(enum.IntEnum):
+    """``cupti.cupti.MetricType``."""
+
+    COUNTER = 0
+    RATIO = 1
+    THROUGHPUT = 2
+
+
+class MetricScope(enum.IntEnum):
+    """``cupti.cupti.MetricCollectionScope``."""
+
+    CONTEXT = 0
+    INSTANCE = 1
+
+
 class FakeProfilerHost:
     """``cupti.profiler_host.ProfilerHost``: ``initialize`` / ``get_metric_properties`` /
     ``deinitialize``, host side only; ValueError for a name no set or metric list offers."""
@@ -470,11 +319,13 @@ class FakeProfilerHost:
             raise ValueError(f"Metric {metric_name!r} is invalid or not supported on "
                              f"{self._chip}")
         unit = device.metric_units.get(root, unit_of_name(root))
+        kind = MetricType.THROUGHPUT if unit == "%" else MetricType.COUNTER
         return SimpleNamespace(description=root, hw_unit=root.partition("__")[0],
-                               dim_unit=unit)
+                               dim_unit=unit, metric_type=kind,
+                               metric_collection_scope=MetricScope.CONTEXT)
 
 
-class Collector:
+class FakeCollector:
     """Per-device collector with the real one's state rules."""
 
     def __init__(self, lib: FakeCupti, device_index: int = 0) -> None:
@@ -496,6 +347,8 @@ class Collector:
             outcome = outcomes.pop(0)
             if outcome is not None:
                 raise outcome
+        if self._lib.on_call is not None:
+            self._lib.on_call(self, method)
 
     def _call(self, method: str) -> FakeDevice:
         self._lib.calls.append((self.device_index, method))
