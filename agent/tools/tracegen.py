@@ -3,6 +3,9 @@
 These are made-up numbers in the replay format, shaped like the failure modes the agent is for;
 they are labelled synthetic in their GPU UUIDs (``GPU-synthetic-…``) so that nobody mistakes
 them for a recording. Recordings from real GPUs (``mrc-agent record``) live in ``tests/data/``.
+A trace stands in for what the GPU adapters return; the simulated libraries beneath the
+adapters, for the tests and ``selfcheck --dry``, are ``agent/tools/simgpu/`` (whose docstring
+says how the two relate).
 
 Patterns:
 - ``starved``: the GPU runs a 0.6 s burst every 3 s and idles in between (a CPU-bound

@@ -1,7 +1,7 @@
 """MIG in the trace format and in GPM: rows are keyed by UUID (a MIG device shares its parent
 GPU's index), and GPM of a MIG device is said to be its GPU instance's, not its own.
 
-Everything below the NVML adapter is the hand-written fake (tests/fakes/fake_pynvml.py):
+Everything below the NVML adapter is the hand-written fake (agent/tools/simgpu/nvml.py):
 a MIG device is a compute instance, and ``nvmlGpmMigSampleGet`` takes only a GPU instance id.
 """
 

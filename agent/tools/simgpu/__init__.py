@@ -17,5 +17,6 @@ writes synthetic traces in that format, which the demo (``agent/tools/demo.py``)
 no NVML answers. Those sit above the adapters (they stand in for what the adapters return);
 this package sits below them (it stands in for the libraries), so it is what tests the
 adapters and what the dry run reads through them. A dry self-check writes its own trace
-(``dry_h200_trace.jsonl``) through the real adapters, in the same replay format.
+(``dry_h200_trace.jsonl``) through the real adapters, in the same replay format, and
+``tests/unit/test_gpu_pipeline.py`` records from these fakes into a trace and replays it.
 """

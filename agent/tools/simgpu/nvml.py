@@ -188,8 +188,10 @@ class FakeNvml:
     # --- plumbing -------------------------------------------------------------------------
 
     @staticmethod
-    def _error(code: int) -> pynvml.NVMLError:
-        return pynvml.NVMLError(code)
+    def _error(code: int) -> Exception:
+        """The bound pynvml's ``NVMLError`` for ``code`` (its subclass for that code)."""
+        error: Exception = pynvml.NVMLError(code)
+        return error
 
     def _count(self, name: str) -> None:
         with self._calls_lock:  # ``+=`` on a Counter is not atomic across threads
