@@ -12,9 +12,8 @@ group of their own (:class:`CaptureSettings`), composed into :class:`AgentConfig
 Precedence is config file < environment < command-line flags. Every problem becomes a
 :class:`ConfigError` with one line of text; ``agent/cli.py`` turns it into exit code 2.
 
-The config file and the web configuration file are read as plain data, not as all of YAML:
-anchors and aliases are refused (a few hundred bytes of nested aliases, a "billion laughs",
-stand for billions of items once an error message or a ``str()`` walks them). A key given no
+The config file is read as plain data, not as all of YAML (:mod:`mrc_agent.exporters.plainyaml`,
+which reads the web configuration file too). A key given no
 value (``listen:``, ``listen: null``) is refused rather than read as the default: a template that
 rendered nothing should be seen, as Prometheus and exporter-toolkit see it; leave the key out
 for the default. Every value shown in an error is cut to :data:`SHOWN_CHARS`.
@@ -30,15 +29,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import yaml
-
 from mrc_agent.agent.core.attribution import GPU_MODES, MODE_TARGETS
 from mrc_agent.agent.core.collectors import COLLECTOR_NAMES, DEFAULT_ON
 from mrc_agent.agent.core.collectors.base import DerivedThresholds
-from mrc_agent.agent.core.files import describe, read_bounded
 from mrc_agent.agent.core.units import parse_bytes, parse_duration
+from mrc_agent.exporters import plainyaml
+from mrc_agent.exporters.files import describe, read_bounded
 from mrc_agent.exporters.settings import (
-    SHOWN_CHARS,
     ConfigError,
     Declarations,
     Setting,
@@ -71,8 +68,6 @@ MIN_TOKEN_LENGTH = 16
 #: filesystem is read-only.
 DEFAULT_CAPTURE_DIR = os.path.join(tempfile.gettempdir(), "mrc-agent-captures")
 GPU_BACKENDS = "auto, nvml, replay:PATH, none"
-#: A config file is a few dozen settings; more than this is not a config file.
-MAX_CONFIG_BYTES = 1 << 20
 
 #: Subcommands whose flags a setting appears among.
 RUN, DOCTOR, DIAGNOSE = "run", "doctor", "diagnose"
@@ -269,7 +264,8 @@ class SamplingSettings:
         help="debug, info, warning or error")
     #: TLS, client certificates, basic auth and response headers for every endpoint, in the
     #: Prometheus exporter-toolkit format (node_exporter's --web.config.file); read by
-    #: agent/core/webconfig.py at start and again on SIGHUP. Empty means none, as there.
+    #: exporters/exposition/http/webconfig.py at start and again on SIGHUP. Empty means none,
+    #: as there.
     web_config_file: str | None = setting(
         parse=text, commands=(RUN,), metavar="PATH",
         help="Prometheus exporter-toolkit web configuration file (as node_exporter's "
@@ -403,67 +399,8 @@ def apply(cfg: AgentConfig, values: Mapping[str, Any], origin: str) -> None:
     DECLARATIONS.apply(cfg, values, origin)
 
 
-class YAMLRefused(yaml.MarkedYAMLError):
-    """Valid YAML that :class:`PlainLoader` does not take; its ``problem`` is shown."""
-
-
-class PlainLoader(yaml.SafeLoader):
-    """``yaml.safe_load`` without anchors and aliases, whose values are constructed or refused
-    with a mark: an integer too long for Python, a date that is no date (``2024-13-45``)."""
-
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
-        event = self.peek_event()
-        # An alias event, or a node event carrying an anchor: refused before anything refers
-        # to anything, so no value here is ever shared, let alone shared a billion times.
-        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
-            raise YAMLRefused(None, None, "anchors and aliases are not allowed",
-                              event.start_mark)
-        return super().compose_node(parent, index)  # type: ignore[no-any-return]
-
-    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
-        try:
-            return super().construct_object(node, deep)
-        except (ValueError, OverflowError) as exc:
-            raise YAMLRefused(None, None, f"cannot read {shown(node.value)} "
-                              f"({clipped(str(exc), SHOWN_CHARS)})", node.start_mark) from exc
-
-
-def load_yaml_mapping(path: str, what: str, holds: str,
-                      loader: type[yaml.SafeLoader] = PlainLoader) -> dict[Any, Any]:
-    """The mapping in the YAML file ``path`` (``{}`` when empty), plain data only: read bounded
-    and without blocking, UTF-8, by :class:`PlainLoader` or a subclass. Every failure is one
-    :class:`ConfigError` line naming ``what`` and ``path`` (the line, for a YAML error; the
-    problem, for :class:`YAMLRefused` or a key given twice to a loader that refuses that);
-    ``holds`` says what the mapping should have been."""
-    where = f"{what} {path}"
-    try:
-        text = read_bounded(path, MAX_CONFIG_BYTES, what).decode("utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read {where}: {describe(exc)}") from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{where} is not UTF-8 text") from exc
-    try:
-        data = yaml.load(text, Loader=loader)  # a SafeLoader or a subclass: plain data only
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f":{mark.line + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None)
-        why = (f": {clipped(str(problem))}" if problem and (
-            isinstance(exc, YAMLRefused) or "twice" in str(problem)) else "")
-        raise ConfigError(f"{where}{at} is not valid YAML{why}") from exc
-    except (ValueError, OverflowError) as exc:  # a value a loader of another kind cannot build
-        raise ConfigError(f"{where} is not valid YAML: {clipped(str(exc))}") from exc
-    except RecursionError as exc:
-        raise ConfigError(f"{where} is nested too deeply") from exc
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must hold {holds}")
-    return data
-
-
 def from_file(path: str) -> dict[str, Any]:
-    data = load_yaml_mapping(path, "config file", "a mapping of settings")
+    data = plainyaml.load_yaml_mapping(path, "config file", "a mapping of settings")
     # A key that is not text is no setting; shown() names it even where str() cannot (an
     # integer too long to print).
     out = {(k if isinstance(k, str) else shown(k)).replace("-", "_"): v for k, v in data.items()}

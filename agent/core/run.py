@@ -17,9 +17,13 @@ from typing import Any
 from mrc_agent.agent import __version__
 from mrc_agent.agent.core.config import AgentConfig, ConfigError, clipped
 from mrc_agent.agent.core.runner import Runner
-from mrc_agent.agent.core.webconfig import WebConfig, load_web_config, reload_web_config
 from mrc_agent.agent.core.wiring import build_runner, build_server, make_sources
 from mrc_agent.exporters.exposition.http import ExpositionServer, Routes
+from mrc_agent.exporters.exposition.http.webconfig import (
+    WebConfig,
+    load_web_config,
+    reload_web_config,
+)
 
 log = logging.getLogger(__name__)
 

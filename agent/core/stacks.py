@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import IO
 
-from mrc_agent.agent.core.files import find_executable
+from mrc_agent.exporters.files import find_executable
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class StacksUnavailable(Exception):
 
 
 def find_austin(explicit: str | None = None) -> str:
-    """The austin executable (:func:`~mrc_agent.agent.core.files.find_executable`: explicit,
+    """The austin executable (:func:`~mrc_agent.exporters.files.find_executable`: explicit,
     beside this Python from the ``diagnose`` extra's ``austin-dist``, or on ``PATH``)."""
     try:
         return find_executable("austin", explicit)

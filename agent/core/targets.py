@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mrc_agent.agent.core.files import describe, read_bounded
 from mrc_agent.agent.core.hw.procfs import ProcessGone, ProcFS, is_pid
+from mrc_agent.exporters.files import describe, read_bounded
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from mrc_agent.agent.core.hw.profiling import LazyProfiling
 from mrc_agent.agent.core.hw.sources import Closable, Sources
 from mrc_agent.agent.core.runner import Runner
 from mrc_agent.agent.core.targets import TargetResolver
-from mrc_agent.agent.core.webconfig import WebConfig
 from mrc_agent.exporters.exposition.http import ExpositionServer, Routes
+from mrc_agent.exporters.exposition.http.webconfig import WebConfig
 from mrc_agent.exporters.exposition.snapshot import SnapshotCollector
 
 if TYPE_CHECKING:
@@ -90,9 +90,9 @@ def build_registry(runner: Runner) -> CollectorRegistry:
 def build_server(cfg: AgentConfig, runner: Runner, routes: Routes | None = None,
                  web: WebConfig | None = None) -> ExpositionServer:
     """The agent's exposition server for ``runner``'s snapshots, with optional extra routes
-    (the on-alert capture endpoints) and the TLS, basic auth and headers of the web configuration
-    file (:func:`mrc_agent.agent.core.webconfig.load_web_config`). Binds now: "address
-    in use" raises OSError here."""
+    (the on-alert capture endpoints) and the TLS, basic auth and headers of the web
+    configuration file (:func:`mrc_agent.exporters.exposition.http.webconfig.load_web_config`).
+    Binds now: "address in use" raises OSError here."""
     host, port = cfg.host_port
     web = web or WebConfig()
     return ExpositionServer(build_registry(runner), host, port, runner.version,

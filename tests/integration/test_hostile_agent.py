@@ -20,7 +20,6 @@ import pytest
 
 from mrc_agent.agent.cli import main as cli_main
 from mrc_agent.agent.core.config import SETTINGS, ConfigError, load, parse_listen
-from mrc_agent.agent.core.files import FileRefused, read_bounded
 from mrc_agent.agent.core.hw.replay import MAX_TRACE_BYTES, ReplayFormatError, load_trace
 from mrc_agent.agent.core.runner import Runner
 from mrc_agent.agent.core.targets import PidfileError, TargetResolver, read_pidfile
@@ -29,6 +28,7 @@ from mrc_agent.agent.tools.capture.manager import CaptureManager
 from mrc_agent.agent.tools.capture.store import CaptureStore
 from mrc_agent.agent.tools.capture.webhook import Token, WebhookError, parse_webhook
 from mrc_agent.exporters.exposition.http import Request
+from mrc_agent.exporters.files import FileRefused, read_bounded
 
 TOKEN = "s3cret-token-0123456789abcdef"
 
@@ -346,7 +346,7 @@ _BOUNDED = """
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (512 << 20, 512 << 20))
 from mrc_agent.agent.core.config import ConfigError, load
-from mrc_agent.agent.core.webconfig import load_web_config
+from mrc_agent.exporters.exposition.http.webconfig import load_web_config
 try:
     load({}, env={}, config_path=sys.argv[2]) if sys.argv[1] == "agent" \\
         else load_web_config(sys.argv[2])
@@ -428,7 +428,7 @@ def test_a_long_value_is_shown_cut_in_the_message(tmp_path: Path, text: str) -> 
         "header-name", "header-value", "user", "user-number", "key", "key-long-binary"])
 def test_a_long_web_config_value_is_shown_cut_in_the_message(tmp_path: Path,
                                                              text: str) -> None:
-    from mrc_agent.agent.core.webconfig import load_web_config
+    from mrc_agent.exporters.exposition.http.webconfig import load_web_config
 
     with pytest.raises(ConfigError) as err:
         load_web_config(_config(tmp_path, text.encode()))

@@ -22,10 +22,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
-from mrc_agent.agent.core import webconfig
-from mrc_agent.agent.core.webconfig import BasicAuth
 from mrc_agent.exporters import render
-from mrc_agent.exporters.exposition.http import Authenticator, ExpositionServer, Limits
+from mrc_agent.exporters.exposition.http import Authenticator, ExpositionServer, Limits, webconfig
+from mrc_agent.exporters.exposition.http.webconfig import BasicAuth
 from mrc_agent.exporters.instrumentation.asgi import metrics_app
 from tests.conftest import read_http_response, socket_closed, wait_until
 

@@ -33,7 +33,6 @@ from prometheus_client.registry import CollectorRegistry
 
 from mrc_agent.agent.cli import main
 from mrc_agent.agent.core.config import load
-from mrc_agent.agent.core.webconfig import BasicAuth, credentials, load_web_config
 from mrc_agent.exporters.exposition.http import (
     ExpositionServer,
     Limits,
@@ -41,6 +40,7 @@ from mrc_agent.exporters.exposition.http import (
     Response,
     Routes,
 )
+from mrc_agent.exporters.exposition.http.webconfig import BasicAuth, credentials, load_web_config
 from tests.conftest import REPO, wait_until
 
 LIMITS = Limits(idle_timeout_s=2.0, head_timeout_s=2.0, body_timeout_s=2.0,

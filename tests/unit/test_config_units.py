@@ -11,6 +11,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 import pytest
+import yaml
 
 from mrc_agent.agent.core import config as c
 from mrc_agent.agent.core.collectors import COLLECTOR_NAMES
@@ -29,12 +30,12 @@ from mrc_agent.agent.core.config import (
     from_env,
     from_file,
     load,
-    load_yaml_mapping,
     parse_listen,
     read_token_file,
     validate,
 )
 from mrc_agent.exporters import settings as s
+from mrc_agent.exporters.plainyaml import load_yaml_mapping
 
 TOKEN = "0123456789abcdef"  # exactly MIN_TOKEN_LENGTH characters
 
@@ -375,9 +376,9 @@ def test_a_config_file_yaml_error_gives_the_line(tmp_path) -> None:
 
 
 def test_a_yaml_error_without_a_position_has_no_line() -> None:
-    class Failing(c.yaml.SafeLoader):
+    class Failing(yaml.SafeLoader):
         def get_single_data(self) -> Any:
-            raise c.yaml.YAMLError("no mark here")
+            raise yaml.YAMLError("no mark here")
 
     path = __file__
     with pytest.raises(ConfigError) as err:
@@ -386,15 +387,15 @@ def test_a_yaml_error_without_a_position_has_no_line() -> None:
 
 
 def test_a_key_given_twice_is_named_only_by_a_loader_that_refuses_it(tmp_path) -> None:
-    class Strict(c.yaml.SafeLoader):
+    class Strict(yaml.SafeLoader):
         def get_single_data(self) -> Any:
-            raise c.yaml.constructor.ConstructorError(
-                None, None, "key 'a' given twice", c.yaml.Mark("x", 0, 4, 0, "", 0))
+            raise yaml.constructor.ConstructorError(
+                None, None, "key 'a' given twice", yaml.Mark("x", 0, 4, 0, "", 0))
 
-    class Other(c.yaml.SafeLoader):
+    class Other(yaml.SafeLoader):
         def get_single_data(self) -> Any:
-            raise c.yaml.constructor.ConstructorError(
-                None, None, "found unhashable key", c.yaml.Mark("x", 0, 1, 0, "", 0))
+            raise yaml.constructor.ConstructorError(
+                None, None, "found unhashable key", yaml.Mark("x", 0, 1, 0, "", 0))
 
     f = tmp_path / "a.yaml"
     f.write_text("a: 1\n")

@@ -1,7 +1,8 @@
-"""The web configuration file (``agent/core/webconfig.py``) read without a server: every check
-of the exporter-toolkit format with the exact line a user reads for a bad file, the
-``ssl.SSLContext`` it builds, the basic-auth cache and the SIGHUP rules. One self-signed
-certificate per module; ``tests/integration/test_web_config.py`` speaks TLS to a real server."""
+"""The web configuration file (``exporters/exposition/http/webconfig.py``) read without a
+server: every check of the exporter-toolkit format with the exact line a user reads for a bad
+file, the ``ssl.SSLContext`` it builds, the basic-auth cache and the SIGHUP rules. One
+self-signed certificate per module; ``tests/integration/test_web_config.py`` speaks TLS to a
+real server."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from mrc_agent.agent.core import webconfig as w
 from mrc_agent.agent.core.config import ConfigError
-from mrc_agent.agent.core.webconfig import (
+from mrc_agent.exporters.exposition.http import webconfig as w
+from mrc_agent.exporters.exposition.http.webconfig import (
     BasicAuth,
     WebConfig,
     credentials,

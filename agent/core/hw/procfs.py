@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from mrc_agent.agent.core.files import read_fd
+from mrc_agent.exporters.files import read_fd
 
 #: Linux's PID_MAX_LIMIT: no PID is larger.
 PID_MAX = 1 << 22

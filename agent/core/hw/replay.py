@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
-from mrc_agent.agent.core.files import describe, read_bounded
 from mrc_agent.agent.core.hw.base import (
     DeviceSample,
     GpmSample,
@@ -32,6 +31,7 @@ from mrc_agent.agent.core.hw.base import (
     SourceUnavailable,
 )
 from mrc_agent.agent.core.hw.procfs import is_pid
+from mrc_agent.exporters.files import describe, read_bounded
 
 #: Trace field -> (sample kind, attribute, kind of value). Kinds of value: "ratio" (0-1),
 #: "counter" (cumulative, non-decreasing), "gauge" (any non-negative number).

@@ -14,8 +14,8 @@ import subprocess
 import tempfile
 from typing import IO
 
-from mrc_agent.agent.core.files import find_executable
 from mrc_agent.agent.core.hw.procfs import ProcFS
+from mrc_agent.exporters.files import find_executable
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class PySpyError(Exception):
 
 
 def find_py_spy(explicit: str | None = None) -> str:
-    """The py-spy executable (:func:`~mrc_agent.agent.core.files.find_executable`: explicit,
+    """The py-spy executable (:func:`~mrc_agent.exporters.files.find_executable`: explicit,
     beside this Python from the ``diagnose`` extra, or on ``PATH``). Raises
     PySpyError('missing')."""
     try:

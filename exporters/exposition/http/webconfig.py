@@ -51,9 +51,10 @@ from typing import Any
 import bcrypt
 import yaml
 
-from mrc_agent.agent.core.config import ConfigError, PlainLoader, load_yaml_mapping, shown
-from mrc_agent.agent.core.files import describe, read_bounded
 from mrc_agent.exporters.exposition.http import Authenticator
+from mrc_agent.exporters.files import describe, read_bounded
+from mrc_agent.exporters.plainyaml import PlainLoader, load_yaml_mapping
+from mrc_agent.exporters.settings import ConfigError, shown
 
 log = logging.getLogger(__name__)
 
