@@ -97,7 +97,7 @@ def build_state(settings: Settings) -> ServiceState:
                           settings.cache_ttl_s),
         admission=Admission(settings.max_concurrency, settings.max_queue,
                             settings.retry_after_s),
-        decode_pool=DecodePool(settings.preprocess_workers, on_abandoned=functools.partial(
+        decode_pool=DecodePool(settings.decode_workers, on_abandoned=functools.partial(
             metrics.abandoned_threads, "decode")),
         header_pool=DecodePool(settings.preprocess_workers, name="mrc-header",
                                on_abandoned=functools.partial(metrics.abandoned_threads,

@@ -151,6 +151,13 @@ class Settings:
                              help="requests waiting for a slot; beyond this 429")
     retry_after_s: int = 1
     preprocess_workers: int = 2
+    #: "naive" decodes whole photos and converts pixels in Python on one thread: the starved
+    #: GPU the agent exists to show (reference_service/preprocess/naive.py).
+    preprocess: str = setting(
+        "tuned", parse=text, commands=_S, choices=("tuned", "naive"),
+        help="image preprocessing: tuned (draft decode, fast resize, two threads) or naive "
+             "(full decode, plain Lanczos, a Python pixel loop on one thread that holds the "
+             "GIL: what mrc-agent demo runs to show a starved GPU)")
 
     # --- chain ---
     ocr: str = setting("auto", parse=text, commands=_S, choices=("auto", "on", "off"),
@@ -212,6 +219,12 @@ class Settings:
     # --- logging ---
     json_logs: bool = setting(False, parse=yes_no, commands=_S, toggle=True,
                               help="log one JSON object a line")
+
+    @property
+    def decode_workers(self) -> int:
+        """Threads that decode images: one on the naive path, as the services it stands for
+        run it; else :attr:`preprocess_workers`."""
+        return 1 if self.preprocess == "naive" else self.preprocess_workers
 
 
 #: The flags of the server and of the service, each declared once above.

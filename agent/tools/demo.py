@@ -108,11 +108,13 @@ def _gpu_backend() -> tuple[str, str]:
         nvml.close()
 
 
-def _start_service(port: int, log_path: str) -> subprocess.Popen[bytes]:
+def _start_service(port: int, log_path: str, preprocess: str = "naive"
+                   ) -> subprocess.Popen[bytes]:
     log = open(log_path, "wb")  # noqa: SIM115 - owned by the child for its lifetime
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.Popen([sys.executable, "-m", "mrc_agent.reference_service",
-                             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+                             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+                             "--preprocess", preprocess],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -155,14 +157,18 @@ _API_TOLD = {"mix": "in turn through /mrc/upload and the OpenAI chat API (POST "
 
 
 def run_demo(duration: float, listen: str, trace: str | None, port: int = 8000,
-             rate: float = 2.0, api: str = "mix") -> int:
+             rate: float = 2.0, api: str = "mix", preprocess: str = "naive") -> int:
     from mrc_agent.reference_service.loadgen import Outcome, percentile, run_load, table
 
     url = f"http://127.0.0.1:{port}"
     log_path = os.path.join(tempfile.mkdtemp(prefix="mrc-demo-"), "service.log")
     print(f"mrc-agent demo: starting the reference MRC service on {url} (embedded tiny model, "
           f"random weights: its answers are NOT meaningful; log {log_path})", flush=True)
-    service = _start_service(port, log_path)
+    if preprocess == "naive":
+        print("  its preprocessing is the NAIVE one on purpose (--preprocess naive): one thread "
+              "decodes whole photos and converts pixels in Python, as many services start; "
+              "--preprocess tuned runs the service's own", flush=True)
+    service = _start_service(port, log_path, preprocess)
     runner = server = sources = None
     try:
         if not _wait_ready(url, service, log_path):
@@ -257,4 +263,5 @@ def run(args: argparse.Namespace) -> int:
 
     if args.duration <= 0 or args.rate <= 0 or not 0 < args.port < 65536:
         raise ConfigError("--duration and --rate must be > 0, --port 1-65535")
-    return run_demo(args.duration, args.listen, args.trace, args.port, args.rate, args.api)
+    return run_demo(args.duration, args.listen, args.trace, args.port, args.rate, args.api,
+                    args.preprocess)

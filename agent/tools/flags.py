@@ -60,6 +60,11 @@ class DemoFlags(LoadFlags):
     trace: str | None = setting(
         parse=text, commands=(DEMO,), metavar="PATH",
         help="replay this GPU trace instead of NVML or the embedded synthetic one")
+    preprocess: str = setting(
+        "naive", parse=text, commands=(DEMO,), choices=("naive", "tuned"),
+        help="the service's image preprocessing: naive (one thread decodes whole photos and "
+             "converts pixels in Python, holding the GIL: the starved GPU the agent is for) "
+             "or tuned (what the service runs unless told)")
 
 
 @dataclass

@@ -30,6 +30,8 @@ RGB,
 * :mod:`~mrc_agent.reference_service.preprocess.gpu`: the "kornia" resize path, antialiased, on the
 device
   (:func:`kornia_resize`). gpu → decoding.
+* :mod:`~mrc_agent.reference_service.preprocess.naive`: the slow path ``--preprocess naive`` keeps
+  for the demo (full decode, plain Lanczos, a Python pixel loop on one thread). naive → decoding.
 * :mod:`~mrc_agent.reference_service.preprocess.pool`: :class:`DecodePool`, daemon threads, the
 timeout and
   the stuck-thread cap; it knows nothing of images.

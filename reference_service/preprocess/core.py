@@ -3,9 +3,10 @@
 :func:`preprocess` runs the decoder of :mod:`~mrc_agent.reference_service.preprocess.decoding`
 (header checks first) and then one resize path: :mod:`~mrc_agent.reference_service.preprocess.cpu`
 ("pil") or :mod:`~mrc_agent.reference_service.preprocess.gpu` ("kornia", the default on CUDA),
-timing the two stages. On a CUDA device the end of the preprocess stage is stamped only once the
-work queued on the device has run
-(:func:`~mrc_agent.reference_service.device.wait_for_queued_work`), so the resize is charged to
+timing the two stages; with ``--preprocess naive`` a full decode and
+:mod:`~mrc_agent.reference_service.preprocess.naive` instead, the slow path kept for the demo. On a
+CUDA device the end of the preprocess stage is stamped only once the work queued on the device has
+run (:func:`~mrc_agent.reference_service.device.wait_for_queued_work`), so the resize is charged to
 preprocessing and not to the prefill that would otherwise wait for it. :func:`preprocess_async` runs
 it on a :class:`~mrc_agent.reference_service.preprocess.pool.DecodePool` under the decode timeout,
 so the event loop never blocks; :func:`probe_async` does the same for the header checks.
@@ -28,6 +29,7 @@ from mrc_agent.reference_service.preprocess.cpu import _resize_pil
 from mrc_agent.reference_service.preprocess.decoding import _SWAPS_AXES, _decode
 from mrc_agent.reference_service.preprocess.gpu import _resize_kornia
 from mrc_agent.reference_service.preprocess.header import probe
+from mrc_agent.reference_service.preprocess.naive import _resize_naive
 from mrc_agent.reference_service.preprocess.pool import DecodePool
 from mrc_agent.reference_service.settings import Settings
 
@@ -84,10 +86,13 @@ def preprocess(
     backend = resize_backend
     if backend == "auto":
         backend = "kornia" if device.startswith("cuda") else "pil"
+    naive = settings.preprocess == "naive"
     t0 = time.perf_counter()
-    dec = _decode(data, settings, target_hw, ocr_max_side)
+    dec = _decode(data, settings, None if naive else target_hw, ocr_max_side)
     t1 = time.perf_counter()
-    if backend == "kornia":
+    if naive:
+        pixel_values, ocr_img = _resize_naive(dec, target_hw, mean, std, device, ocr_max_side)
+    elif backend == "kornia":
         pixel_values, ocr_img = _resize_kornia(dec, target_hw, mean, std, device, ocr_max_side)
     else:
         pixel_values, ocr_img = _resize_pil(dec, target_hw, mean, std, device, ocr_max_side)
