@@ -8,6 +8,7 @@ import contextlib
 import http.client
 import socket
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -62,14 +63,16 @@ def _connect(server: ExpositionServer) -> socket.socket:
     return socket.create_connection(("127.0.0.1", server.port), timeout=5)
 
 
-_LEFT: dict[int, bytes] = {}  # bytes read past one response, per socket
+#: Bytes read past one response, per socket: by the socket object, never by its descriptor
+#: number, which the next socket reuses (a stale response would be read as the new one's).
+_LEFT: weakref.WeakKeyDictionary[socket.socket, bytes] = weakref.WeakKeyDictionary()
 
 
 def _read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
     """One response off ``sock``: status, headers, body (by Content-Length)."""
-    line, headers, body, rest = read_http_response(sock, _LEFT.pop(sock.fileno(), b""))
+    line, headers, body, rest = read_http_response(sock, _LEFT.pop(sock, b""))
     if rest:
-        _LEFT[sock.fileno()] = rest
+        _LEFT[sock] = rest
     return int(line.split(" ")[1]), headers, body
 
 
