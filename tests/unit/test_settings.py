@@ -124,8 +124,8 @@ def test_one_of_is_a_required_choice() -> None:
 #: A few flags of each subcommand, with the default each parses to when not given.
 DEFAULTS: dict[str, tuple[list[str], dict[str, object]]] = {
     "record": (["--out", "f", "--duration", "1"], {"interval": 0.1, "profiling": False}),
-    "demo": ([], {"duration": 30.0, "rate": 2.0, "port": 8000, "listen": "127.0.0.1:9478",
-                  "trace": None, "api": "mix"}),
+    "demo": ([], {"duration": 30.0, "rate": 5.0, "port": 8000, "listen": "127.0.0.1:9478",
+                  "trace": None, "api": "mix", "preprocess": "naive"}),
     "loadgen": (["--url", "http://h"], {"rate": 2.0, "duration": 30.0, "max_new_tokens": 16,
                                         "max_in_flight": 64, "seed": 1, "api": "mix"}),
     "report": (["--prometheus", "http://p", "--out", "r.html"],
