@@ -84,15 +84,22 @@ def module_of(path: str) -> str:
     return ".".join(parts) or "?"
 
 
+#: Code objects Python 3.11 runs as frames of their own inside a function; 3.12 inlines the
+#: comprehensions (PEP 709). Their time is the enclosing function's.
+_INNER = re.compile(r"(?:\.<locals>\.<(?:listcomp|dictcomp|setcomp|genexpr|lambda)>)+$")
+
+
 def function_name(frame: str) -> str:
-    """``file:qualname:line`` -> ``module:qualname`` (``PIL.Image:Image.resize``)."""
+    """``file:qualname:line`` -> ``module:qualname`` (``PIL.Image:Image.resize``). A
+    comprehension, generator expression or lambda inside a function is named as that function
+    (``f.<locals>.<listcomp>`` -> ``f``), as Python 3.12 names an inlined comprehension."""
     head, sep, line = frame.rpartition(":")
     if not sep or not line.isdigit():
         head = frame
     path, sep, qualname = head.rpartition(":")
     if not sep:
         return head[:128]
-    return f"{module_of(path)}:{qualname}"[:128]
+    return f"{module_of(path)}:{_INNER.sub('', qualname)}"[:128]
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,12 @@ def test_austin_lines_become_samples_at_their_arrival() -> None:
     ("/home/alice/secret-project/preprocess.py:pil_to_tensor:12", "preprocess:pil_to_tensor"),
     ("<frozen runpy>:_run_code:88", "<frozen runpy>:_run_code"),
     ("C:\\odd:f:1", "C:\\odd:f"),
+    # Python 3.11's own frames for a comprehension or lambda: the enclosing function's time.
+    ("/srv/app/culprit.py:pil_to_tensor.<locals>.<listcomp>:4", "culprit:pil_to_tensor"),
+    ("/srv/app/m.py:A.f.<locals>.<genexpr>:9", "m:A.f"),
+    ("/srv/app/m.py:A.f.<locals>.<lambda>.<locals>.<listcomp>:9", "m:A.f"),
+    ("/srv/app/m.py:A.f.<locals>.inner:9", "m:A.f.<locals>.inner"),
+    ("/srv/app/m.py:<listcomp>:9", "m:<listcomp>"),
 ])
 def test_functions_are_named_by_module_and_qualname_never_by_path_or_line(
         frame: str, name: str) -> None:
