@@ -243,8 +243,9 @@ def main() -> int:
         "utilisation against an idle threshold can see all of them.", "", *rows, "", *delays, "",
         "Duty cycle over each window of four scrapes, against the trace's own:", "", *duty, "",
         *verdicts, "",
-        "Not measured here: the time from onset to mrc_gpu_starved and to the page, and the "
-        "share of starved seconds on the right function (they need a real process).",
+        "Not measured here: the time from onset to mrc_gpu_starved and the share of starved "
+        "seconds on the right function, which need a real process: "
+        "`benchmarks/bench_starvation.py` (results/starvation.md).",
     ])
     report(text, args.out)
     return 0
