@@ -3,12 +3,15 @@ GPM values in NVML's units, and the log lines of the adapter's logger."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from typing import Any
 
 import pynvml
 import pytest
 
 from mrc_agent.agent.core.hw.nvml import NvmlBackend
+from mrc_agent.agent.tools.simgpu import nvml as simulated_nvml
 from mrc_agent.agent.tools.simgpu.nvml import FakeNvml
 from tests.support import Clock
 
@@ -74,3 +77,19 @@ def counted(tx: float, rx: float,
     """A fake GPU's ``pcie_count``: raw TX and RX byte counts and the value type they come
     back as (the fake wraps an unsigned int at 2^32)."""
     return {"tx_bytes": int(tx), "rx_bytes": int(rx), "value_type": value_type}
+
+
+def load_fake_for(module: Any) -> Any:
+    """The simulated ``pynvml`` loaded again with ``pynvml`` bound to ``module`` (e.g. an older
+    nvidia-ml-py): its constants, structures, error classes and set of functions are then that
+    version's. Returns the new module object (use its ``FakeNvml`` and ``gpu``)."""
+    name = f"{simulated_nvml.__name__}_for_{id(module)}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, simulated_nvml.__file__)
+    assert spec is not None and spec.loader is not None
+    fake = importlib.util.module_from_spec(spec)
+    sys.modules[name] = fake  # its dataclasses look their module up while it loads
+    spec.loader.exec_module(fake)
+    fake.__dict__["pynvml"] = module  # the global every function of the copy reads
+    return fake

@@ -6,7 +6,8 @@ through the paths real clients take: ``/mrc/upload`` and the OpenAI chat API, wh
 streamed, in turn); it prints the golden triangle once a second and the per-bucket latency table
 at the end. Where NVML
 answers, the GPU side is the real GPU; elsewhere it replays the embedded synthetic trace of a
-starved H200 and says so. The agent's ``/metrics`` and the service's stay up while it runs.
+starved H200 (``tracegen``'s ``starved`` pattern, recorded from the simulated GPU through the
+agent's own adapters) and says so. The agent's ``/metrics`` and the service's stay up while it runs.
 """
 
 from __future__ import annotations

@@ -162,10 +162,12 @@ def test_tracegen_writes_mig_slices_that_replay(tmp_path: Path) -> None:
     assert lines == 2 * 2 * 3  # two steps, two GPUs, each itself and two slices
     path = tmp_path / "mig.jsonl"
     path.write_text(out.getvalue())
-    backend = ReplayBackend(str(path), clock=lambda: 0.0)
+    now = [0.0]
+    backend = ReplayBackend(str(path), clock=lambda: now[0])
     ids = backend.identities
     assert [i.index for i in ids] == [0, 0, 0, 1, 1, 1]
     assert len({i.uuid for i in ids}) == 6 and sum(i.is_mig for i in ids) == 4
+    now[0] = 0.5  # GPM is a window between two samples: the trace's first row has none
     assert {s.gpu_instance for s in backend.sample_gpm()} == {1, 2}
 
 

@@ -23,7 +23,7 @@ import pytest
 
 from mrc_agent.agent.core.hw.base import HardwareError
 from mrc_agent.agent.tools.simgpu import nvml as fake_pynvml
-from tests.nvml_support import backend
+from tests.nvml_support import backend, load_fake_for
 from tests.unit.test_nvml_truth import _load_old_pynvml
 
 LOGGER = "mrc_agent.agent.core.hw.nvml"
@@ -37,7 +37,7 @@ def version(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any]]:
         yield pynvml, fake_pynvml
     else:
         old = _load_old_pynvml()
-        yield old, fake_pynvml.load_fake_for(old)
+        yield old, load_fake_for(old)
 
 
 def test_a_driver_without_v3_process_lists_is_served_by_v2_through_the_real_call(

@@ -27,7 +27,15 @@ from mrc_agent.agent.core.hw.nvml.units import CLOCK_MATCH_S, identify_clock
 from mrc_agent.agent.tools.simgpu import nvml as fake_pynvml
 from mrc_agent.agent.tools.simgpu.nvml import FakeNvml, gpu, nvlink
 from tests.conftest import REPO
-from tests.nvml_support import MONO_NOW, NVML_LOGGER, UUID0, UUID1, WALL_NOW, counted
+from tests.nvml_support import (
+    MONO_NOW,
+    NVML_LOGGER,
+    UUID0,
+    UUID1,
+    WALL_NOW,
+    counted,
+    load_fake_for,
+)
 from tests.nvml_support import FakeClock as Clock
 
 #: Where .ci/run puts the oldest nvidia-ml-py the project declares (pyproject: >=12.535).
@@ -251,7 +259,7 @@ def test_the_adapter_runs_on_nvidia_ml_py_12_535_real_module() -> None:
     old = _load_old_pynvml()
     assert not hasattr(old, "NVML_FI_DEV_PCIE_COUNT_TX_BYTES")  # what makes it the old one
     assert not hasattr(old, "nvmlDeviceGetTemperatureV")
-    fake_mod = fake_pynvml.load_fake_for(old)
+    fake_mod = load_fake_for(old)
     fake = fake_mod.FakeNvml([fake_mod.gpu(
         gpm={old.NVML_GPM_METRIC_SM_UTIL: 70.0, old.NVML_GPM_METRIC_DRAM_BW_UTIL: 30.0},
         nvlink={0: fake_mod.nvlink(5, 6)}, compute_processes=[(7, 2**30)],

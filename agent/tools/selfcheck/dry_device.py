@@ -10,22 +10,18 @@ model's width, NVLink counters in KiB, the aggregate scope the links' sum) and
 self-check does not verify (power, clocks, temperature, ECC, processes, MIG, events) answers
 NOT_SUPPORTED, as on a GPU without it.
 
-:class:`DryCupti` is a ``FakeCupti`` with one ``gh100`` device per GPU offering the shipped
-``Compute_Triage`` set (``simgpu.cupti.shipped_device``); its ``on_call`` refuses ``enable``
-when the model's faults say so and, on each ``decode``, queues the intervals the clock has
-completed: SM instructions, DRAM read sectors (32 bytes each) and the read throughput as a
-percentage of :data:`DRAM_READ_PEAK_BYTES_PER_S`.
+:class:`DryCupti` is a ``ClockedCupti`` (``simgpu.cupti``) on the model's clock and counters,
+with one ``gh100`` device per GPU offering the shipped ``Compute_Triage`` set; it refuses
+``enable`` when the model's faults say so.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 from typing import Any
 
 from mrc_agent.agent.tools.selfcheck.dry import DryModel
-from mrc_agent.agent.tools.simgpu import chips
-from mrc_agent.agent.tools.simgpu.cupti import FakeCollector, FakeCupti, shipped_device
+from mrc_agent.agent.tools.simgpu.cupti import ClockedCupti, FakeCollector
 from mrc_agent.agent.tools.simgpu.nvml import FakeNvml, gpu, nvlink, pynvml
 
 #: nvmlDeviceGetPcieThroughput's window (NVML: "a byte counter over a 20ms interval").
@@ -55,10 +51,6 @@ NOT_SUPPORTED = frozenset({
     "nvmlDeviceGetComputeRunningProcesses_v2", "nvmlDeviceGetGraphicsRunningProcesses_v2",
     "nvmlDeviceGetMigMode", "nvmlEventSetCreate",
 })
-#: A DRAM sector (Nsight Compute: "an aligned 32 byte-chunk of memory").
-SECTOR_BYTES = 32
-#: The simulated H200's HBM3e read peak: what the throughput percentage is of.
-DRAM_READ_PEAK_BYTES_PER_S = 4.8e12
 _ARCHITECTURES = {8: "AMPERE", 9: "HOPPER", 10: "BLACKWELL"}
 
 
@@ -122,45 +114,18 @@ class DryNvml(FakeNvml):
                 for metric, (key, factor) in self._gpm_ids.items()}
 
 
-class DryCupti(FakeCupti):
-    """The simulated ``cupti`` reading one :class:`DryModel`: a ``gh100`` per GPU."""
+class DryCupti(ClockedCupti):
+    """The simulated ``cupti`` reading one :class:`DryModel`: a ``gh100`` per GPU, refusing
+    ``enable`` when the model's faults say so."""
 
     def __init__(self, model: DryModel, sets: dict[str, Any] | None = None) -> None:
-        super().__init__({i: shipped_device(sets, uuid=model.uuid(i))
-                          for i in range(model.gpus)}, properties_api=True)
+        super().__init__([model.uuid(i) for i in range(model.gpus)], model.clock,
+                         model.instructions, model.dram_read_bytes, sets)
         self.model = model
-        self.driver.initialised = True  # the dry run's CUDA is up before the sampler starts
-        self._started: dict[int, tuple[float, int]] = {}  # id(collector) -> (start, emitted)
         self.on_call = self._on_call
 
     def _on_call(self, collector: FakeCollector, method: str) -> None:
-        key, m = id(collector), self.model
-        if method == "enable" and m.faults.cupti_refused:
+        if method == "enable" and self.model.faults.cupti_refused:
             # What cupti-python's enable() raises for CUPTI_ERROR_INSUFFICIENT_PRIVILEGES.
             raise PermissionError("Insufficient privileges to enable PM sampling")
-        if method == "start":
-            self._started[key] = (m.clock(), 0)
-        elif method == "stop":
-            self._started.pop(key, None)
-        elif method == "decode" and key in self._started and collector.metrics is not None:
-            start, emitted = self._started[key]
-            interval = collector.config["sampling_interval"] / 1e9
-            completed = math.floor((m.clock() - start) / interval)
-            batch = []
-            for k in range(emitted, completed):
-                t0 = start + k * interval
-                batch.append({name: self._value(collector.device_index, name, t0, t0 + interval)
-                              for name in collector.metrics})
-            self._started[key] = (start, max(emitted, completed))
-            self.devices[collector.device_index].decodes.append(batch)
-
-    def _value(self, gpu_index: int, metric: str, t0: float, t1: float) -> float:
-        m, name = self.model, chips.base_name(metric)
-        if "inst_executed" in name:
-            return m.instructions(gpu_index, t1) - m.instructions(gpu_index, t0)
-        read = m.dram_read_bytes(gpu_index, t1) - m.dram_read_bytes(gpu_index, t0)
-        if "throughput" in name:
-            return 100.0 * read / (t1 - t0) / DRAM_READ_PEAK_BYTES_PER_S
-        if name == "dramc__sectors_op_read":
-            return read / SECTOR_BYTES
-        return 0.0
+        self.clocked_call(collector, method)

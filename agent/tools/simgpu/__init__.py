@@ -1,5 +1,6 @@
 """The simulated GPU: one hand-written, data-driven fake of the NVML and CUPTI libraries, in
-the wheel because ``mrc-agent selfcheck --dry`` runs on it; the tests use the same fake.
+the wheel because ``mrc-agent selfcheck --dry`` and ``tracegen`` (whose traces the demo
+replays) run on it; the tests use the same fake.
 
 - :mod:`.nvml` stands in for ``pynvml`` (with the GPU descriptions of :mod:`.nvml_data`),
   :mod:`.cupti` for ``cupti-python`` (with the CUDA driver calls of :mod:`.cuda` and the
@@ -10,13 +11,12 @@ the wheel because ``mrc-agent selfcheck --dry`` runs on it; the tests use the sa
   :class:`~mrc_agent.agent.tools.selfcheck.dry.DryModel` at the moment each call answers,
   through the fakes' ``refresh`` / ``gpm_between`` / ``on_call`` hooks.
 
-How this relates to the other simulated GPUs: replay (``agent/core/hw/replay.py``) is the trace
-format, one JSON row per device and sample in the agent's own units, what ``mrc-agent record``
-writes on a real GPU and ``--gpu-backend replay:PATH`` plays back. ``agent/tools/tracegen.py``
-writes synthetic traces in that format, which the demo (``agent/tools/demo.py``) replays where
-no NVML answers. Those sit above the adapters (they stand in for what the adapters return);
-this package sits below them (it stands in for the libraries), so it is what tests the
-adapters and what the dry run reads through them. A dry self-check writes its own trace
-(``dry_h200_trace.jsonl``) through the real adapters, in the same replay format, and
-``tests/unit/test_gpu_pipeline.py`` records from these fakes into a trace and replays it.
+Replay (``agent/core/hw/replay.py``) is not another simulated GPU but the trace format: one
+JSON row per device and sample in the agent's own units, what ``mrc-agent record`` writes and
+``--gpu-backend replay:PATH`` plays back. Every synthetic trace is recorded from this package:
+``agent/tools/tracegen.py`` drives it with a pattern on a virtual clock and records it through
+the real adapters with ``record``'s recorder (the demo's embedded trace is one), and a dry
+self-check writes ``dry_h200_trace.jsonl`` the same way in real time. ``ClockedCupti`` (in
+:mod:`.cupti`) is the CUPTI both of them read: hardware that completes sampling intervals on a
+clock, from cumulative counters they supply.
 """

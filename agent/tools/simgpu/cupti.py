@@ -47,6 +47,7 @@ clock has completed (the dry run integrates its model so).
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -475,3 +476,61 @@ class FakeCollector:
         self.enabled = False
         self.started = False
         self._chip_name = None
+
+
+#: A DRAM sector (Nsight Compute: "an aligned 32 byte-chunk of memory").
+SECTOR_BYTES = 32
+#: An H200's HBM3e read peak: what a simulated read-throughput percentage is of.
+DRAM_READ_PEAK_BYTES_PER_S = 4.8e12
+
+
+class ClockedCupti(FakeCupti):
+    """A ``FakeCupti`` whose hardware samples on a clock: one ``gh100`` device per UUID offering
+    the shipped set (:func:`shipped_device`), whose ``on_call`` queues, on each ``decode``, the
+    sampling intervals ``clock`` has completed since ``start``. Each interval's values come from
+    two cumulative functions of (device index, time): ``instructions`` (SM instructions) and
+    ``dram_read_bytes``, read as sectors of :data:`SECTOR_BYTES` and as a percentage of
+    :data:`DRAM_READ_PEAK_BYTES_PER_S`. The dry run's GPU and ``tracegen`` are both one."""
+
+    def __init__(self, uuids: list[str], clock: Callable[[], float],
+                 instructions: Callable[[int, float], float],
+                 dram_read_bytes: Callable[[int, float], float],
+                 sets: dict[str, Any] | None = None) -> None:
+        super().__init__({i: shipped_device(sets, uuid=uuid) for i, uuid in enumerate(uuids)},
+                         properties_api=True)
+        self.clock = clock
+        self.instructions = instructions
+        self.dram_read_bytes = dram_read_bytes
+        self.driver.initialised = True  # CUDA is up before the sampler starts
+        self._started: dict[int, tuple[float, int]] = {}  # id(collector) -> (start, emitted)
+        self.on_call = self.clocked_call
+
+    def clocked_call(self, collector: FakeCollector, method: str) -> None:
+        """Note ``start``, forget at ``stop``, and queue the completed intervals at ``decode``."""
+        key = id(collector)
+        if method == "start":
+            self._started[key] = (self.clock(), 0)
+        elif method == "stop":
+            self._started.pop(key, None)
+        elif method == "decode" and key in self._started and collector.metrics is not None:
+            start, emitted = self._started[key]
+            interval = collector.config["sampling_interval"] / 1e9
+            completed = math.floor((self.clock() - start) / interval + 1e-9)
+            batch = []
+            for k in range(emitted, completed):
+                t0 = start + k * interval
+                batch.append({name: self._value(collector.device_index, name, t0, t0 + interval)
+                              for name in collector.metrics})
+            self._started[key] = (start, max(emitted, completed))
+            self.devices[collector.device_index].decodes.append(batch)
+
+    def _value(self, index: int, metric: str, t0: float, t1: float) -> float:
+        name = base_name(metric)
+        if "inst_executed" in name:
+            return self.instructions(index, t1) - self.instructions(index, t0)
+        read = self.dram_read_bytes(index, t1) - self.dram_read_bytes(index, t0)
+        if "throughput" in name:
+            return 100.0 * read / (t1 - t0) / DRAM_READ_PEAK_BYTES_PER_S
+        if name == "dramc__sectors_op_read":
+            return read / SECTOR_BYTES
+        return 0.0

@@ -58,25 +58,6 @@ _PASSTHROUGH_PREFIXES = ("NVML_", "NVMLError", "NVMLLibraryMismatchError", "c_nv
                          "nvmlEventType", "nvmlMemory_v")
 
 
-def load_fake_for(module: Any) -> Any:
-    """This fake module loaded again with ``pynvml`` bound to ``module`` (e.g. an older
-    nvidia-ml-py): its constants, structures, error classes and set of functions are then that
-    version's. Returns the new module object (use its ``FakeNvml`` and ``gpu``)."""
-    import importlib.util
-    import sys
-
-    name = f"{__name__}_for_{id(module)}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, __file__)
-    assert spec is not None and spec.loader is not None
-    fake = importlib.util.module_from_spec(spec)
-    sys.modules[name] = fake  # its dataclasses look their module up while it loads
-    spec.loader.exec_module(fake)
-    fake.__dict__["pynvml"] = module  # the global every function of the copy reads
-    return fake
-
-
 @dataclass(frozen=True)
 class FakeHandle:
     """An nvmlDevice_t: valid only in the NVML session (generation) that handed it out.
@@ -169,7 +150,8 @@ class FakeNvml:
 
     def __getattribute__(self, name: str) -> Any:
         # A function the bound pynvml module lacks is absent here too, so a fake built on an
-        # older nvidia-ml-py (load_fake_for) offers exactly that version's functions.
+        # older nvidia-ml-py (tests/nvml_support.load_fake_for) offers exactly that version's
+        # functions.
         if name.startswith("nvml") and name[4:5].isupper() and not hasattr(pynvml, name):
             raise AttributeError(f"this nvidia-ml-py has no {name!r}")
         return object.__getattribute__(self, name)

@@ -230,6 +230,13 @@ class NvmlBackend:
             out[uuid] = row
         return out
 
+    def run_background_round(self) -> None:
+        """One round of what the PCIe threads read, in the caller's thread: for a caller that
+        starts neither (``pcie_thread=False``) and moves a clock of its own on, as ``tracegen``
+        does. Never raises for NVML errors."""
+        self._pcie.run_round()
+        self._narrow.run_round()
+
     def close(self) -> None:
         """Stop the PCIe thread, free event sets and GPM buffers and shut NVML down.
 
