@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 import pynvml
@@ -12,7 +13,7 @@ import pytest
 
 from mrc_agent.agent.core.hw.nvml import NvmlBackend
 from mrc_agent.agent.tools.simgpu import nvml as simulated_nvml
-from mrc_agent.agent.tools.simgpu.nvml import FakeNvml
+from mrc_agent.agent.tools.simgpu.nvml import FakeHandle, FakeNvml
 from tests.support import Clock
 
 WALL_NOW = 1_700_000_000.0  # the fake wall clock, seconds since the epoch
@@ -93,3 +94,56 @@ def load_fake_for(module: Any) -> Any:
     spec.loader.exec_module(fake)
     fake.__dict__["pynvml"] = module  # the global every function of the copy reads
     return fake
+
+
+@dataclass
+class FakeEventSet:
+    gpus: list[int] = field(default_factory=list)
+    event_types: int = 0
+    freed: bool = False
+
+
+class EventNvml(FakeNvml):
+    """The simulated ``pynvml`` with NVML's event sets, for the tests of the adapter's XID
+    events: each GPU dict's ``xid_events`` are delivered, oldest first, through the event set
+    its handle was registered with. ``event_sets`` lists every set created; ``wait_timeouts``
+    every ``nvmlEventSetWait`` timeout. (The shipped fake delivers no events.)"""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.event_sets: list[FakeEventSet] = []
+        self.wait_timeouts: list[int] = []
+
+    def nvmlEventSetCreate(self) -> FakeEventSet:
+        self._enter("nvmlEventSetCreate")
+        event_set = FakeEventSet()
+        self.event_sets.append(event_set)
+        return event_set
+
+    def nvmlDeviceRegisterEvents(
+        self, handle: FakeHandle, eventTypes: int, eventSet: FakeEventSet
+    ) -> None:
+        self._gpu("nvmlDeviceRegisterEvents", handle)
+        if eventSet.freed:
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        eventSet.gpus.append(handle.index)
+        eventSet.event_types |= eventTypes
+
+    def nvmlEventSetWait(self, eventSet: FakeEventSet, timeoutms: int) -> Any:
+        self._enter("nvmlEventSetWait")
+        self.wait_timeouts.append(timeoutms)
+        if eventSet.freed:
+            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if eventSet.event_types & pynvml.nvmlEventTypeXidCriticalError:
+            for index in eventSet.gpus:
+                queue = self.gpus[index]["xid_events"]
+                if queue:
+                    data = pynvml.c_nvmlEventData_t()
+                    data.eventType = pynvml.nvmlEventTypeXidCriticalError
+                    data.eventData = queue.pop(0)
+                    return data
+        raise self._error(pynvml.NVML_ERROR_TIMEOUT)
+
+    def nvmlEventSetFree(self, eventSet: FakeEventSet) -> None:
+        self._count("nvmlEventSetFree")
+        eventSet.freed = True

@@ -53,7 +53,7 @@ PROFILING_INTERVAL_S = 0.1
 #: What the simulated GPU answers NOT_SUPPORTED (module docstring).
 NOT_SUPPORTED = frozenset({
     "nvmlDeviceGetClockInfo", "nvmlDeviceGetTemperature", "nvmlDeviceGetTemperatureV",
-    "nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetPcieReplayCounter", "nvmlEventSetCreate",
+    "nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetPcieReplayCounter",
 })
 #: GPM metric name -> the activity key it reports (NVML's unit: percent).
 GPM_METRICS = {

@@ -48,7 +48,7 @@ from mrc_agent.agent.core.hw.sources import Sources
 from mrc_agent.agent.core.runner import Runner
 from mrc_agent.agent.core.targets import TargetResolver
 from mrc_agent.agent.core.wiring import build_collectors, build_registry
-from mrc_agent.agent.tools.simgpu.nvml import FakeNvml, gpu, nvlink
+from mrc_agent.agent.tools.simgpu.nvml import gpu, nvlink
 from mrc_agent.agent.tools.tracegen import write_trace
 from mrc_agent.alerts import rules
 from mrc_agent.alerts.build import rule_file
@@ -57,6 +57,7 @@ from mrc_agent.reference_service.loadgen import make_photo
 from tests.conftest import REPO
 from tests.e2e_harness import Prometheus, wait_until
 from tests.integration.test_service import Service
+from tests.nvml_support import EventNvml
 
 DOC = REPO / "docs" / "fleet.md"
 BEGIN, END = "<!-- series-budget:begin -->", "<!-- series-budget:end -->"
@@ -199,7 +200,7 @@ def _nvml_exposition(gpus: int, pid: int) -> str:
         ("SM_UTIL", 80.0), ("SM_OCCUPANCY", 40.0), ("ANY_TENSOR_UTIL", 25.0),
         ("DRAM_BW_UTIL", 50.0), ("PCIE_TX_PER_SEC", 100.0), ("PCIE_RX_PER_SEC", 200.0),
         ("NVLINK_TOTAL_TX_PER_SEC", 3.0), ("NVLINK_TOTAL_RX_PER_SEC", 4.0))}
-    fake = FakeNvml([gpu(index=i, name="NVIDIA H200", memory={"total": 141 * 2**30,
+    fake = EventNvml([gpu(index=i, name="NVIDIA H200", memory={"total": 141 * 2**30,
                                                              "used": 60 * 2**30,
                                                              "reserved": 2**29},
                          nvlink={link: nvlink(1024 * link, 2048) for link in range(H200_LINKS)},

@@ -14,13 +14,14 @@ import pytest
 from mrc_agent.agent.core.hw import nvml as nvml_mod
 from mrc_agent.agent.core.hw.base import HardwareError, SourceUnavailable
 from mrc_agent.agent.core.hw.nvml import NvmlBackend
-from mrc_agent.agent.tools.simgpu.nvml import FakeNvml, gpu, nvlink
+from mrc_agent.agent.tools.simgpu.nvml import gpu, nvlink
 from tests.nvml_support import (
     MONO_NOW,
     NVML_LOGGER,
     UUID0,
     UUID1,
     WALL_NOW,
+    EventNvml,
     backend,
     gpm_values,
     messages,
@@ -49,7 +50,7 @@ def test_nvml_timestamp_maps_sample_age_onto_monotonic_clock() -> None:
 
 
 def test_device_sample_converts_every_field_to_base_units() -> None:
-    fake = FakeNvml(
+    fake = EventNvml(
         [
             gpu(
                 util={"gpu": 73, "memory": 12},
@@ -84,7 +85,7 @@ def test_device_sample_converts_every_field_to_base_units() -> None:
 
 
 def test_memory_falls_back_to_v1_on_drivers_without_v2() -> None:
-    fake = FakeNvml(
+    fake = EventNvml(
         [
             gpu(
                 memory={"total": 100, "used": 30, "reserved": 5},
@@ -102,7 +103,7 @@ def test_memory_falls_back_to_v1_on_drivers_without_v2() -> None:
 
 def test_nvlink_counters_per_link_and_summed_in_bytes() -> None:
     links = {0: nvlink(10, 20), 1: nvlink(30, 40), 2: nvlink(999, 999, active=False)}
-    fake = FakeNvml([gpu(nvlink=links)])
+    fake = EventNvml([gpu(nvlink=links)])
     b = backend(fake)
     [s] = b.sample_devices()
     assert s.nvlink_links == {0: (10 * 1024, 20 * 1024), 1: (30 * 1024, 40 * 1024)}
@@ -118,7 +119,7 @@ def test_nvlink_counters_per_link_and_summed_in_bytes() -> None:
 
 
 def test_gpu_without_nvlink_leaves_nvlink_fields_absent() -> None:
-    fake = FakeNvml([gpu(nvlink={})])
+    fake = EventNvml([gpu(nvlink={})])
     b = backend(fake)
     [s] = b.sample_devices()
     assert s.nvlink_tx_bytes_total is None and s.nvlink_rx_bytes_total is None
@@ -130,7 +131,8 @@ def test_gpu_without_nvlink_leaves_nvlink_fields_absent() -> None:
 def test_not_supported_leaves_field_none_and_is_not_retried_or_relogged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    fake = FakeNvml([gpu(not_supported={"nvmlDeviceGetPowerUsage", "nvmlDeviceGetTotalEccErrors"})])
+    fake = EventNvml([gpu(not_supported={"nvmlDeviceGetPowerUsage",
+                                         "nvmlDeviceGetTotalEccErrors"})])
     b = backend(fake)
     with caplog.at_level(logging.INFO, logger="mrc_agent.agent.core.hw.nvml"):
         samples = [b.sample_devices()[0] for _ in range(3)]
@@ -146,7 +148,7 @@ def test_not_supported_leaves_field_none_and_is_not_retried_or_relogged(
 def test_util_samples_only_new_ones_mapped_to_monotonic_clock() -> None:
     us = 1_000_000
     t1, t2 = int((WALL_NOW - 2.0) * us), int((WALL_NOW - 1.5) * us)
-    fake = FakeNvml([gpu(util_samples=[(t2, 60), (t1, 40)])])
+    fake = EventNvml([gpu(util_samples=[(t2, 60), (t1, 40)])])
     b = backend(fake)
     [s] = b.sample_devices()
     assert s.util_samples == [
@@ -164,7 +166,7 @@ def test_util_samples_only_new_ones_mapped_to_monotonic_clock() -> None:
 
 
 def test_util_samples_not_supported_falls_back_silently() -> None:
-    fake = FakeNvml([gpu(not_supported={"nvmlDeviceGetSamples"}, util={"gpu": 10, "memory": 0})])
+    fake = EventNvml([gpu(not_supported={"nvmlDeviceGetSamples"}, util={"gpu": 10, "memory": 0})])
     b = backend(fake)
     [s] = b.sample_devices()
     b.sample_devices()
@@ -173,7 +175,7 @@ def test_util_samples_not_supported_falls_back_silently() -> None:
 
 
 def test_xid_events_counted_cumulatively_with_last_xid() -> None:
-    fake = FakeNvml([gpu(index=0), gpu(index=1, xid_events=[13])])
+    fake = EventNvml([gpu(index=0), gpu(index=1, xid_events=[13])])
     b = backend(fake)
     s0, s1 = b.sample_devices()
     assert (s0.xid_errors_total, s0.last_xid) == (0, None)
@@ -187,14 +189,14 @@ def test_xid_events_counted_cumulatively_with_last_xid() -> None:
 
 
 def test_xid_unsupported_leaves_xid_fields_absent() -> None:
-    fake = FakeNvml([gpu(not_supported={"nvmlDeviceRegisterEvents"}, xid_events=[79])])
+    fake = EventNvml([gpu(not_supported={"nvmlDeviceRegisterEvents"}, xid_events=[79])])
     [s] = backend(fake).sample_devices()
     assert s.xid_errors_total is None and s.last_xid is None
     assert all(e.freed for e in fake.event_sets)  # the unused set was given back
 
 
 def test_process_memory_from_compute_and_graphics_lists() -> None:
-    fake = FakeNvml(
+    fake = EventNvml(
         [
             gpu(
                 compute_processes=[(100, 2 * 2**30), (200, 512 * 2**20), (300, None)],
@@ -210,7 +212,7 @@ def test_process_memory_from_compute_and_graphics_lists() -> None:
 def test_library_missing_is_nvml_missing_and_logged_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    b = backend(FakeNvml([gpu()], library_missing=True))
+    b = backend(EventNvml([gpu()], library_missing=True))
     with caplog.at_level(logging.WARNING, logger="mrc_agent.agent.core.hw.nvml"):
         for _ in range(3):
             with pytest.raises(SourceUnavailable) as info:
@@ -243,7 +245,7 @@ def test_real_pynvml_without_driver_library_is_nvml_missing() -> None:
     ],
 )
 def test_init_errors_map_to_reasons(code: int, reason: str) -> None:
-    fake = FakeNvml([gpu()])
+    fake = EventNvml([gpu()])
     fake.init_error = code
     with pytest.raises(SourceUnavailable) as info:
         backend(fake).sample_devices()
@@ -251,7 +253,7 @@ def test_init_errors_map_to_reasons(code: int, reason: str) -> None:
 
 
 def test_no_gpu_is_source_unavailable() -> None:
-    fake = FakeNvml([])
+    fake = EventNvml([])
     with pytest.raises(SourceUnavailable) as info:
         backend(fake).sample_devices()
     assert info.value.reason == "no_gpu"
@@ -259,7 +261,7 @@ def test_no_gpu_is_source_unavailable() -> None:
 
 
 def test_unknown_init_error_is_hardware_error_not_unavailable() -> None:
-    fake = FakeNvml([gpu()])
+    fake = EventNvml([gpu()])
     fake.init_error = pynvml.NVML_ERROR_UNKNOWN
     with pytest.raises(HardwareError) as info:
         backend(fake).sample_devices()
@@ -267,7 +269,7 @@ def test_unknown_init_error_is_hardware_error_not_unavailable() -> None:
 
 
 def test_gpu_lost_is_hardware_error_then_recovers_with_fresh_handles() -> None:
-    fake = FakeNvml([gpu(index=0, xid_events=[31]), gpu(index=1)])
+    fake = EventNvml([gpu(index=0, xid_events=[31]), gpu(index=1)])
     b = backend(fake)
     assert len(b.sample_devices()) == 2
     fake.lose_gpu(1)
@@ -285,7 +287,7 @@ def test_gpu_lost_is_hardware_error_then_recovers_with_fresh_handles() -> None:
 
 
 def test_timeout_mid_sample_is_hardware_error_and_next_call_retries() -> None:
-    fake = FakeNvml([gpu()])
+    fake = EventNvml([gpu()])
     b = backend(fake)
     fake.fail_next["nvmlDeviceGetPowerUsage"] = [pynvml.NVML_ERROR_TIMEOUT]
     with pytest.raises(HardwareError):
@@ -295,7 +297,7 @@ def test_timeout_mid_sample_is_hardware_error_and_next_call_retries() -> None:
 
 
 def test_gpm_recovers_after_gpu_lost_and_primes_again() -> None:
-    fake = FakeNvml([gpu(gpm=gpm_values())])
+    fake = EventNvml([gpu(gpm=gpm_values())])
     b = backend(fake)
     b.sample_gpm()
     assert len(b.sample_gpm()) == 1
@@ -309,7 +311,7 @@ def test_gpm_recovers_after_gpu_lost_and_primes_again() -> None:
 
 
 def test_info_reports_versions_and_per_gpu_capabilities() -> None:
-    fake = FakeNvml(
+    fake = EventNvml(
         [
             gpu(
                 index=0,
@@ -340,14 +342,14 @@ def test_info_reports_versions_and_per_gpu_capabilities() -> None:
 
 
 def test_info_without_nvml_reports_reason_instead_of_raising() -> None:
-    info = backend(FakeNvml([gpu()], library_missing=True)).info()
+    info = backend(EventNvml([gpu()], library_missing=True)).info()
     assert info["available"] is False
     assert info["reason"] == "nvml_missing"
     assert info["gpus"] == []
 
 
 def test_close_frees_everything_and_shuts_down() -> None:
-    fake = FakeNvml([gpu(gpm=gpm_values())])
+    fake = EventNvml([gpu(gpm=gpm_values())])
     b = backend(fake)
     b.sample_devices()
     b.sample_gpm()
@@ -399,7 +401,7 @@ def test_a_gpu_supporting_nothing_names_every_feature_once_and_is_not_asked_agai
         "nvmlGpmQueryDeviceSupport",
     }
     # One link answers its state: found by probing, then its counters are refused.
-    fake = FakeNvml([gpu(not_supported=refused, nvlink={0: nvlink(5, 6)}, gpm=gpm_values())])
+    fake = EventNvml([gpu(not_supported=refused, nvlink={0: nvlink(5, 6)}, gpm=gpm_values())])
     b = backend(fake)
     for _ in range(2):
         [s] = b.sample_devices()
@@ -425,7 +427,7 @@ def test_a_gpu_supporting_nothing_names_every_feature_once_and_is_not_asked_agai
 
 
 def test_process_memory_skips_unavailable_entries_and_keeps_the_larger_of_two_contexts() -> None:
-    fake = FakeNvml(
+    fake = EventNvml(
         [
             gpu(
                 compute_processes=[(300, None), (100, 0), (200, 2 * 2**30)],
@@ -442,7 +444,7 @@ def test_process_memory_skips_unavailable_entries_and_keeps_the_larger_of_two_co
 def test_util_samples_boundary_sample_repeated_by_the_driver_is_not_read_twice() -> None:
     us = 1_000_000
     t1, t2, t3 = (int((WALL_NOW - age) * us) for age in (2.0, 1.0, 0.5))
-    fake = FakeNvml([gpu(util_samples=[(t1, 10), (t2, 20)], util_samples_repeat_boundary=True)])
+    fake = EventNvml([gpu(util_samples=[(t1, 10), (t2, 20)], util_samples_repeat_boundary=True)])
     b = backend(fake)
     [s] = b.sample_devices()
     assert [v for _, v in s.util_samples] == [pytest.approx(0.10), pytest.approx(0.20)]
@@ -456,7 +458,7 @@ def test_util_samples_boundary_sample_repeated_by_the_driver_is_not_read_twice()
 def test_util_samples_are_tracked_per_gpu() -> None:
     us = 1_000_000
     recent, older = int((WALL_NOW - 0.5) * us), int((WALL_NOW - 3.0) * us)
-    fake = FakeNvml([gpu(index=0, util_samples=[(recent, 70)]), gpu(index=1, util_samples=[])])
+    fake = EventNvml([gpu(index=0, util_samples=[(recent, 70)]), gpu(index=1, util_samples=[])])
     b = backend(fake)
     b.sample_devices()
     # GPU 1's first samples are older than GPU 0's newest: still new for GPU 1.
@@ -469,7 +471,7 @@ def test_util_samples_are_tracked_per_gpu() -> None:
 def test_nvlink_without_a_link_count_probes_until_the_first_unknown_link(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    fake = FakeNvml(
+    fake = EventNvml(
         [
             gpu(
                 nvlink={0: nvlink(1, 2), 1: nvlink(3, 4)},
@@ -489,7 +491,7 @@ def test_nvlink_without_a_link_count_probes_until_the_first_unknown_link(
 
 
 def test_nvlink_without_field_values_probes_up_to_the_library_maximum() -> None:
-    fake = FakeNvml([gpu(nvlink={0: nvlink(1, 2)}, not_supported={"nvmlDeviceGetFieldValues"})])
+    fake = EventNvml([gpu(nvlink={0: nvlink(1, 2)}, not_supported={"nvmlDeviceGetFieldValues"})])
     b = backend(fake)
     [s] = b.sample_devices()
     assert s.nvlink_links == {} and s.nvlink_tx_bytes_total is None
@@ -498,7 +500,7 @@ def test_nvlink_without_field_values_probes_up_to_the_library_maximum() -> None:
 
 
 def test_nvlink_link_refused_within_the_count_is_skipped_not_the_end() -> None:
-    fake = FakeNvml([gpu(nvlink={0: nvlink(1, 2), 1: nvlink(3, 4)}, nvlink_aggregate_scope=False)])
+    fake = EventNvml([gpu(nvlink={0: nvlink(1, 2), 1: nvlink(3, 4)}, nvlink_aggregate_scope=False)])
     fake.fail_next["nvmlDeviceGetNvLinkState"] = [pynvml.NVML_ERROR_NOT_SUPPORTED]  # link 0
     [s] = backend(fake).sample_devices()
     assert s.nvlink_links == {1: (3072, 4096)}
@@ -510,7 +512,7 @@ def test_nvlink_counter_not_supported_on_one_link_leaves_only_complete_links(
 ) -> None:
     tx = pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
     rx = pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX
-    fake = FakeNvml(
+    fake = EventNvml(
         [
             gpu(
                 nvlink={0: nvlink(1, 2), 1: nvlink(3, 4), 2: nvlink(5, 6)},
@@ -534,7 +536,7 @@ def test_nvlink_counter_not_supported_on_one_link_leaves_only_complete_links(
 
 def test_nvlink_field_error_other_than_not_supported_fails_the_sample() -> None:
     lost = pynvml.NVML_ERROR_GPU_IS_LOST
-    fake = FakeNvml(
+    fake = EventNvml(
         [
             gpu(
                 nvlink={0: nvlink(1, 2)},
@@ -551,7 +553,7 @@ def test_nvlink_field_error_other_than_not_supported_fails_the_sample() -> None:
 def test_gpus_without_active_nvlink_are_each_logged_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    fake = FakeNvml(
+    fake = EventNvml(
         [
             gpu(index=0),
             gpu(index=1, nvlink={0: nvlink(active=False)}),

@@ -9,11 +9,12 @@ import pynvml
 import pytest
 
 from mrc_agent.agent.core.hw.base import SourceUnavailable
-from mrc_agent.agent.tools.simgpu.nvml import FakeNvml, gpu
+from mrc_agent.agent.tools.simgpu.nvml import gpu
 from tests.nvml_support import (
     NVML_LOGGER,
     UUID0,
     UUID1,
+    EventNvml,
     FakeClock,
     backend,
     gpm_values,
@@ -22,7 +23,7 @@ from tests.nvml_support import (
 
 
 def test_gpm_first_call_primes_then_reports_converted_values() -> None:
-    fake = FakeNvml([gpu(gpm=gpm_values())])
+    fake = EventNvml([gpu(gpm=gpm_values())])
     b = backend(fake)
     assert b.sample_gpm() == []
     [g] = b.sample_gpm()
@@ -46,7 +47,7 @@ def test_gpm_metric_not_supported_is_absent_not_zero() -> None:
     values = gpm_values()
     del values[pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC]
     del values[pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC]
-    fake = FakeNvml([gpu(gpm=values)])
+    fake = EventNvml([gpu(gpm=values)])
     b = backend(fake)
     b.sample_gpm()
     [g] = b.sample_gpm()
@@ -55,7 +56,7 @@ def test_gpm_metric_not_supported_is_absent_not_zero() -> None:
 
 
 def test_gpm_only_for_capable_gpus() -> None:
-    fake = FakeNvml([gpu(index=0, gpm=None), gpu(index=1, gpm=gpm_values())])
+    fake = EventNvml([gpu(index=0, gpm=None), gpu(index=1, gpm=gpm_values())])
     b = backend(fake)
     b.sample_gpm()
     samples = b.sample_gpm()
@@ -63,7 +64,7 @@ def test_gpm_only_for_capable_gpus() -> None:
 
 
 def test_gpm_unsupported_everywhere_is_source_unavailable() -> None:
-    fake = FakeNvml([gpu(index=0), gpu(index=1)])  # gpm=None: pre-Hopper
+    fake = EventNvml([gpu(index=0), gpu(index=1)])  # gpm=None: pre-Hopper
     b = backend(fake)
     with pytest.raises(SourceUnavailable) as info:
         b.sample_gpm()
@@ -74,7 +75,7 @@ def test_gpm_unsupported_everywhere_is_source_unavailable() -> None:
 
 
 def test_gpm_metrics_are_computed_between_consecutive_samples() -> None:
-    fake = FakeNvml([gpu(gpm=gpm_values())])
+    fake = EventNvml([gpu(gpm=gpm_values())])
     b = backend(fake)
     for _ in range(4):
         b.sample_gpm()
@@ -83,7 +84,7 @@ def test_gpm_metrics_are_computed_between_consecutive_samples() -> None:
 
 
 def test_gpus_without_gpm_are_each_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    fake = FakeNvml(
+    fake = EventNvml(
         [
             gpu(index=0),
             gpu(index=1, not_supported={"nvmlGpmQueryDeviceSupport"}),
@@ -105,7 +106,7 @@ def test_gpus_without_gpm_are_each_logged_once(caplog: pytest.LogCaptureFixture)
 
 def test_gpm_supported_device_that_will_not_sample_is_unsupported_at_once() -> None:
     # E.g. MIG mode at device level: the support query says yes, sampling says NOT_SUPPORTED.
-    fake = FakeNvml([gpu(gpm=gpm_values(), not_supported={"nvmlGpmSampleGet"})])
+    fake = EventNvml([gpu(gpm=gpm_values(), not_supported={"nvmlGpmSampleGet"})])
     b = backend(fake)
     with pytest.raises(SourceUnavailable) as info:
         b.sample_gpm()
@@ -121,7 +122,7 @@ def test_gpm_metrics_not_supported_are_each_logged_once(caplog: pytest.LogCaptur
     values = gpm_values()
     del values[pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC]
     del values[pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC]
-    b = backend(FakeNvml([gpu(gpm=values)]))
+    b = backend(EventNvml([gpu(gpm=values)]))
     with caplog.at_level(logging.INFO, logger=NVML_LOGGER):
         for _ in range(3):
             b.sample_gpm()
@@ -135,7 +136,7 @@ def test_gpm_metric_error_is_absent_for_that_window_not_a_session_reset(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     unknown = pynvml.NVML_ERROR_UNKNOWN
-    fake = FakeNvml(
+    fake = EventNvml(
         [gpu(gpm=gpm_values(), gpm_metric_errors={pynvml.NVML_GPM_METRIC_SM_UTIL: unknown})]
     )
     b = backend(fake)
@@ -153,7 +154,7 @@ def test_gpm_metric_error_is_absent_for_that_window_not_a_session_reset(
 
 
 def test_gpm_nan_and_infinite_values_are_dropped_and_ratios_clamped() -> None:
-    fake = FakeNvml([gpu(gpm=gpm_values(SM_UTIL=float("nan"), SM_OCCUPANCY=100.4,
+    fake = EventNvml([gpu(gpm=gpm_values(SM_UTIL=float("nan"), SM_OCCUPANCY=100.4,
                                         ANY_TENSOR_UTIL=-0.2, PCIE_TX_PER_SEC=float("inf"),
                                         PCIE_RX_PER_SEC=-1.0))])
     b = backend(fake)
@@ -168,7 +169,7 @@ def test_gpm_nan_and_infinite_values_are_dropped_and_ratios_clamped() -> None:
 
 def test_gpm_samples_once_per_window_and_repeats_the_last_window_between() -> None:
     clock = FakeClock()
-    fake = FakeNvml([gpu(gpm=gpm_values())])
+    fake = EventNvml([gpu(gpm=gpm_values())])
     b = backend(fake, gpm_clock=clock, gpm_interval=1.0)
     assert b.sample_gpm() == []  # primes at t=0
     clock.now += 0.5
@@ -192,13 +193,13 @@ def test_gpm_samples_once_per_window_and_repeats_the_last_window_between() -> No
 @pytest.mark.parametrize("seconds", [0.0, 0.1, 0.19, float("nan"), float("inf") * -1])
 def test_gpm_interval_under_the_floor_is_refused(seconds: float) -> None:
     with pytest.raises(ValueError, match="at least 0.2 s"):
-        backend(FakeNvml([gpu()]), gpm_interval=seconds)
+        backend(EventNvml([gpu()]), gpm_interval=seconds)
 
 
 def test_gpm_buffer_that_cannot_be_freed_does_not_stop_teardown(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fake = FakeNvml([gpu(gpm=gpm_values())])
+    fake = EventNvml([gpu(gpm=gpm_values())])
     b = backend(fake)
     b.sample_devices()
     b.sample_gpm()

@@ -49,7 +49,7 @@ NOT_SUPPORTED = frozenset({
     "nvmlDeviceGetTemperatureV", "nvmlDeviceGetTotalEccErrors",
     "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses",
     "nvmlDeviceGetComputeRunningProcesses_v2", "nvmlDeviceGetGraphicsRunningProcesses_v2",
-    "nvmlDeviceGetMigMode", "nvmlEventSetCreate",
+    "nvmlDeviceGetMigMode",
 })
 _ARCHITECTURES = {8: "AMPERE", 9: "HOPPER", 10: "BLACKWELL"}
 

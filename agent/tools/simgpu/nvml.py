@@ -31,7 +31,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mrc_agent.agent.tools.simgpu.nvml_data import gpu as gpu
@@ -68,13 +68,6 @@ class FakeHandle:
     index: int
     generation: int
     mig: int | None = None
-
-
-@dataclass
-class FakeEventSet:
-    gpus: list[int] = field(default_factory=list)
-    event_types: int = 0
-    freed: bool = False
 
 
 #: What NVML answers for a MIG device handle (the rest is device-wide: NOT_SUPPORTED).
@@ -128,8 +121,6 @@ class FakeNvml:
         self.generation = 0
         #: Per GPU index: handles from generations below this are dead (GPU was lost).
         self.min_generation: dict[int, int] = {}
-        self.event_sets: list[FakeEventSet] = []
-        self.wait_timeouts: list[int] = []
         #: Per nvmlGpmMetricsGet call: the (sample1, sample2) sequence numbers it computed
         #: between, numbered 1, 2, ... in the order nvmlGpmSampleGet took them.
         self.gpm_windows: list[tuple[int, int]] = []
@@ -482,39 +473,12 @@ class FakeNvml:
 
     # --- events ---------------------------------------------------------------------------
 
-    def nvmlEventSetCreate(self) -> FakeEventSet:
+    def nvmlEventSetCreate(self) -> Any:
+        """The simulated GPU delivers no events (neither the dry run nor tracegen needs them):
+        NOT_SUPPORTED, as on a GPU without them. The tests' ``EventNvml``
+        (``tests/nvml_support.py``) delivers the GPU dicts' ``xid_events``."""
         self._enter("nvmlEventSetCreate")
-        event_set = FakeEventSet()
-        self.event_sets.append(event_set)
-        return event_set
-
-    def nvmlDeviceRegisterEvents(
-        self, handle: FakeHandle, eventTypes: int, eventSet: FakeEventSet
-    ) -> None:
-        self._gpu("nvmlDeviceRegisterEvents", handle)
-        if eventSet.freed:
-            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        eventSet.gpus.append(handle.index)
-        eventSet.event_types |= eventTypes
-
-    def nvmlEventSetWait(self, eventSet: FakeEventSet, timeoutms: int) -> Any:
-        self._enter("nvmlEventSetWait")
-        self.wait_timeouts.append(timeoutms)
-        if eventSet.freed:
-            raise self._error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if eventSet.event_types & pynvml.nvmlEventTypeXidCriticalError:
-            for index in eventSet.gpus:
-                queue = self.gpus[index]["xid_events"]
-                if queue:
-                    data = pynvml.c_nvmlEventData_t()
-                    data.eventType = pynvml.nvmlEventTypeXidCriticalError
-                    data.eventData = queue.pop(0)
-                    return data
-        raise self._error(pynvml.NVML_ERROR_TIMEOUT)
-
-    def nvmlEventSetFree(self, eventSet: FakeEventSet) -> None:
-        self._count("nvmlEventSetFree")
-        eventSet.freed = True
+        raise self._error(not_supported())
 
     # --- MIG ------------------------------------------------------------------------------
 
