@@ -14,9 +14,11 @@ standing for the interval since the one before. (``--full`` would also print wai
 but it reads the target's memory use at every tick: on the reference service, with torch's
 mappings, that cost 5 % of a core at 10 Hz and printed no sample at all.) A sample line is
 ``P<pid>;T<iid>:<tid>;<file>:<function>:<line>;... <microseconds>``, outermost frame first,
-written to a terminal so that it arrives as it is taken: its time is its arrival. Only the
-innermost frame is read, and named by module and qualified function (:func:`function_name`),
-never by line or path.
+written to a terminal so that it arrives as it is taken: its time is its arrival. The
+collector names the innermost frame by module and qualified function (:func:`function_name`),
+never by line or path; the whole stack is kept too, for a while (:data:`MAX_HISTORY`), so
+that the on-alert captures read the samples the agent already took, the minutes before the
+alert included, instead of attaching a sampler of their own.
 
 .. _austin: https://github.com/P403n1x87/austin
 """
@@ -28,6 +30,7 @@ import logging
 import os
 import re
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -39,9 +42,13 @@ log = logging.getLogger(__name__)
 
 #: Samples kept per target while they wait to be joined (a minute at 10 Hz of 100 threads).
 MAX_PENDING = 60_000
+#: Samples kept per target for the captures, whole stacks and all (ten minutes of five running
+#: threads at 10 Hz; a few MB, since a stack seen again is the same tuple).
+MAX_HISTORY = 30_000
 #: What austin prints for a frame it could not read (the target changed it while it read).
 INVALID_FRAME = ":INVALID:"
-#: Parsed innermost frames remembered, so a hot function is named once.
+#: Parsed innermost frames remembered, so a hot function is named once; and whole stacks, so
+#: that a stack seen again is kept once.
 _NAME_CACHE = 4096
 
 _SITE = re.compile(r"/(?:site|dist)-packages/(.+)$")
@@ -102,15 +109,18 @@ def function_name(frame: str) -> str:
     return f"{module_of(path)}:{_INNER.sub('', qualname)}"[:128]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StackSample:
     """One running thread's sample: the monotonic time it was taken at, the seconds it stands
-    for, the thread, and its innermost function."""
+    for, the thread, its innermost function, and its whole stack as austin printed it
+    (``file:qualname:line`` frames, outermost first; frames austin could not read are left
+    out)."""
 
     t: float
     seconds: float
     thread: str
     function: str
+    frames: tuple[str, ...] = ()
 
 
 class SampleParser:
@@ -122,6 +132,7 @@ class SampleParser:
     def __init__(self, max_seconds: float = 1.0) -> None:
         self.max_seconds = max_seconds
         self._names: dict[str, str] = {}
+        self._stacks: dict[str, tuple[str, ...]] = {}
         self.bad_lines = 0
 
     def line(self, text: str, arrived: float) -> StackSample | None:
@@ -153,7 +164,17 @@ class SampleParser:
                 self._names.clear()
             function = self._names[leaf] = function_name(leaf)
         seconds = min(max(micros, 0) / 1e6, self.max_seconds)
-        return StackSample(arrived, seconds, body[first + 1:second], function)
+        return StackSample(arrived, seconds, sys.intern(body[first + 1:second]), function,
+                           self._stack(body[second + 1:end]))
+
+    def _stack(self, text: str) -> tuple[str, ...]:
+        stack = self._stacks.get(text)
+        if stack is None:
+            if len(self._stacks) >= _NAME_CACHE:
+                self._stacks.clear()
+            stack = self._stacks[text] = tuple(
+                sys.intern(f) for f in text.split(";") if f and f != INVALID_FRAME)
+        return stack
 
 
 def _die_with_parent() -> None:
@@ -210,6 +231,7 @@ class StackSampler:
         self.exe, self.pid, self.interval = exe, pid, interval
         self._clock = clock
         self._samples: collections.deque[StackSample] = collections.deque(maxlen=MAX_PENDING)
+        self._history: collections.deque[StackSample] = collections.deque(maxlen=MAX_HISTORY)
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._stopping = False
@@ -254,6 +276,7 @@ class StackSampler:
                     continue
                 with self._lock:
                     self._samples.append(sample)  # the oldest go first past MAX_PENDING
+                    self._history.append(sample)
         except OSError:
             pass  # EIO: the terminal's other end closed, austin has ended
         finally:
@@ -285,6 +308,12 @@ class StackSampler:
             out = list(self._samples)
             self._samples.clear()
         return out
+
+    def history(self, since: float) -> list[StackSample]:
+        """The samples kept (at most :data:`MAX_HISTORY`) taken at ``since`` or later, taken
+        or not: what a capture reads."""
+        with self._lock:
+            return [s for s in self._history if s.t >= since]
 
     def stop(self) -> None:
         self._stopping = True

@@ -203,6 +203,45 @@ def test_alert_starts_a_capture_that_is_listed_and_served(
         assert raw_get(agent.port, f"/captures/{cid}/report.txt") == 200
 
 
+def test_a_capture_reads_the_agents_own_stacks_from_before_the_alert(
+        agent_factory, procs: Procs, tmp_path: Path, token_file: Path) -> None:
+    """With the stacks collector on, the capture starts no py-spy: its stacks and flame graph
+    are the agent's austin samples, from before the webhook to the window's end."""
+    p = spawn_preprocess(tmp_path, procs)
+    captures = tmp_path / "captures"
+    agent = agent_factory("--pid", str(p.pid), "--interval", "0.2", "--gpu-backend",
+                          f"replay:{starved_trace(tmp_path)}", "--collector", "stacks",
+                          "--webhook-token-file", str(token_file), "--capture-dir",
+                          str(captures), "--capture-duration", str(DURATION))
+    with httpx.Client(base_url=agent.url, timeout=5, headers=auth()) as client:
+        deadline = time.monotonic() + 15
+        ok = f'mrc_process_stacks_available{{pid="{p.pid}",process="python",reason="ok"}} 1'
+        while ok not in client.get("/metrics").text:
+            assert time.monotonic() < deadline, "the agent never sampled the target's stacks"
+            time.sleep(0.2)
+        time.sleep(1.0)  # samples from before the alert
+        r = client.post("/hooks/alertmanager", json=payload(pid=p.pid))
+        assert r.status_code == 202 and r.json()["status"] == "accepted", r.text
+        cid = r.json()["capture"]
+        deadline = time.monotonic() + DURATION + MARGIN
+        while client.get(f"/captures/{cid}").json()["status"] == "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.25)
+        capture = client.get(f"/captures/{cid}").json()
+        assert capture["status"] == "completed", capture
+        rep = client.get(f"/captures/{cid}/report.json").json()
+        svg = client.get(f"/captures/{cid}/flamegraph.svg").text
+        raw = client.get(f"/captures/{cid}/stacks.txt").text
+    assert rep["stacks"]["source"] == "agent" and rep["stacks"]["from_seconds"] == -60.0
+    assert rep["stacks"]["first_sample_seconds"] < 0  # the agent's samples before the alert
+    assert rep["stacks"]["rate_hz"] == 10.0 and rep["stacks"]["busy_thread_samples"] > 0
+    assert rep["top_functions"]["self"][0]["function"] == "resize_image"
+    assert rep["verdict"] == "preprocessing-bound", rep["evidence"]
+    assert any("the agent's own" in line for line in rep["evidence"])
+    assert "<svg" in svg and "resize_image" in svg
+    assert raw.startswith("thread (") and "resize_image (" in raw
+
+
 def test_run_rejects_bad_capture_settings(tmp_path: Path) -> None:
     short = tmp_path / "short"
     short.write_text("tooshort")

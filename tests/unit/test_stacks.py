@@ -107,6 +107,7 @@ class FakeSampler:
     def __init__(self, samples: list[StackSample], error: StacksUnavailable | None = None,
                  alive: bool = True) -> None:
         self.samples, self.error, self.alive = list(samples), error, alive
+        self.kept = list(samples)
         self.started = self.stopped = 0
 
     def start(self) -> None:
@@ -118,6 +119,9 @@ class FakeSampler:
     def take(self) -> list[StackSample]:
         out, self.samples = self.samples, []
         return out
+
+    def history(self, since: float) -> list[StackSample]:
+        return [s for s in self.kept if s.t >= since]
 
     def stop(self) -> None:
         self.stopped += 1

@@ -19,6 +19,10 @@ series once exported stays, so the counters never move between labels.
 Without austin, without ptrace rights on a target, or for a target that is not Python, the
 target's ``mrc_process_stacks_available`` is 0 with the reason, said once in the log, and the
 rest of the agent runs on.
+
+The samples' whole stacks stay with the sampler for a while: :meth:`StacksCollector.history`
+hands them to the on-alert captures (:mod:`mrc_agent.agent.tools.capture`), which then start
+no sampler of their own.
 """
 
 from __future__ import annotations
@@ -80,6 +84,8 @@ class Sampler(Protocol):
     def running(self) -> bool: ...
 
     def take(self) -> list[StackSample]: ...
+
+    def history(self, since: float) -> list[StackSample]: ...
 
     def stop(self) -> None: ...
 
@@ -243,6 +249,16 @@ class StacksCollector:
             st.slots.add(function)
             return function
         return OTHER_FUNCTION
+
+    def history(self, pid: int, since: float) -> list[StackSample] | None:
+        """``pid``'s kept samples taken at ``since`` (monotonic) or later, whole stacks and
+        all, while its stacks are sampled; None when they are not (no austin, no rights, not
+        Python, not a target). What the on-alert captures read, from their own thread."""
+        st = self._targets.get(pid)
+        sampler = st.sampler if st is not None else None
+        if sampler is None or not sampler.running():
+            return None
+        return sampler.history(since)
 
     def close(self) -> None:
         for st in self._targets.values():

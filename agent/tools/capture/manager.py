@@ -1,5 +1,7 @@
 """Running captures (:class:`CaptureManager`): one at a time in a background thread, at most
-``capture_max_per_hour`` per rolling hour, every request counted.
+``capture_max_per_hour`` per rolling hour, every request counted. Where the agent samples the
+target's stacks (the ``stacks`` collector), a capture reads those samples, the minute before
+the alert included, and starts no py-spy of its own.
 """
 
 from __future__ import annotations
@@ -11,14 +13,16 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from functools import partial
 
 from mrc_agent.agent.core.collectors import COLLECTOR_NAMES, process, profiling
 from mrc_agent.agent.core.collectors.base import Collector
+from mrc_agent.agent.core.collectors.stacks import StacksCollector
 from mrc_agent.agent.core.config import AgentConfig, ConfigError
 from mrc_agent.agent.core.runner import Runner
 from mrc_agent.agent.core.sample import readings
 from mrc_agent.agent.tools.capture.store import CaptureStore, _iso
-from mrc_agent.agent.tools.diagnose.command import diagnose
+from mrc_agent.agent.tools.diagnose.command import StackHistory, diagnose
 from mrc_agent.agent.tools.diagnose.pyspy import PySpyError
 from mrc_agent.agent.tools.diagnose.sampling import Borrowed
 
@@ -28,6 +32,9 @@ log = logging.getLogger(__name__)
 #: Sampling period of the collectors during a capture: five points a second shows sub-second
 #: GPU idle gaps next to the CPU that causes them.
 CAPTURE_INTERVAL = 0.2
+#: Seconds of the agent's own stack samples before the capture's window that it includes,
+#: where the agent samples the target's stacks: the minute that led to the alert.
+LOOKBACK_S = 60.0
 
 
 #: What a capture borrows from the running agent's profiling collector (the CUPTI sampler
@@ -109,20 +116,31 @@ class CaptureManager:
 
     def _collectors(self) -> tuple[list[str], list[Collector]]:
         """The agent's collectors plus process and derived; the profiling counters are read
-        from the agent's own sampler when it runs them (one CUPTI session per process)."""
-        names = [n for n in COLLECTOR_NAMES if n != "profiling"
+        from the agent's own sampler when it runs them (one CUPTI session per process), and
+        the stacks collector is not built again (its samples are read, :meth:`_history`)."""
+        names = [n for n in COLLECTOR_NAMES if n not in ("profiling", "stacks")
                  and (n in ("process", "derived") or self.cfg.collectors.get(n))]
         extra: list[Collector] = []
         if self.cfg.collectors.get("profiling"):
             extra.append(Borrowed("profiling", self.runner.latest, _PROFILING_METRICS))
         return names, extra
 
+    def _history(self, pid: int) -> StackHistory | None:
+        """The agent's own stack samples of ``pid``, where its stacks collector runs: the
+        capture reads them (from :data:`LOOKBACK_S` before its window) and starts no py-spy."""
+        for c in self.runner.collectors:
+            if isinstance(c, StacksCollector):
+                return StackHistory(partial(c.history, pid), 1.0 / self.cfg.stacks_interval,
+                                    LOOKBACK_S)
+        return None
+
     def _run(self, cid: str, alert: str, pid: int) -> None:
         out = os.path.join(self.store.root, cid)
         names, extra = self._collectors()
         try:
             result = diagnose(self.cfg, pid, out, self.duration, CAPTURE_INTERVAL,
-                              collectors=names, extra=extra, cancel=self._cancel)
+                              collectors=names, extra=extra, cancel=self._cancel,
+                              history=self._history(pid))
             size = self.store.bytes_of(cid)
             if size > self.store.max_bytes:
                 # Alone it is over what the captures may use: the limits would delete it at

@@ -15,13 +15,16 @@ Over the same window this package runs
 
 It then decides a verdict (see :func:`decide`) and writes ``report.json`` and ``report.txt``. The
 same :func:`diagnose` runs behind the CLI and behind the on-alert captures of
-:mod:`mrc_agent.agent.tools.capture`.
+:mod:`mrc_agent.agent.tools.capture`; a capture of a target whose stacks the agent samples runs
+no py-spy but reads those samples (:class:`~mrc_agent.agent.tools.diagnose.command.StackHistory`),
+the minute before the alert included.
 
 The rooms, each importing only those before it:
 
 * :mod:`~mrc_agent.agent.tools.diagnose.pyspy`: finding and running py-spy, and its failures;
-* :mod:`~mrc_agent.agent.tools.diagnose.stacks`: parsing collapsed stacks, top functions, image
-share;
+* :mod:`~mrc_agent.agent.tools.diagnose.stacks`: parsing collapsed stacks (py-spy's, or made
+from the agent's own samples), top functions, image share;
+* :mod:`~mrc_agent.agent.tools.diagnose.flamegraph`: the flame graph of the agent's own samples;
 * :mod:`~mrc_agent.agent.tools.diagnose.sampling`: the in-process loop's extra collectors (idle
 windows,
   watched and borrowed collectors) and the hottest thread's runnable share;

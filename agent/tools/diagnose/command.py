@@ -12,7 +12,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,9 @@ from mrc_agent.agent.core.config import DIAGNOSE, AgentConfig, ConfigError, add_
 from mrc_agent.agent.core.hw.procfs import ProcessGone, ProcFS
 from mrc_agent.agent.core.runner import Runner
 from mrc_agent.agent.core.sample import Snapshot, first
+from mrc_agent.agent.core.stacks import StackSample
 from mrc_agent.agent.core.targets import TargetResolver
+from mrc_agent.agent.tools.diagnose import flamegraph
 from mrc_agent.agent.tools.diagnose.pyspy import PY_SPY_RATE, PySpy, PySpyError, find_py_spy
 from mrc_agent.agent.tools.diagnose.sampling import (
     IdleWindows,
@@ -31,6 +33,8 @@ from mrc_agent.agent.tools.diagnose.sampling import (
     steal_ratio,
 )
 from mrc_agent.agent.tools.diagnose.stacks import (
+    collapsed,
+    from_samples,
     image_share,
     parse_collapsed,
     thread_samples,
@@ -46,6 +50,18 @@ from mrc_agent.agent.tools.diagnose.writers import (
 
 EXIT_OK, EXIT_PY_SPY = 0, 1
 MIN_DURATION, MAX_DURATION = 1.0, 600.0
+
+
+@dataclass(frozen=True)
+class StackHistory:
+    """The agent's continuous stack samples of the target, for a diagnosis run inside the agent:
+    ``read(since)`` gives the samples taken at ``since`` (monotonic) or later, or None while the
+    target is not sampled; ``rate`` is the samples' rate (Hz); a diagnosis takes them from
+    ``lookback`` seconds before its window."""
+
+    read: Callable[[float], list[StackSample] | None]
+    rate: float
+    lookback: float
 
 
 @dataclass
@@ -80,14 +96,21 @@ def diagnose(
     extra: Sequence[Collector] = (),
     cancel: threading.Event | None = None,
     rules: Rules = Rules(),  # noqa: B008 (a frozen dataclass: immutable)
+    history: StackHistory | None = None,
 ) -> Diagnosis:
     """Run py-spy and the collectors over one window on ``pid`` and write the report into
     ``out_dir``. Raises PySpyError (py-spy missing or cannot attach), ConfigError (no such
-    process) and ReplayFormatError (bad replay trace)."""
+    process) and ReplayFormatError (bad replay trace).
+
+    With ``history`` (inside the agent, when its stacks collector samples ``pid``), no py-spy
+    runs: the stacks are the agent's own samples from ``history.lookback`` seconds before the
+    window to its end."""
     from mrc_agent.agent.core.wiring import build_collectors, make_sources
 
     check_pid(pid)
-    exe = find_py_spy(py_spy)
+    if history is not None and history.read(time.monotonic()) is None:
+        history = None  # not sampled (now): py-spy it is
+    exe = find_py_spy(py_spy) if history is None else ""
     cancel = cancel or threading.Event()
     os.makedirs(out_dir, exist_ok=True)
     paths = {k: os.path.join(out_dir, v) for k, v in FILES.items()}
@@ -102,7 +125,7 @@ def diagnose(
         tail = [_Watched(c) for c in built if c.name == "derived"]
         runner = Runner([*watched, *(_Watched(c) for c in extra), *tail, idle],
                         TargetResolver([pid]), interval)
-        spy = PySpy(exe, pid, paths["flamegraph"], paths["stacks"], duration)
+        spy = PySpy(exe, pid, paths["flamegraph"], paths["stacks"], duration) if exe else None
         node = ProcFS()
         sched_before, sched_t0 = node.thread_schedstat(pid), time.monotonic()
         ticks_before = node.cpu_ticks()
@@ -111,7 +134,7 @@ def diagnose(
             tick = start
             while True:
                 snaps.append(runner.sample_once())
-                if spy.failed_early():
+                if spy is not None and spy.failed_early():
                     break
                 tick += interval
                 if tick - start > duration + 1e-6 or cancel.wait(max(tick - time.monotonic(), 0)):
@@ -120,7 +143,8 @@ def diagnose(
             # Ctrl-C in a terminal: py-spy got it too and writes what it has; so do we.
             cancel.set()
         except BaseException:
-            spy.kill()
+            if spy is not None:
+                spy.kill()
             raise
         try:
             sched_after = node.thread_schedstat(pid)
@@ -128,21 +152,37 @@ def diagnose(
             sched_after = {}
         hottest_runnable = runnable(sched_before, sched_after, time.monotonic() - sched_t0,
                                     steal_ratio(ticks_before, node.cpu_ticks()))
-        spy.stop()
+        if spy is not None:
+            spy.stop()
     finally:
         sources.close()
-    elapsed = time.monotonic() - start
+    end = time.monotonic()
+    elapsed = end - start
     reasons = {w.name: w.reason for w in runner.collectors if isinstance(w, _Watched)}
 
-    with open(paths["stacks"], encoding="utf-8", errors="replace") as f:
-        stacks = parse_collapsed(f.read())
+    origin: dict[str, Any]
+    if history is None:
+        with open(paths["stacks"], encoding="utf-8", errors="replace") as f:
+            stacks = parse_collapsed(f.read())
+        rate, origin = float(PY_SPY_RATE), {"source": "py-spy"}
+    else:
+        kept = [s for s in history.read(start - history.lookback) or [] if s.t <= end]
+        stacks = from_samples(kept)
+        with open(paths["stacks"], "w", encoding="utf-8") as f:
+            f.write(collapsed(stacks))
+        flamegraph.write(paths["flamegraph"], stacks,
+                         f"pid {pid}: the agent's samples, {history.lookback:g} s before the "
+                         f"window to its end")
+        rate = history.rate
+        origin = {"source": "agent", "from_seconds": -history.lookback,
+                  "first_sample_seconds": round(kept[0].t - start, 3) if kept else None}
     threads = thread_samples(stacks)
     busy = threads.most_common(1)[0][0] if threads else ""
     busy_stacks = [s for s in stacks if s.thread == busy]
     share, image_frames = image_share(busy_stacks)
-    top = top_functions(busy_stacks)
+    top = top_functions(busy_stacks, rate=rate)
     stack_info = {
-        "samples": sum(threads.values()), "rate_hz": PY_SPY_RATE,
+        **origin, "samples": sum(threads.values()), "rate_hz": rate,
         "threads": dict(threads.most_common()), "busy_thread": busy,
         "busy_thread_samples": threads.get(busy, 0),
         "image_share": round(share, 4), "image_frames": image_frames,
@@ -171,7 +211,7 @@ def diagnose(
         "gpu": gpu,
         "stacks": {k: v for k, v in stack_info.items() if k != "top_self"},
         "top_functions": {"self": top["self"], "total": top["total"],
-                          "all_threads": top_functions(stacks)["self"]},
+                          "all_threads": top_functions(stacks, rate=rate)["self"]},
         "thresholds": {"starvation_cpu": cfg.starvation_cpu_threshold,
                        "idle_util": cfg.idle_util_threshold, **dataclasses.asdict(rules)},
         "files": list(FILES.values()),

@@ -1,5 +1,6 @@
-"""py-spy's collapsed stacks: :class:`Frame` and :class:`Stack`, their parsing, the samples per
-thread, the top functions by self and total time, and the share of samples in image code.
+"""Collapsed stacks: :class:`Frame` and :class:`Stack`, read from py-spy's output or made from
+the agent's own continuous samples, the samples per thread, the top functions by self and total
+time, and the share of samples in image code.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mrc_agent.agent.core.stacks import StackSample
 from mrc_agent.agent.tools.diagnose.pyspy import PY_SPY_RATE
 
 #: Function names of CPU-side image work: decoding, resizing, colour conversion, tensor
@@ -139,3 +141,35 @@ def image_share(stacks: Sequence[Stack]) -> tuple[float, list[tuple[str, int]]]:
             where[match.key] += s.count
     return (hits / total if total else 0.0), where.most_common(5)
 
+
+
+def austin_frame(text: str) -> Frame:
+    """One of austin's ``file:qualname:line`` frames as a :class:`Frame`."""
+    head, sep, line = text.rpartition(":")
+    if not sep or not line.isdigit():
+        head, line = text, ""
+    path, sep, qualname = head.rpartition(":")
+    if not sep:
+        return Frame(head, "", int(line) if line else None)
+    return Frame(qualname, path, int(line) if line else None)
+
+
+def from_samples(samples: Iterable[StackSample]) -> list[Stack]:
+    """The agent's continuous samples (:class:`~mrc_agent.agent.core.stacks.StackSample`) as
+    collapsed stacks: one :class:`Stack` per thread and distinct stack, counting its samples.
+    austin's thread ``T<interpreter>:<tid>`` is labelled ``thread <tid>``."""
+    counts: Counter[tuple[str, tuple[str, ...]]] = Counter(
+        (s.thread.rpartition(":")[2] or s.thread, s.frames) for s in samples if s.frames)
+    return [Stack(f"thread {tid}", tuple(austin_frame(f) for f in frames), n)
+            for (tid, frames), n in sorted(counts.items())]
+
+
+def collapsed(stacks: Iterable[Stack]) -> str:
+    """``stacks`` in py-spy's raw format (``thread (TID);function (file:line);... COUNT``),
+    which :func:`parse_collapsed` reads back."""
+    lines = []
+    for s in stacks:
+        tid = s.thread.removeprefix("thread ")
+        lines.append(";".join([f"thread ({tid})", *(f.key for f in s.frames)])
+                     + f" {s.count}")
+    return "\n".join(lines) + ("\n" if lines else "")

@@ -264,12 +264,15 @@ def decide(cpu: dict[str, Any], gpu: dict[str, Any], stacks: dict[str, Any],
     ev.append(cpu_line + (" -> hot" if cpu["hot"] else " -> not hot"))
     share = stacks.get("image_share", 0.0)
     top = stacks["top_self"][0]["frame"] if stacks.get("top_self") else "none"
+    said = "stacks"
+    if stacks.get("source") == "agent":
+        said = f"stacks (the agent's own, from {-stacks.get('from_seconds', 0):g} s before)"
     if stacks.get("busy_thread_samples"):
-        ev.append(f"stacks: {stacks['busy_thread_samples']} samples on the busiest thread, "
+        ev.append(f"{said}: {stacks['busy_thread_samples']} samples on the busiest thread, "
                   f"{stacks['busy_thread']}; top self frame {top}; image code on the stack in "
                   f"{share:.0%} of them (line {rules.image_share:.0%})")
     else:
-        ev.append("stacks: no samples, the target ran no Python code in the window")
+        ev.append(f"{said}: no samples, the target ran no Python code in the window")
     if stacks.get("image_frames"):
         ev.append("image frames: " + ", ".join(f"{k} ({n})" for k, n in stacks["image_frames"]))
     gpu_idle = True
