@@ -182,6 +182,15 @@ class DiagnoseFlags:
     py_spy: str | None = setting(parse=text, commands=(DIAGNOSE,), metavar="PATH",
                                  default_text="the one beside this Python, else PATH",
                                  help="the py-spy executable")
+    agent: str | None = setting(
+        parse=text, commands=(DIAGNOSE,), metavar="URL",
+        help="ask the agent at URL (e.g. http://127.0.0.1:9478) for the diagnosis instead: it "
+             "runs it as an on-alert capture, on its own stack samples where it has them (the "
+             "minute before included), and no second sampler attaches; needs "
+             "--agent-token-file")
+    agent_token_file: str | None = setting(
+        parse=text, commands=(DIAGNOSE,), metavar="PATH",
+        help="the agent's webhook token (its --webhook-token-file), for --agent")
     #: diagnose's own sampling period, not the sidecar's interval: never read from the
     #: environment or the config file, which set the sidecar's.
     interval: float = setting(

@@ -242,6 +242,62 @@ def test_a_capture_reads_the_agents_own_stacks_from_before_the_alert(
     assert raw.startswith("thread (") and "resize_image (" in raw
 
 
+def test_diagnose_asks_the_agent_which_captures_on_its_own_samples(
+        agent_factory, procs: Procs, tmp_path: Path, token_file: Path) -> None:
+    """``mrc-agent diagnose --agent``: the agent runs the diagnosis as a capture (POST
+    /captures) on its own stack samples, and the command copies its files and prints it."""
+    p = spawn_preprocess(tmp_path, procs)
+    agent = agent_factory("--pid", str(p.pid), "--interval", "0.2", "--gpu-backend",
+                          f"replay:{starved_trace(tmp_path)}", "--collector", "stacks",
+                          "--webhook-token-file", str(token_file), "--capture-dir",
+                          str(tmp_path / "captures"), "--capture-duration", "30")
+    with httpx.Client(base_url=agent.url, timeout=5) as client:
+        assert client.post("/captures", json={"pid": p.pid}).status_code == 401
+        for bad in (b"[1]", b"{not json", b'{"pid": "7"}', b'{"pid": true}',
+                    b'{"pid": 1, "extra": 1}', b'{"duration": 0.5}', b'{"duration": 121}'):
+            r = client.post("/captures", content=bad, headers=auth())
+            assert r.status_code == 400, (bad, r.text)
+        assert client.post("/captures", json={"pid": 1}, headers=auth()).status_code == 404
+        assert client.post("/captures/x", headers=auth()).headers["allow"] == "GET, HEAD"
+        ok = f'mrc_process_stacks_available{{pid="{p.pid}",process="python",reason="ok"}} 1'
+        deadline = time.monotonic() + 15
+        while ok not in client.get("/metrics").text:
+            assert time.monotonic() < deadline, "the agent never sampled the target's stacks"
+            time.sleep(0.2)
+    out = tmp_path / "diag"
+    done = subprocess.run([sys.executable, "-m", "mrc_agent.agent", "diagnose", "--pid",
+                           str(p.pid), "--duration", str(DURATION), "--agent", agent.url,
+                           "--agent-token-file", str(token_file), "--out", str(out)],
+                          capture_output=True, text=True, timeout=DURATION + MARGIN + 30,
+                          cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert "preprocessing-bound" in done.stdout and f"by the agent at {agent.url}" in done.stdout
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["stacks"]["source"] == "agent" and rep["window"]["duration_seconds"] < 10
+    assert {"flamegraph.svg", "stacks.txt", "samples.jsonl", "report.txt"} <= {
+        f.name for f in out.iterdir()}
+    listing = httpx.get(agent.url + "/captures", headers=auth(), timeout=5).json()
+    assert [c["alert"] for c in listing["captures"]] == ["manual"]
+
+
+def test_diagnose_via_an_agent_says_what_went_wrong(tmp_path: Path, token_file: Path) -> None:
+    def diag(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "mrc_agent.agent", "diagnose", "--pid",
+                               "1", "--out", str(tmp_path / "d"), *extra],
+                              capture_output=True, text=True, timeout=60, cwd=REPO)
+
+    no_token = diag("--agent", "http://127.0.0.1:9")
+    assert no_token.returncode == 2 and "--agent-token-file" in no_token.stderr
+    alone = diag("--agent-token-file", str(token_file))
+    assert alone.returncode == 2 and "goes with --agent" in alone.stderr
+    down = diag("--agent", "http://127.0.0.1:9", "--agent-token-file", str(token_file))
+    assert down.returncode == 1 and "cannot reach the agent" in down.stderr
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    assert diag("--agent", "http://127.0.0.1:9", "--agent-token-file",
+                str(empty)).returncode == 2
+
+
 def test_run_rejects_bad_capture_settings(tmp_path: Path) -> None:
     short = tmp_path / "short"
     short.write_text("tooshort")

@@ -5,6 +5,8 @@ Endpoints (served beside ``/metrics`` by
 :class:`mrc_agent.exporters.exposition.http.ExpositionServer`):
 
 * ``POST /hooks/alertmanager`` — Alertmanager webhook payload, version 4;
+* ``POST /captures`` — a capture asked for by hand (``mrc-agent diagnose --agent``): the same
+  diagnosis of one target, ``{"pid": N, "duration": S}``;
 * ``GET /captures`` — the captures as JSON, newest first, with the limits and counters;
 * ``GET /captures/<id>`` — one capture's metadata;
 * ``GET /captures/<id>/<file>`` — one file of a capture (flame graph, stacks, samples, report).

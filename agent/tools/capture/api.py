@@ -23,6 +23,10 @@ log = logging.getLogger(__name__)
 
 
 CAPTURE_ALERTS = frozenset({"MRCGPUStarved", "MRCProcessCPUUserSaturated"})
+#: What a capture asked for with ``POST /captures`` (``mrc-agent diagnose --agent``) is filed as.
+MANUAL = "manual"
+#: A requested capture's window, seconds: the bounds of ``--capture-duration``.
+MIN_DURATION, MAX_DURATION = 1.0, 120.0
 
 
 _CONTENT_TYPES = {
@@ -87,9 +91,50 @@ class CaptureAPI(Routes):
             if request.method != "POST":
                 return _json(405, {"error": "use POST"}, {"Allow": "POST"})
             return self._webhook(request.body)
+        if path == "/captures" and request.method == "POST":
+            return self._requested(request.body)
         if request.method not in ("GET", "HEAD"):
             return _json(405, {"error": "use GET"}, {"Allow": "GET, HEAD"})
         return self._captures(path)
+
+    def _requested(self, body: bytes) -> Response:
+        """``POST /captures`` with ``{"pid": N, "duration": S}`` (both optional: the hottest
+        target, the configured window): a capture asked for by hand, as ``mrc-agent diagnose
+        --agent`` does. 202 accepted, 400 a bad body, 404 a pid that is not a target, 429
+        while one runs or past the hourly limit, 503 when the directory cannot take it."""
+        assert self.manager is not None
+        m = self.manager
+        try:
+            asked = json.loads(body or b"{}")
+        except (ValueError, UnicodeDecodeError):
+            asked = None
+        if not isinstance(asked, dict) or set(asked) - {"pid", "duration"}:
+            m.count("invalid")
+            return _json(400, {"error": 'the body must be a JSON object with at most "pid" '
+                                        'and "duration"'})
+        pid, duration = asked.get("pid"), asked.get("duration")
+        if pid is not None and (not isinstance(pid, int) or isinstance(pid, bool)):
+            m.count("invalid")
+            return _json(400, {"error": '"pid" must be a whole number'})
+        if duration is not None and (
+                not isinstance(duration, (int, float)) or isinstance(duration, bool)
+                or not MIN_DURATION <= duration <= MAX_DURATION):
+            m.count("invalid")
+            return _json(400, {"error": f'"duration" must be {MIN_DURATION:g}-'
+                                        f"{MAX_DURATION:g} seconds"})
+        m.prune()
+        if pid is None:
+            pid = m.hottest_target()
+            if pid is None:
+                return _json(404, {"error": "the agent has no target"})
+        elif pid not in m.targets():
+            return _json(404, {"error": f"pid {pid} is not a target of this agent"})
+        result, detail = m.request(MANUAL, pid, None if duration is None else float(duration))
+        if result == "accepted":
+            return _json(202, {"status": result, "capture": detail, "pid": pid,
+                               "url": f"/captures/{detail}"})
+        return _json(429 if result == "rate-limited" else 503,
+                     {"status": result, "reason": detail})
 
     def _webhook(self, body: bytes) -> Response:
         assert self.manager is not None

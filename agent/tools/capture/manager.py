@@ -83,9 +83,11 @@ class CaptureManager:
                if isinstance(r.value, (int, float))}
         return max(targets, key=lambda p: cpu.get(p, -1.0))
 
-    def request(self, alert: str, pid: int) -> tuple[str, str]:
+    def request(self, alert: str, pid: int, duration: float | None = None) -> tuple[str, str]:
         """("accepted", capture id), ("rate-limited", why) or ("error", why) when the
-        captures directory cannot take it."""
+        captures directory cannot take it. ``duration``: this capture's window, else the
+        configured one."""
+        duration = self.duration if duration is None else duration
         with self._lock:
             now = self._clock()
             while self._started and now - self._started[0] >= 3600:
@@ -108,10 +110,10 @@ class CaptureManager:
             self._started.append(now)
             self._running = cid
             self.counts["accepted"] += 1
-            self._thread = threading.Thread(target=self._run, args=(cid, alert, pid),
+            self._thread = threading.Thread(target=self._run, args=(cid, alert, pid, duration),
                                             name="mrc-agent-capture", daemon=True)
             self._thread.start()
-        log.info("capture %s started for %s on pid %d (%.3g s)", cid, alert, pid, self.duration)
+        log.info("capture %s started for %s on pid %d (%.3g s)", cid, alert, pid, duration)
         return ("accepted", cid)
 
     def _collectors(self) -> tuple[list[str], list[Collector]]:
@@ -134,11 +136,11 @@ class CaptureManager:
                                     LOOKBACK_S)
         return None
 
-    def _run(self, cid: str, alert: str, pid: int) -> None:
+    def _run(self, cid: str, alert: str, pid: int, duration: float) -> None:
         out = os.path.join(self.store.root, cid)
         names, extra = self._collectors()
         try:
-            result = diagnose(self.cfg, pid, out, self.duration, CAPTURE_INTERVAL,
+            result = diagnose(self.cfg, pid, out, duration, CAPTURE_INTERVAL,
                               collectors=names, extra=extra, cancel=self._cancel,
                               history=self._history(pid))
             size = self.store.bytes_of(cid)

@@ -26,6 +26,7 @@ from mrc_agent.agent.core.stacks import StackSample
 from mrc_agent.agent.core.targets import TargetResolver
 from mrc_agent.agent.tools.diagnose import flamegraph
 from mrc_agent.agent.tools.diagnose.pyspy import PY_SPY_RATE, PySpy, PySpyError, find_py_spy
+from mrc_agent.agent.tools.diagnose.remote import AgentError, diagnose_via_agent, read_token
 from mrc_agent.agent.tools.diagnose.sampling import (
     IdleWindows,
     _Watched,
@@ -48,6 +49,7 @@ from mrc_agent.agent.tools.diagnose.writers import (
     write_samples,
 )
 
+#: 1: py-spy is missing or cannot attach; or, with --agent, the agent or its capture failed.
 EXIT_OK, EXIT_PY_SPY = 0, 1
 MIN_DURATION, MAX_DURATION = 1.0, 600.0
 
@@ -243,10 +245,17 @@ def run_diagnose_command(args: Any) -> int:
         raise ConfigError(f"--duration must be {MIN_DURATION:g}-{MAX_DURATION:g} seconds")
     if not 0.05 <= args.interval <= args.duration:
         raise ConfigError("--interval must be 0.05 seconds or more and at most --duration")
+    if args.agent_token_file and not args.agent:
+        raise ConfigError("--agent-token-file goes with --agent")
     # The settings flags diagnose takes (agent/core/config.py), its window's own interval and
     # the one target.
     cfg = config_from_args(args, pids=[args.pid], interval=args.interval)
-    check_pid(args.pid)
+    if args.agent:
+        if not args.agent_token_file:
+            raise ConfigError("--agent needs --agent-token-file (the agent's webhook token)")
+        token = read_token(args.agent_token_file)
+    else:
+        check_pid(args.pid)
     out = args.out or f"mrc-diagnose-{args.pid}-{time.strftime('%Y%m%dT%H%M%S')}"
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError(f"--out {out!r} exists and is not a directory")
@@ -256,6 +265,15 @@ def run_diagnose_command(args: Any) -> int:
         raise ConfigError(f"--out {out!r}: {exc.strerror or exc}") from exc
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.agent:
+        try:
+            report = diagnose_via_agent(args.agent, token, args.pid, args.duration, out)
+        except AgentError as exc:
+            print(f"mrc-agent diagnose: error: {exc}", file=sys.stderr)
+            return EXIT_PY_SPY
+        sys.stdout.write(render_text(report))
+        sys.stdout.write(f"\nwritten to {os.path.abspath(out)} (by the agent at {args.agent})\n")
+        return EXIT_OK
     try:
         result = diagnose(cfg, args.pid, out, args.duration, args.interval, py_spy=args.py_spy)
     except ReplayFormatError as exc:
