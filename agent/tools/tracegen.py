@@ -134,6 +134,9 @@ class SimulatedNode:
         self.nvml.refresh = self._refresh
         self.nvml.gpm_between = self._gpm_between
         self._gpm_ids = {int(getattr(pynvml, name)): key for name, key in GPM_METRICS.items()}
+        #: Per GPU, the moment its dicts were last written: a sample makes many calls at one
+        #: moment, and the readings are a function of the moment alone.
+        self._written: dict[int, float] = {}
         self.cupti = ClockedCupti([self.uuid(i) for i in range(gpus)], clock,
                                   lambda i, t: self.total(i, "instructions", t),
                                   lambda i, t: self.total(i, "dram_read", t))
@@ -173,6 +176,9 @@ class SimulatedNode:
     def _refresh(self, name: str, index: int) -> None:
         """That moment's readings, in NVML's units, just before a call on GPU ``index``."""
         now, data = self.clock(), self.nvml.gpus[index]
+        if self._written.get(index) == now:
+            return
+        self._written[index] = now
         a = self.at(index, now)
         data["util"] = {"gpu": round(100 * a["gpu_util"]), "memory": round(100 * a["dram_bw_util"])}
         data["memory"]["used"] = int(a["mem_used_bytes"])

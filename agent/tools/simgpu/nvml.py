@@ -40,10 +40,16 @@ from mrc_agent.agent.tools.simgpu.nvml_data import nvlink as nvlink
 
 
 class _OnFirstUse:
-    """``pynvml``, imported when first used (see the module docstring)."""
+    """``pynvml``, imported when first used (see the module docstring), then kept: every
+    constant and structure the fake names goes through here, hundreds of thousands of times
+    in a long ``tracegen`` trace."""
+
+    _module: Any = None
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(importlib.import_module("pynvml"), name)
+        if self._module is None:
+            self._module = importlib.import_module("pynvml")
+        return getattr(self._module, name)
 
 
 pynvml: Any = _OnFirstUse()
@@ -56,6 +62,12 @@ def not_supported() -> int:
 #: Names resolved from the real pynvml module rather than faked.
 _PASSTHROUGH_PREFIXES = ("NVML_", "NVMLError", "NVMLLibraryMismatchError", "c_nvml",
                          "nvmlEventType", "nvmlMemory_v")
+
+
+def _active_sum(links: dict[int, dict[str, Any]], key: str) -> int:
+    """The links' ``key`` (``tx_kib``/``rx_kib``) summed over the active ones: what the
+    aggregate scope answers. Summed only for the reads that answer it, not per field."""
+    return sum(link[key] for link in links.values() if link["active"])
 
 
 @dataclass(frozen=True)
@@ -398,17 +410,16 @@ class FakeNvml:
                 out.value.uiVal = len(links)
             elif field_id in nvlink_fields:
                 key = "tx_kib" if field_id == nvlink_fields[0] else "rx_kib"
-                total = sum(link[key] for link in links.values() if link["active"])
                 if scope == 0xFFFFFFFF:
                     aggregate = data["nvlink_aggregate_scope"]
                     if aggregate is not True:
                         out.nvmlReturn = not_supported() if aggregate is False else aggregate
                         continue
-                    out.value.ullVal = total + data["nvlink_aggregate_extra_kib"]
+                    out.value.ullVal = _active_sum(links, key) + data["nvlink_aggregate_extra_kib"]
                 elif scope not in links:
                     out.nvmlReturn = pynvml.NVML_ERROR_INVALID_ARGUMENT
                 elif data["nvlink_per_link_is_aggregate"]:
-                    out.value.ullVal = total
+                    out.value.ullVal = _active_sum(links, key)
                 else:
                     out.value.ullVal = links[scope][key]
             else:
