@@ -67,6 +67,9 @@ MIN_TOKEN_LENGTH = 16
 #: Where on-alert captures go unless told otherwise: a tmpfs/emptyDir in a pod whose root
 #: filesystem is read-only.
 DEFAULT_CAPTURE_DIR = os.path.join(tempfile.gettempdir(), "mrc-agent-captures")
+#: The bounds of one capture's window, seconds (``capture_duration``, and what ``POST
+#: /captures`` may ask for).
+CAPTURE_DURATION_RANGE = (1.0, 120.0)
 GPU_BACKENDS = "auto, nvml, replay:PATH, none"
 
 #: Subcommands whose flags a setting appears among.
@@ -297,7 +300,8 @@ class CaptureSettings:
     #: Seconds one on-alert capture samples for: long enough for a few hundred stacks and a
     #: few GPU idle windows, short enough that the moment the alert caught is still going on.
     capture_duration: float = setting(
-        10.0, parse=number, check=between(1.0, 120.0), commands=(RUN,), metavar="SECONDS",
+        10.0, parse=number, check=between(*CAPTURE_DURATION_RANGE), commands=(RUN,),
+        metavar="SECONDS",
         help="how long one capture samples")
     #: At most this many captures start per rolling hour (and only one runs at a time): an
     #: alert that re-fires every group_interval must not keep py-spy attached all day.

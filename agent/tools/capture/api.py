@@ -11,7 +11,7 @@ import os
 import socket
 from typing import Any
 
-from mrc_agent.agent.core.config import AgentConfig, ConfigError
+from mrc_agent.agent.core.config import CAPTURE_DURATION_RANGE, AgentConfig, ConfigError
 from mrc_agent.agent.core.runner import Runner
 from mrc_agent.agent.tools.capture.manager import CaptureManager
 from mrc_agent.agent.tools.capture.store import CaptureStore
@@ -26,7 +26,7 @@ CAPTURE_ALERTS = frozenset({"MRCGPUStarved", "MRCProcessCPUUserSaturated"})
 #: What a capture asked for with ``POST /captures`` (``mrc-agent diagnose --agent``) is filed as.
 MANUAL = "manual"
 #: A requested capture's window, seconds: the bounds of ``--capture-duration``.
-MIN_DURATION, MAX_DURATION = 1.0, 120.0
+MIN_DURATION, MAX_DURATION = CAPTURE_DURATION_RANGE
 
 
 _CONTENT_TYPES = {
