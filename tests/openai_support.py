@@ -147,10 +147,10 @@ class ProxyThread:
     """``mrc-agent proxy``'s server on its own event loop in a thread, on a free port."""
 
     def __init__(self, upstream: str, metrics: MRCMetrics | None = None,
-                 connect_timeout: float = 5.0) -> None:
+                 connect_timeout: float = 5.0, **options: Any) -> None:
         self.metrics = metrics or MRCMetrics(resolution_unknown=True)
         self.proxy = Proxy(Upstream.parse(upstream), self.metrics,
-                           connect_timeout=connect_timeout)
+                           connect_timeout=connect_timeout, **options)
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
         ports: list[int] = []

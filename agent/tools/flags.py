@@ -147,6 +147,15 @@ class ProxyFlags:
         25.0, parse=number, commands=(PROXY,), metavar="SECONDS",
         help="on SIGTERM, let answers under way finish for this long; keep it below the "
              "pod's terminationGracePeriodSeconds (30 unless set)")
+    head_timeout: float = setting(
+        60.0, parse=number, commands=(PROXY,), metavar="SECONDS",
+        help="a client's request head must arrive whole within this long (the wait for the "
+             "next request on a kept-alive connection included)")
+    max_connections: int = setting(
+        1024, parse=whole, commands=(PROXY,), metavar="N",
+        help="client connections open at once; at the cap the one that has waited longest "
+             "for a request head is closed, and when all are being answered a new one gets "
+             "503 (each costs two file descriptors)")
     log_level: str = setting("info", parse=text, commands=(PROXY,), choices=_LEVELS,
                              help="log level")
 

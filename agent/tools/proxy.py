@@ -11,9 +11,20 @@ What it does to the traffic, and what it does not:
   (no buffering: a stream's events reach the client as the upstream writes them); the request
   line's target is passed as received;
 * **headers** — the hop-by-hop ones (RFC 9110 §7.6.1: ``Connection`` and every header it names,
-  ``Keep-Alive``, ``Proxy-Connection``, ``TE``, ``Transfer-Encoding``, ``Upgrade``) are removed and
-  each hop frames its own message (a chunked request stays chunked); ``Host`` names the upstream,
-  as nginx sends it, and ``X-Forwarded-For``/``-Proto``/``-Host`` carry the client's view;
+  ``Keep-Alive``, ``Proxy-Connection``, ``TE``, ``Transfer-Encoding``, ``Upgrade``) are removed
+  first, and each hop frames its own message (a chunked request stays chunked; a
+  ``Content-Length`` frames the body even when ``Connection`` names it); ``Host`` names the
+  upstream, as nginx sends it; ``X-Forwarded-For`` is appended to, ``X-Forwarded-Proto`` and
+  ``-Host`` are replaced by the proxy's view (nginx's ``proxy_set_header``), never the client's;
+* **framing** — as a strict HTTP/1.1 intermediary (RFC 9112 §6.3): a request with both
+  ``Content-Length`` and ``Transfer-Encoding`` is refused with 400 and its connection closed, as
+  nginx and Envoy do (a server behind that reads the other length would see a smuggled request);
+  an answer with both, or with a chunk size line that is not 1-16 hex digits and visible
+  extensions, is a 502 when none of it reached the client (the connection is cut otherwise) and
+  counts as the upstream's error; an answer to HEAD, a 204 or a 304 has no body whatever its
+  headers say. An upstream connection goes back to the pool only when its answer ended exactly
+  at a message boundary with no byte left over, and a pooled one that receives any byte is
+  closed: bytes past an answer are never read as the next client's;
 * **back-pressure** — both ways: a chunk is read only after the previous one was written and
   drained, so a slow reader slows its writer instead of filling memory;
 * **a client that leaves** — closes the upstream connection at once, which vLLM, SGLang and TGI
@@ -22,7 +33,11 @@ What it does to the traffic, and what it does not:
   ``error``); one that fails mid-answer closes the client's connection, so the client sees a
   truncated answer rather than a complete-looking one;
 * **limits** — none on bodies or durations of its own: the upstream's limits decide; a request
-  head is bounded (64 KiB, twice uvicorn's) and must arrive within ``head_timeout``.
+  head is at most 64 KiB (twice uvicorn's; its blank line included, however it arrives; 431
+  past it) and must arrive whole within ``head_timeout``; at most ``max_connections`` client
+  connections are open: at the cap the one that has waited longest for a request head (idle,
+  or part-way through one) is closed to make room, and when every one is being answered the new
+  one gets 503.
 
 Upstream connections are kept alive and reused while idle for at most ``POOL_IDLE_S``, below
 uvicorn's five-second keep-alive, so a reused connection is not one the upstream is closing.
@@ -35,6 +50,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import signal
 import ssl
 import time
@@ -61,6 +77,11 @@ log = logging.getLogger(__name__)
 POOL_IDLE_S = 2.0
 #: Idle upstream connections kept at most.
 POOL_SIZE = 64
+#: Client connections open at once, by default: nginx's ``worker_connections`` default is
+#: 512 per worker, and each proxied connection costs two descriptors (client and upstream).
+MAX_CONNECTIONS = 1024
+#: The end of a head: h11 takes a bare LF as a line end, so this is where it ends a head.
+_HEAD_END = re.compile(rb"\n\r?\n")
 _timeout = getattr(asyncio, "timeout", None)
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te",
                          b"transfer-encoding", b"upgrade", b"proxy-authenticate",
@@ -128,17 +149,39 @@ async def _next(conn: h11.Connection, reader: asyncio.StreamReader | UpstreamCon
 
 
 def _forward_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """``headers`` less the hop-by-hop ones: those RFC 9110 §7.6.1 names and those the
+    ``Connection`` header names. ``Content-Length`` stays even when named: it frames the
+    message, which a connection option cannot undo (RFC 9110 §7.6.1 forbids naming it), and
+    dropping it would leave a body without a length."""
     named: set[bytes] = set()
     for name, value in headers:
         if name == b"connection":
             named.update(v.strip().lower() for v in value.split(b","))
+    named.discard(b"content-length")
     return [(n, v) for n, v in headers if n not in _HOP_BY_HOP and n not in named]
 
 
+def _both_lengths(headers: list[tuple[bytes, bytes]]) -> bool:
+    """A message with ``Content-Length`` and ``Transfer-Encoding`` both: the framing a
+    request-smuggling attack relies on (RFC 9112 §6.3)."""
+    names = {n for n, _ in headers}
+    return b"content-length" in names and b"transfer-encoding" in names
+
+
 def _error_body(status: int, message: str) -> bytes:
-    kind = "bad_gateway" if status == 502 else "invalid_request_error"
+    kind = ("bad_gateway" if status == 502 else "server_error" if status >= 500
+            else "invalid_request_error")
     return json.dumps({"error": {"message": message, "type": kind, "param": None,
                                  "code": status}}).encode()
+
+
+def _raw_error(status: int, message: str) -> bytes:
+    """A whole error answer that closes the connection, written without h11: for when the
+    client's h11 state already holds a head that was never sent."""
+    body = _error_body(status, message)
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % (status, HTTPStatus(status).phrase.encode(),
+                                             len(body)) + body)
 
 
 class Proxy:
@@ -146,7 +189,8 @@ class Proxy:
 
     def __init__(self, upstream: Upstream, metrics: MRCMetrics,
                  paths: tuple[str, ...] = METERED_PATHS, connect_timeout: float = 10.0,
-                 head_timeout: float = 60.0, tls: ssl.SSLContext | None = None) -> None:
+                 head_timeout: float = 60.0, tls: ssl.SSLContext | None = None,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.upstream = upstream
         self.metrics = metrics
         self.paths = paths
@@ -156,9 +200,13 @@ class Proxy:
                                                  if upstream.scheme == "https" else None)
         self._pool: list[UpstreamConn] = []
         self._server: asyncio.Server | None = None
+        self.max_connections = max_connections
         self._clients: set[asyncio.Task[None]] = set()
+        self._writers: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         #: The client connections with a request being answered now.
         self._busy: set[asyncio.Task[None]] = set()
+        #: The client connections waiting for a request head, the longest waiting first.
+        self._waiting: dict[asyncio.Task[None], None] = {}
         self._draining = False
 
     async def start(self, host: str, port: int) -> int:
@@ -193,6 +241,7 @@ class Proxy:
         now = time.monotonic()
         while self._pool:
             c = self._pool.pop()
+            c.pooled = False
             if now - c.idle_since < POOL_IDLE_S and c.usable():
                 return c
             c.close()
@@ -204,56 +253,122 @@ class Proxy:
         return conn
 
     def _release(self, c: UpstreamConn) -> None:
+        """Back to the pool when the answer ended exactly at a message boundary, with no
+        byte left in h11's buffer or the connection's; closed otherwise (bytes past an answer
+        would be read as the next client's answer)."""
         conn = c.h11
-        if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+        if (conn.our_state is h11.DONE and conn.their_state is h11.DONE
+                and not conn.trailing_data[0] and c.usable()):
             conn.start_next_cycle()
             self._pool_add(c)
         else:
             c.close()
 
     def _pool_add(self, c: UpstreamConn) -> None:
-        if len(self._pool) < POOL_SIZE:
+        if len(self._pool) < POOL_SIZE and not self._draining:
             c.idle_since = time.monotonic()
+            c.pooled = True
             self._pool.append(c)
         else:
             c.close()
 
     # --- one client connection --------------------------------------------------------------
 
+    def _admit(self, task: asyncio.Task[None], writer: asyncio.StreamWriter) -> bool:
+        """Make room for a new client connection at the cap: close the one that has waited
+        longest for its next request head (idle between requests, or part-way through a
+        head); one being answered is never closed. False when all are being answered."""
+        if len(self._clients) >= self.max_connections and self._waiting:
+            oldest = next(iter(self._waiting))
+            self._forget(oldest)
+            self._writers.pop(oldest).close()  # its read sees the end and its task returns
+        if len(self._clients) >= self.max_connections:
+            return False
+        self._clients.add(task)
+        self._writers[task] = writer
+        return True
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._clients.discard(task)
+        self._waiting.pop(task, None)
+        self._busy.discard(task)
+
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
-        if task is not None:
-            self._clients.add(task)
+        assert task is not None
+        if not self._admit(task, writer):
+            log.warning("%d client connections, all being answered: refusing one",
+                        len(self._clients))
+            with contextlib.suppress(Exception):
+                writer.write(_raw_error(503, "the proxy is at its connection limit"))
+                writer.close()
+            return
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
         peer = writer.get_extra_info("peername")
         client_ip = peer[0] if isinstance(peer, tuple) else ""
         try:
             while True:
+                self._waiting[task] = None  # the newest waiter last: evicted after the rest
                 try:
-                    event = await _next(conn, reader, self.head_timeout)
+                    event = await self._read_head(conn, reader)
                 except (TimeoutError, ConnectionError):
                     return
                 except h11.RemoteProtocolError as e:
                     await self._refuse(conn, writer, e.error_status_hint, str(e))
                     return
+                finally:
+                    self._waiting.pop(task, None)
                 if not isinstance(event, h11.Request):
                     return  # ConnectionClosed or PAUSED: nothing more to serve
-                if task is not None:
-                    self._busy.add(task)
+                self._busy.add(task)
                 try:
                     keep = await self._exchange(conn, reader, writer, event, client_ip)
                 finally:
-                    if task is not None:
-                        self._busy.discard(task)
+                    self._busy.discard(task)
                 if not keep or self._draining or conn.our_state is not h11.DONE \
                         or conn.their_state is not h11.DONE:
                     return
                 conn.start_next_cycle()
+        except asyncio.CancelledError:
+            # The proxy stops. Ending quietly: asyncio (3.11) logs a connection task that
+            # ends cancelled as an unhandled exception.
+            return
         finally:
             with contextlib.suppress(Exception):
                 writer.close()
-            if task is not None:
-                self._clients.discard(task)
+            self._forget(task)
+            self._writers.pop(task, None)
+
+    async def _read_head(self, conn: h11.Connection, reader: asyncio.StreamReader) -> object:
+        """The next request's head, or what ends the connection: whole within
+        ``head_timeout`` (not each read: a head trickled a byte at a time is cut as soon as
+        one sent at once would be) and at most :data:`MAX_HEAD` bytes, its blank line
+        included, however it arrives."""
+        if _timeout is None:  # Python 3.10
+            return await asyncio.wait_for(self._head_bytes(conn, reader), self.head_timeout)
+        async with _timeout(self.head_timeout):
+            return await self._head_bytes(conn, reader)
+
+    @staticmethod
+    async def _head_bytes(conn: h11.Connection, reader: asyncio.StreamReader) -> object:
+        data = b""
+        while True:
+            # h11 bounds a head only while it is incomplete: one that arrives whole in a
+            # read is measured here, with the bytes h11 holds already (a pipelined head).
+            pending = conn.trailing_data[0] + data if data else conn.trailing_data[0]
+            end = _HEAD_END.search(pending, 0, MAX_HEAD + 2)
+            if (end.end() if end is not None else len(pending)) > MAX_HEAD:
+                raise h11.RemoteProtocolError("the request head is over 64 KiB",
+                                              error_status_hint=431)
+            if data:
+                conn.receive_data(data)
+            event = conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            data = await reader.read(CHUNK)
+            if not data:
+                conn.receive_data(b"")
+                data = b""
 
     async def _refuse(self, conn: h11.Connection, writer: asyncio.StreamWriter, status: int,
                       message: str) -> None:
@@ -279,6 +394,15 @@ class Proxy:
                     if metered(request.method.decode("latin-1"), path, self.paths) else None)
         client_left = False
         try:
+            if _both_lengths(list(request.headers)):
+                # nginx (since 1.21.1) and Envoy (unless allow_chunked_length) refuse it with
+                # 400 and close: which length a server behind would read is the smuggler's bet.
+                if exchange is not None:
+                    exchange.response_start(400, "application/json")
+                    exchange.response_body(b"", False)
+                await self._refuse(conn, writer, 400, "the request has both Content-Length "
+                                   "and Transfer-Encoding")
+                return False
             try:
                 up = await self._connect()
             except (OSError, TimeoutError) as e:
@@ -308,10 +432,16 @@ class Proxy:
     async def _relay(self, conn: h11.Connection, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter, request: h11.Request, client_ip: str,
                      up: UpstreamConn, exchange: Exchange | None) -> bool:
-        headers = _forward_headers(list(request.headers))
-        headers = [(n, v) for n, v in headers if n not in (b"host", b"x-forwarded-for")]
-        forwarded = [v for n, v in request.headers if n == b"x-forwarded-for"]
-        host = next((v for n, v in request.headers if n == b"host"), b"")
+        # Connection-named headers go first, so nothing below is rebuilt from one of them.
+        kept = _forward_headers(list(request.headers))
+        headers = [(n, v) for n, v in kept
+                   if n not in (b"host", b"x-forwarded-for", b"x-forwarded-host",
+                                b"x-forwarded-proto")]
+        forwarded = [v for n, v in kept if n == b"x-forwarded-for"]
+        host = next((v for n, v in kept if n == b"host"), b"")
+        # X-Forwarded-For is appended to; -Host and -Proto are this proxy's view, replacing
+        # the client's own (nginx's proxy_set_header), so the server never reads a value the
+        # client chose for them.
         chain = b", ".join([*forwarded, client_ip.encode()]) if client_ip else b""
         headers = [(b"host", self.upstream.authority), *headers]
         if chain:
@@ -343,7 +473,8 @@ class Proxy:
 
         body.add_done_callback(body_ended)
         try:
-            return await self._pump_response(conn, writer, up, exchange, state)
+            return await self._pump_response(conn, writer, up, exchange, state,
+                                             request.method == b"HEAD")
         except asyncio.CancelledError:
             if not failed:
                 raise
@@ -424,7 +555,7 @@ class Proxy:
 
     async def _pump_response(self, conn: h11.Connection, writer: asyncio.StreamWriter,
                              up: UpstreamConn, exchange: Exchange | None,
-                             state: _Answer) -> bool:
+                             state: _Answer, head_request: bool) -> bool:
         while True:
             try:
                 event = await _next(up.h11, up)
@@ -439,14 +570,23 @@ class Proxy:
                             list(event.headers)), reason=event.reason))
                 continue
             if isinstance(event, h11.Response):
+                if _both_lengths(list(event.headers)):
+                    # Which length frames it is anyone's guess: the client would get a
+                    # Content-Length head over chunk framing. 502, never passed on.
+                    await self._refuse(conn, writer, 502, "the upstream server's answer has "
+                                       "both Content-Length and Transfer-Encoding")
+                    raise UpstreamFailed
                 state.started = True
                 headers = _forward_headers(list(event.headers))
                 media = next((v for n, v in event.headers if n == b"content-type"), b"")
                 start = (event.status_code, media.decode("latin-1"))
                 answer = h11.Response(status_code=event.status_code, headers=headers,
                                       reason=event.reason)
-                chunked = any(n == b"transfer-encoding" and b"chunked" in v.lower()
-                              for n, v in event.headers)
+                # An answer to HEAD, a 204 or a 304 has no body whatever its headers say
+                # (RFC 9112 §6.3): h11 frames it so; only a body can be chunked.
+                chunked = (not head_request and event.status_code not in (204, 304)
+                           and any(n == b"transfer-encoding" and b"chunked" in v.lower()
+                                   for n, v in event.headers))
                 if chunked and conn.their_http_version == b"1.1":
                     # A chunked answer to a chunked client: its chunks pass as they are, the
                     # head with the first of them.
@@ -505,6 +645,12 @@ class Proxy:
                     continue
                 relay.waiter = loop.create_future()
                 await relay.waiter
+        except UpstreamFailed:
+            if not relay.head_sent:  # a broken first chunk: the client can still get a 502
+                with contextlib.suppress(ConnectionError):
+                    writer.write(_raw_error(502, "the upstream server's answer is malformed"))
+                    await writer.drain()
+            raise
         finally:
             up.relay = None
         if exchange is not None:
@@ -547,8 +693,27 @@ def split_hostport(value: str, flag: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _descriptors_for(connections: int) -> None:
+    """Raise the soft open-file limit toward what ``connections`` need (a client and an
+    upstream descriptor each, plus the pool and the metrics port), as far as the hard limit
+    allows; say so when it cannot reach it, since the cap is then the kernel's, not ours."""
+    import resource
+
+    need = 2 * connections + POOL_SIZE + 64
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    if soft != resource.RLIM_INFINITY and soft < need:
+        log.warning("open-file limit %d is below the %d that --max-connections %d needs",
+                    soft, need, connections)
+
+
 def run_proxy(listen: str, upstream: str, metrics_listen: str,
-              connect_timeout: float = 10.0, drain_timeout: float = 25.0) -> int:
+              connect_timeout: float = 10.0, drain_timeout: float = 25.0,
+              head_timeout: float = 60.0, max_connections: int = MAX_CONNECTIONS) -> int:
     """``mrc-agent proxy``: serve until SIGTERM or SIGINT, then let the answers under way
     finish for up to ``drain_timeout`` seconds."""
     from prometheus_client import CollectorRegistry
@@ -565,7 +730,9 @@ def run_proxy(listen: str, upstream: str, metrics_listen: str,
                                       not_ready=lambda: None)
     except OSError as e:
         raise ProxyError(f"--metrics-listen {metrics_listen}: {e.strerror or e}") from None
-    proxy = Proxy(up, metrics, connect_timeout=connect_timeout)
+    proxy = Proxy(up, metrics, connect_timeout=connect_timeout, head_timeout=head_timeout,
+                  max_connections=max_connections)
+    _descriptors_for(max_connections)
 
     async def main() -> None:
         try:
@@ -602,10 +769,15 @@ def run(args: argparse.Namespace) -> int:
     from mrc_agent.agent.tools.sidecar import setup_logging
 
     setup_logging(args.log_level)
-    if not args.connect_timeout > 0 or not args.drain_timeout >= 0:
-        raise ConfigError("--connect-timeout must be > 0 and --drain-timeout >= 0")
+    if not args.connect_timeout > 0 or not args.drain_timeout >= 0 \
+            or not args.head_timeout > 0:
+        raise ConfigError("--connect-timeout and --head-timeout must be > 0 and "
+                          "--drain-timeout >= 0")
+    if args.max_connections < 1:
+        raise ConfigError(f"--max-connections {args.max_connections} must be at least 1")
     try:
         return run_proxy(args.listen, args.upstream, args.metrics_listen,
-                         args.connect_timeout, args.drain_timeout)
+                         args.connect_timeout, args.drain_timeout, args.head_timeout,
+                         args.max_connections)
     except ProxyError as exc:
         raise ConfigError(str(exc)) from exc

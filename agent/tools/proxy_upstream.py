@@ -10,6 +10,7 @@ work is not on the way to the client.
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import cast
 
 import h11
@@ -37,15 +38,20 @@ def _settle(waiter: asyncio.Future[None] | None) -> None:
         waiter.set_result(None)
 
 
+#: A chunk's size line (RFC 9112 §7.1): at most 16 hex digits (a size below 2**64), then
+#: optional whitespace and extensions made of visible characters, spaces and tabs alone: no
+#: ``0x``, no sign, no bare CR or LF, no control byte for a lax parser behind the client to
+#: read otherwise.
+_CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[\x20-\x7e\t\x80-\xff]*)?")
+
+
 def chunk_size(buf: bytearray, pos: int, end: int) -> int:
-    """The size of a chunk from its size line ``buf[pos:end]`` (extensions ignored)."""
-    text = bytes(buf[pos:end]).split(b";", 1)[0].strip()
-    if not text or len(text) > 16 or not text.isalnum():
+    """The size of a chunk from its size line ``buf[pos:end]`` (extensions ignored);
+    UpstreamFailed when the line is not one a strict HTTP/1.1 parser reads."""
+    m = _CHUNK_LINE.fullmatch(buf, pos, end)
+    if m is None:
         raise UpstreamFailed
-    try:
-        return int(text, 16)
-    except ValueError as e:
-        raise UpstreamFailed from e
+    return int(m.group(1), 16)
 
 
 class UpstreamConn(asyncio.Protocol):
@@ -57,6 +63,8 @@ class UpstreamConn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
         self.idle_since = 0.0
+        #: In the pool, owing no answer: any byte received now closes it.
+        self.pooled = False
         self.relay: ChunkRelay | None = None
         self._buf = bytearray()
         self._eof = False
@@ -72,6 +80,12 @@ class UpstreamConn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.relay is not None:
             self.relay.feed(data)
+            return
+        if self.pooled:
+            # Bytes from an upstream that owes no answer: past the end of the last one. The
+            # next request must not read them as its own answer.
+            self._eof = True
+            self.close()
             return
         self._buf += data
         if len(self._buf) > CHUNK and self.transport is not None:
@@ -185,6 +199,17 @@ class ChunkRelay:
     def _signal(self) -> None:
         _settle(self.waiter)
         self.waiter = None
+
+    @property
+    def head_sent(self) -> bool:
+        """Whether the client's response head has been written (a failure before it can still
+        be answered 502)."""
+        return not self._head
+
+    @property
+    def start_metered(self) -> bool:
+        """Whether the meter was handed the answer's status."""
+        return self._start is None
 
     def fail(self, exc: Exception) -> None:
         if not self.ended and self.error is None:
