@@ -80,6 +80,11 @@ POOL_SIZE = 64
 #: Client connections open at once, by default: nginx's ``worker_connections`` default is
 #: 512 per worker, and each proxied connection costs two descriptors (client and upstream).
 MAX_CONNECTIONS = 1024
+#: How long, and how much, of what a refused client still sends is read and dropped before
+#: its connection closes (nginx's ``lingering_time`` is 30 s; a request head or a small body
+#: arrives in well under a second).
+LINGER_S = 2.0
+LINGER_BYTES = 1 << 20
 #: The end of a head: h11 takes a bare LF as a line end, so this is where it ends a head.
 _HEAD_END = re.compile(rb"\n\r?\n")
 _timeout = getattr(asyncio, "timeout", None)
@@ -182,6 +187,26 @@ def _raw_error(status: int, message: str) -> bytes:
     return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n" % (status, HTTPStatus(status).phrase.encode(),
                                              len(body)) + body)
+
+
+async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """After an error answer that ends the connection: stop writing, then read and drop what
+    the client still sends, for at most :data:`LINGER_S` seconds and :data:`LINGER_BYTES`, so
+    that the close does not reset the connection before the client has read the answer
+    (nginx's ``lingering_close``)."""
+    async def drop() -> None:
+        await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+        left = LINGER_BYTES
+        while left > 0:
+            data = await reader.read(CHUNK)
+            if not data:
+                return
+            left -= len(data)
+
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(drop(), LINGER_S)
 
 
 class Proxy:
@@ -315,6 +340,7 @@ class Proxy:
                     return
                 except h11.RemoteProtocolError as e:
                     await self._refuse(conn, writer, e.error_status_hint, str(e))
+                    await _linger(reader, writer)
                     return
                 finally:
                     self._waiting.pop(task, None)
@@ -402,6 +428,7 @@ class Proxy:
                     exchange.response_body(b"", False)
                 await self._refuse(conn, writer, 400, "the request has both Content-Length "
                                    "and Transfer-Encoding")
+                await _linger(reader, writer)
                 return False
             try:
                 up = await self._connect()
