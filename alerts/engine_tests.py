@@ -15,7 +15,8 @@ Together the files cover every name a rule reads, current and deprecated: vLLM's
 (``vllm:gpu_cache_usage_perc`` only), 0.10 (both KV-cache names), a recent V1 engine with data
 parallelism (``engine="0"``, ``"1"``) and the multimodal-cache counters; SGLang from late 2024 (no
 queue histogram) and recent with data parallelism, and its EPD encoder with and without a first
-cache hit; TGI (no TTFT). ``python -m mrc_agent.alerts.unit_tests`` writes the test file,
+cache hit; a vLLM server that has looked no multimodal item up (its hit ratio is 0 / 0, so it
+has none); TGI (no TTFT). ``python -m mrc_agent.alerts.unit_tests`` writes the test file,
 ``alerts/tests/engines.yaml``, with the others.
 """
 
@@ -85,6 +86,7 @@ SG2024 = _at("sglang-2024", model_name="llava-hf/llava-onevision-qwen2-7b-ov-hf"
              engine="sglang")
 ENCODER = _at("sglang-encoder", model_name=_QWEN, engine="sglang")  # dp_rank, modality summed
 COLD = _at("sglang-encoder-cold", model_name=_QWEN, engine="sglang")
+TEXT = _at("vllm-text", model_name=_LLAVA, engine="vllm")          # no lookup: no hit ratio
 TGI = _at("tgi", engine="tgi")
 
 Expected = list[tuple[dict[str, str], float]]
@@ -105,8 +107,9 @@ EXPECTED: dict[str, Expected] = {
     # The fullest engine core or DP rank; TGI 12288 of 49152 budget tokens.
     "mrc:engine_kv_cache_usage_ratio:max": [
         (V1, 0.75), (V010, 0.5), (V0, 0.375), (SG_SCHEDULER, 0.875), (SG2024, 0.25), (TGI, 0.25)],
-    "mrc:engine_mm_cache_hits:rate5m": [(V1, 1.5), (ENCODER, 0.375), (COLD, 0.0)],
-    "mrc:engine_mm_cache_queries:rate5m": [(V1, 2.0), (ENCODER, 2.0), (COLD, 1.0)],
+    "mrc:engine_mm_cache_hits:rate5m": [(V1, 1.5), (ENCODER, 0.375), (COLD, 0.0), (TEXT, 0.0)],
+    "mrc:engine_mm_cache_queries:rate5m": [(V1, 2.0), (ENCODER, 2.0), (COLD, 1.0),
+                                           (TEXT, 0.0)],
     "mrc:engine_mm_cache_hits:ratio_rate5m": [(V1, 0.75), (ENCODER, 0.1875), (COLD, 0.0)],
     # Bucket rates: checked by the queries below.
     "mrc:engine_time_to_first_token_seconds_bucket:rate5m": [],

@@ -364,8 +364,9 @@ class PanelQueries:
     def engine_mm_hit_ratio(self) -> Query:
         by = f"sum by ({self._POD_KEYS}, engine)"
         e = self._engine
-        return Query(f"{by} ({e.mm_hits}{self.pod()})\n/ {by} ({e.mm_queries}{self.pod()})",
-                     "{{pod}} {{engine}}")
+        # No lookups is no ratio, not 0 / 0: a NaN would be drawn as a value.
+        return Query(f"{by} ({e.mm_hits}{self.pod()})\n/ ({by} ({e.mm_queries}{self.pod()}) "
+                     "> 0)", "{{pod}} {{engine}}")
 
     # -- latency heatmap ----------------------------------------------------------------------
 

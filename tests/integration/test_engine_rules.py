@@ -96,7 +96,7 @@ def test_the_fixtures_declare_every_name_with_the_sources_type() -> None:
     and the deprecated fallback appears both alone (vLLM V0) and beside the current name."""
     families = _families()
     assert set(families) == {"vllm-v1", "vllm-0.10", "vllm-v0", "sglang", "sglang-2024",
-                             "sglang-encoder", "sglang-encoder-cold", "tgi"}
+                             "sglang-encoder", "sglang-encoder-cold", "vllm-text", "tgi"}
     for s in SOURCES:
         if s.name is None:
             continue
@@ -210,6 +210,16 @@ def test_without_summing_the_engine_cores_a_series_per_core(tmp_path: Path) -> N
                     "sum without (model_name) (rate(vllm:time_to_first_token_seconds_count")
     out = _run_engine_test(tmp_path, rule)
     assert "mrc:engine_time_to_first_token_seconds_count:rate5m" in out
+
+
+def test_an_engine_that_looked_nothing_up_has_no_hit_ratio_not_nan(tmp_path: Path) -> None:
+    """No traffic at all: 0 hits over 0 lookups is no ratio (absent), never NaN, which would
+    sit on a dashboard as a value and fail every comparison an alert makes on it."""
+    rule = _mutated(tmp_path, "mrc:engine_mm_cache_hits:ratio_rate5m", " > 0)", ")")
+    out = _run_engine_test(tmp_path, rule)
+    ratio = out.split('expr: "mrc:engine_mm_cache_hits:ratio_rate5m"')[1].split("expr:")[0]
+    exp, got = ratio.split("got:")
+    assert 'pod="vllm-text"' not in exp and 'pod="vllm-text"' in got and "NaN" in got
 
 
 def test_a_cold_encoder_cache_reads_zero_not_nothing(tmp_path: Path) -> None:

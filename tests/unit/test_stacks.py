@@ -23,6 +23,8 @@ from mrc_agent.agent.core.stacks import (
 from tests.support import pass_view
 
 GPU0 = GPUIdentity(0, "GPU-a", "NVIDIA H200")
+GPU1 = GPUIdentity(1, "GPU-b", "NVIDIA H200")
+GPU2 = GPUIdentity(2, "GPU-c", "NVIDIA H200")
 
 AUSTIN_OUTPUT = """\
 # austin: 3.7.0
@@ -197,6 +199,25 @@ def test_the_hottest_thread_is_the_one_that_ran_most_lately() -> None:
     got = _seconds(_run(c, _ctx(63.0, [(60 + k / 6, 0.9) for k in range(1, 19)], None)))
     # Five seconds of T0:1 a minute ago weigh 5 * 2**-6 now: T0:2's three seconds win.
     assert got[("serve:handle", "busy")] == pytest.approx(3.0)
+
+
+def test_a_target_on_two_gpus_is_busy_while_either_is_and_waits_for_the_later_timeline(
+        ) -> None:
+    """Mixed states. The target holds GPU0 (busy for 2 s, then idle) and GPU1 (idle
+    throughout, its timeline a second behind); GPU2, busy, is someone else's. A moment is
+    busy while any of the target's GPUs is, starved only while all of them idle, and a sample
+    waits until every one of its GPUs has a reading past it."""
+    samples = [StackSample(t / 10, 0.1, "T0:1", "app:work") for t in range(1, 41)]
+    c = StacksCollector(lambda pid: FakeSampler(samples), idle_util=0.05, clock=lambda: 0.0)
+    view = pass_view(4.0, (7,), processes={7: TargetState(7, "python", 0.5, 0.98)},
+                     points={GPU0: [(k / 6, 0.9 if k <= 12 else 0.0) for k in range(1, 25)],
+                             GPU1: [(k / 6, 0.0) for k in range(1, 19)],
+                             GPU2: [(k / 6, 0.9) for k in range(1, 25)]},
+                     util={GPU0: 0.0, GPU1: 0.0, GPU2: 0.9}, gpus_of_pid={7: {GPU0, GPU1}},
+                     outputs=[Starvation({7: True})])
+    got = _seconds(_run(c, view))
+    assert got == {("app:work", "busy"): pytest.approx(2.0),
+                   ("app:work", "starved"): pytest.approx(1.0)}
 
 
 def test_samples_wait_for_the_gpu_timeline_to_cover_them() -> None:
