@@ -21,8 +21,6 @@ class Seen:
     target: bytes
     headers: list[tuple[bytes, bytes]]
     body: bytes = b""
-    #: Which accepted connection it came on (0 for the first).
-    connection: int = 0
 
     def header(self, name: bytes) -> list[bytes]:
         return [v for n, v in self.headers if n == name.lower()]
@@ -89,11 +87,10 @@ class RawUpstream:
             except OSError:
                 return
             with self.lock:
-                number = self.accepted
                 self.accepted += 1
-            threading.Thread(target=self._one, args=(conn, number), daemon=True).start()
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
 
-    def _one(self, conn: socket.socket, number: int) -> None:
+    def _one(self, conn: socket.socket) -> None:
         with conn:
             buf = b""
             while True:
@@ -110,7 +107,7 @@ class RawUpstream:
                 method, target, _ = (line.split(b" ") + [b"", b""])[:3]
                 headers = [(n.strip().lower(), v.strip())
                            for n, _, v in (f.partition(b":") for f in fields)]
-                seen = Seen(method, target, headers, connection=number)
+                seen = Seen(method, target, headers)
                 lengths = seen.header(b"content-length")
                 if lengths:
                     length = int(lengths[0])
@@ -243,9 +240,3 @@ def _unchunk_prefix(data: bytes) -> tuple[bytes, int]:
 
 def status_of(head: bytes) -> int:
     return int(head.split(b" ", 2)[1]) if head else 0
-
-
-def read_answer(sock: socket.socket, timeout: float = 10.0) -> tuple[bytes, bytes]:
-    """One whole answer from ``sock``: its head and its body (de-chunked); (b"", b"") when
-    the connection closes before a head."""
-    return AnswerReader(sock, timeout).read()

@@ -48,18 +48,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
-import re
 import signal
 import ssl
 import time
-from dataclasses import dataclass
 from http import HTTPStatus
-from urllib.parse import urlsplit
 
 import h11
 
+from mrc_agent.agent.tools.proxy_http import (
+    HEAD_END,
+    ProxyError,
+    Upstream,
+    both_lengths,
+    descriptors_for,
+    error_body,
+    forward_headers,
+    linger,
+    raw_error,
+    split_hostport,
+)
 from mrc_agent.agent.tools.proxy_upstream import (
     CHUNK,
     MAX_HEAD,
@@ -80,50 +88,7 @@ POOL_SIZE = 64
 #: Client connections open at once, by default: nginx's ``worker_connections`` default is
 #: 512 per worker, and each proxied connection costs two descriptors (client and upstream).
 MAX_CONNECTIONS = 1024
-#: How long, and how much, of what a refused client still sends is read and dropped before
-#: its connection closes (nginx's ``lingering_time`` is 30 s; a request head or a small body
-#: arrives in well under a second).
-LINGER_S = 2.0
-LINGER_BYTES = 1 << 20
-#: The end of a head: h11 takes a bare LF as a line end, so this is where it ends a head.
-_HEAD_END = re.compile(rb"\n\r?\n")
 _timeout = getattr(asyncio, "timeout", None)
-_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te",
-                         b"transfer-encoding", b"upgrade", b"proxy-authenticate",
-                         b"proxy-authorization", b"trailer"})
-
-
-class ProxyError(ValueError):
-    """A proxy setting that cannot work (exit code 2)."""
-
-
-@dataclass(frozen=True)
-class Upstream:
-    """Where requests go: ``http(s)://host[:port]`` with no path."""
-
-    scheme: str
-    host: str
-    port: int
-
-    @classmethod
-    def parse(cls, url: str) -> Upstream:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ProxyError(f"--upstream {url!r} is not an http(s)://host[:port] URL")
-        if parts.path not in ("", "/") or parts.query or parts.fragment:
-            raise ProxyError(f"--upstream {url!r} has a path; give the origin only, the "
-                             "request's path is passed as received")
-        try:
-            port = parts.port or (443 if parts.scheme == "https" else 80)
-        except ValueError as e:
-            raise ProxyError(f"--upstream {url!r}: {e}") from None
-        return cls(parts.scheme, parts.hostname, port)
-
-    @property
-    def authority(self) -> bytes:
-        default = 443 if self.scheme == "https" else 80
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return (host if self.port == default else f"{host}:{self.port}").encode()
 
 
 class _Answer:
@@ -135,78 +100,16 @@ class _Answer:
         self.started = False
 
 
-async def _next(conn: h11.Connection, reader: asyncio.StreamReader | UpstreamConn,
-                timeout: float | None = None) -> object:
+async def _next(conn: h11.Connection, reader: asyncio.StreamReader | UpstreamConn) -> object:
     while True:
         event = conn.next_event()
         if event is not h11.NEED_DATA:
             return event
         if isinstance(reader, UpstreamConn):
             data = await reader.read()
-        elif timeout is None:
-            data = await reader.read(CHUNK)
-        elif _timeout is not None:  # Python 3.11: no task per read, as wait_for makes
-            async with _timeout(timeout):
-                data = await reader.read(CHUNK)
         else:
-            data = await asyncio.wait_for(reader.read(CHUNK), timeout)
-        conn.receive_data(data)
-
-
-def _forward_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """``headers`` less the hop-by-hop ones: those RFC 9110 §7.6.1 names and those the
-    ``Connection`` header names. ``Content-Length`` stays even when named: it frames the
-    message, which a connection option cannot undo (RFC 9110 §7.6.1 forbids naming it), and
-    dropping it would leave a body without a length."""
-    named: set[bytes] = set()
-    for name, value in headers:
-        if name == b"connection":
-            named.update(v.strip().lower() for v in value.split(b","))
-    named.discard(b"content-length")
-    return [(n, v) for n, v in headers if n not in _HOP_BY_HOP and n not in named]
-
-
-def _both_lengths(headers: list[tuple[bytes, bytes]]) -> bool:
-    """A message with ``Content-Length`` and ``Transfer-Encoding`` both: the framing a
-    request-smuggling attack relies on (RFC 9112 §6.3)."""
-    names = {n for n, _ in headers}
-    return b"content-length" in names and b"transfer-encoding" in names
-
-
-def _error_body(status: int, message: str) -> bytes:
-    kind = ("bad_gateway" if status == 502 else "server_error" if status >= 500
-            else "invalid_request_error")
-    return json.dumps({"error": {"message": message, "type": kind, "param": None,
-                                 "code": status}}).encode()
-
-
-def _raw_error(status: int, message: str) -> bytes:
-    """A whole error answer that closes the connection, written without h11: for when the
-    client's h11 state already holds a head that was never sent."""
-    body = _error_body(status, message)
-    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n" % (status, HTTPStatus(status).phrase.encode(),
-                                             len(body)) + body)
-
-
-async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """After an error answer that ends the connection: stop writing, then read and drop what
-    the client still sends, for at most :data:`LINGER_S` seconds and :data:`LINGER_BYTES`, so
-    that the close does not reset the connection before the client has read the answer
-    (nginx's ``lingering_close``)."""
-    async def drop() -> None:
-        await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
-        left = LINGER_BYTES
-        while left > 0:
             data = await reader.read(CHUNK)
-            if not data:
-                return
-            left -= len(data)
-
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(drop(), LINGER_S)
+        conn.receive_data(data)
 
 
 class Proxy:
@@ -325,7 +228,7 @@ class Proxy:
             log.warning("%d client connections, all being answered: refusing one",
                         len(self._clients))
             with contextlib.suppress(Exception):
-                writer.write(_raw_error(503, "the proxy is at its connection limit"))
+                writer.write(raw_error(503, "the proxy is at its connection limit"))
                 writer.close()
             return
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
@@ -340,7 +243,7 @@ class Proxy:
                     return
                 except h11.RemoteProtocolError as e:
                     await self._refuse(conn, writer, e.error_status_hint, str(e))
-                    await _linger(reader, writer)
+                    await linger(reader, writer)
                     return
                 finally:
                     self._waiting.pop(task, None)
@@ -382,7 +285,7 @@ class Proxy:
             # h11 bounds a head only while it is incomplete: one that arrives whole in a
             # read is measured here, with the bytes h11 holds already (a pipelined head).
             pending = conn.trailing_data[0] + data if data else conn.trailing_data[0]
-            end = _HEAD_END.search(pending, 0, MAX_HEAD + 2)
+            end = HEAD_END.search(pending, 0, MAX_HEAD + 2)
             if (end.end() if end is not None else len(pending)) > MAX_HEAD:
                 raise h11.RemoteProtocolError("the request head is over 64 KiB",
                                               error_status_hint=431)
@@ -400,7 +303,7 @@ class Proxy:
                       message: str) -> None:
         if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
-        body = _error_body(status, message)
+        body = error_body(status, message)
         with contextlib.suppress(Exception):
             writer.write(conn.send(h11.Response(
                 status_code=status, reason=HTTPStatus(status).phrase.encode(),
@@ -420,7 +323,7 @@ class Proxy:
                     if metered(request.method.decode("latin-1"), path, self.paths) else None)
         client_left = False
         try:
-            if _both_lengths(list(request.headers)):
+            if both_lengths(list(request.headers)):
                 # nginx (since 1.21.1) and Envoy (unless allow_chunked_length) refuse it with
                 # 400 and close: which length a server behind would read is the smuggler's bet.
                 if exchange is not None:
@@ -428,7 +331,7 @@ class Proxy:
                     exchange.response_body(b"", False)
                 await self._refuse(conn, writer, 400, "the request has both Content-Length "
                                    "and Transfer-Encoding")
-                await _linger(reader, writer)
+                await linger(reader, writer)
                 return False
             try:
                 up = await self._connect()
@@ -460,7 +363,7 @@ class Proxy:
                      writer: asyncio.StreamWriter, request: h11.Request, client_ip: str,
                      up: UpstreamConn, exchange: Exchange | None) -> bool:
         # Connection-named headers go first, so nothing below is rebuilt from one of them.
-        kept = _forward_headers(list(request.headers))
+        kept = forward_headers(list(request.headers))
         headers = [(n, v) for n, v in kept
                    if n not in (b"host", b"x-forwarded-for", b"x-forwarded-host",
                                 b"x-forwarded-proto")]
@@ -593,18 +496,18 @@ class Proxy:
             if isinstance(event, h11.InformationalResponse):
                 if event.status_code != 101:  # 100 Continue, 103 Early Hints; no upgrades
                     await self._send(conn, writer, h11.InformationalResponse(
-                        status_code=event.status_code, headers=_forward_headers(
+                        status_code=event.status_code, headers=forward_headers(
                             list(event.headers)), reason=event.reason))
                 continue
             if isinstance(event, h11.Response):
-                if _both_lengths(list(event.headers)):
+                if both_lengths(list(event.headers)):
                     # Which length frames it is anyone's guess: the client would get a
                     # Content-Length head over chunk framing. 502, never passed on.
                     await self._refuse(conn, writer, 502, "the upstream server's answer has "
                                        "both Content-Length and Transfer-Encoding")
                     raise UpstreamFailed
                 state.started = True
-                headers = _forward_headers(list(event.headers))
+                headers = forward_headers(list(event.headers))
                 media = next((v for n, v in event.headers if n == b"content-type"), b"")
                 start = (event.status_code, media.decode("latin-1"))
                 answer = h11.Response(status_code=event.status_code, headers=headers,
@@ -675,7 +578,7 @@ class Proxy:
         except UpstreamFailed:
             if not relay.head_sent:  # a broken first chunk: the client can still get a 502
                 with contextlib.suppress(ConnectionError):
-                    writer.write(_raw_error(502, "the upstream server's answer is malformed"))
+                    writer.write(raw_error(502, "the upstream server's answer is malformed"))
                     await writer.drain()
             raise
         finally:
@@ -712,32 +615,6 @@ class Proxy:
             raise ClientGone from e
 
 
-def split_hostport(value: str, flag: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as a pair; ProxyError when it is not one."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ProxyError(f"{flag} {value!r} is not HOST:PORT")
-    return host.strip("[]"), int(port)
-
-
-def _descriptors_for(connections: int) -> None:
-    """Raise the soft open-file limit toward what ``connections`` need (a client and an
-    upstream descriptor each, plus the pool and the metrics port), as far as the hard limit
-    allows; say so when it cannot reach it, since the cap is then the kernel's, not ours."""
-    import resource
-
-    need = 2 * connections + POOL_SIZE + 64
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < need:
-        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-    if soft != resource.RLIM_INFINITY and soft < need:
-        log.warning("open-file limit %d is below the %d that --max-connections %d needs",
-                    soft, need, connections)
-
-
 def run_proxy(listen: str, upstream: str, metrics_listen: str,
               connect_timeout: float = 10.0, drain_timeout: float = 25.0,
               head_timeout: float = 60.0, max_connections: int = MAX_CONNECTIONS) -> int:
@@ -759,7 +636,7 @@ def run_proxy(listen: str, upstream: str, metrics_listen: str,
         raise ProxyError(f"--metrics-listen {metrics_listen}: {e.strerror or e}") from None
     proxy = Proxy(up, metrics, connect_timeout=connect_timeout, head_timeout=head_timeout,
                   max_connections=max_connections)
-    _descriptors_for(max_connections)
+    descriptors_for(max_connections, POOL_SIZE)
 
     async def main() -> None:
         try:

@@ -206,11 +206,6 @@ class ChunkRelay:
         be answered 502)."""
         return not self._head
 
-    @property
-    def start_metered(self) -> bool:
-        """Whether the meter was handed the answer's status."""
-        return self._start is None
-
     def fail(self, exc: Exception) -> None:
         if not self.ended and self.error is None:
             self.error = exc
