@@ -24,6 +24,7 @@ Stage = Literal["receive", "fetch", "decode", "preprocess", "ocr", "prefill", "g
 Outcome = Literal["ok", "client_error", "overloaded", "timeout", "error"]
 ChainBreakStep = Literal["ocr", "fetch", "preprocess"]
 PreprocessPool = Literal["header", "decode"]
+MeterStage = Literal["request", "response", "finish"]
 
 #: The ``stage`` label values, in chain order.
 STAGES: tuple[str, ...] = get_args(Stage)
@@ -36,6 +37,9 @@ CHAIN_BREAK_STEPS: tuple[str, ...] = get_args(ChainBreakStep)
 #: The ``pool`` label values of ``mrc_preprocess_abandoned_threads``: the service's thread pools
 #: that parse image headers and decode images under a timeout.
 PREPROCESS_POOLS: tuple[str, ...] = get_args(PreprocessPool)
+#: The ``stage`` label values of ``mrc_meter_errors_total``: where in an exchange the OpenAI
+#: meter's own reading failed (the request body, the answer, or the exchange's end).
+METER_STAGES: tuple[str, ...] = get_args(MeterStage)
 #: Label names of ``mrc_model_info``.
 MODEL_INFO_LABELS = ("model_id", "revision", "dtype", "quantization", "device",
                      "attention_backend")
@@ -150,8 +154,14 @@ REQUEST_IMAGES = Family(
     "mrc_request_images", "histogram",
     "Images per request, as the request carried them (the resolution label is the largest's).",
     (), buckets.REQUEST_IMAGES_BUCKETS)
+METER_ERRORS = Family(
+    "mrc_meter_errors_total", "counter",
+    "Failures of the OpenAI meter's own reading of an exchange, by stage (request, response, "
+    "finish); the request was still passed on, answered and counted, without the values the "
+    "failure cost.",
+    ("stage",))
 #: Every metric of the contract, in exposition order.
 FAMILIES = (REQUEST_DURATION, TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, STAGE_DURATION,
             REQUESTS_IN_FLIGHT, REQUESTS_QUEUED, REQUESTS, PEAK_GPU_MEMORY, CACHE_LOOKUPS,
             CACHE_HITS, CHAIN_BREAKS, MODEL_INFO, QUEUE_TIME, PROMPT_TOKENS, GENERATION_TOKENS,
-            PREPROCESS_ABANDONED_THREADS, REQUEST_IMAGES)
+            PREPROCESS_ABANDONED_THREADS, REQUEST_IMAGES, METER_ERRORS)

@@ -25,6 +25,7 @@ structure, it does not validate grammar (the server that receives the body does)
 from __future__ import annotations
 
 import re
+from json.decoder import scanstring  # type: ignore[attr-defined]
 
 SKIP, COUNT, CAPTURE = 0, 1, 2
 
@@ -40,12 +41,15 @@ _KEY_LIMIT = 64
 _TOKEN = re.compile(rb"[ \t\r\n]*(?:([{}\[\]:,])|(\")|([^ \t\r\n{}\[\]:,\"]+))")
 #: UTF-8 continuation bytes: removing them leaves one byte per code point.
 _CONTINUATION = bytes(range(0x80, 0xC0))
-_ESCAPES = {ord('"'): b'"', ord("\\"): b"\\", ord("/"): b"/", ord("b"): b"\b",
-            ord("f"): b"\f", ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t"}
-_HEX = re.compile(rb"[0-9a-fA-F]{4}")
+#: A surrogate no UTF-8 can carry: one from a ``\\uD800``-``\\uDFFF`` escape left unpaired
+#: (surrogateescape's own, U+DC80-U+DCFF, stand for undecodable bytes and are kept as them).
+_LONE_SURROGATE = re.compile("[\ud800-\udc7f\udd00-\udfff]")
 #: A literal (number, true, false, null) longer than this is cut: no value the meter reads needs
 #: more, and a chunk boundary inside one carries at most this much.
 _LITERAL_LIMIT = 32
+#: Bytes of a string with escapes read in one go at first (doubling after): a short string's
+#: window stays short, a long one's grows to its length in a few steps.
+_FIRST_WINDOW = 256
 
 
 class JsonScanner:
@@ -70,6 +74,7 @@ class JsonScanner:
         self._str_is_key = False
         self._count = 0
         self._high = False  # the last character counted was a \u escape of a high surrogate
+        self._window = _FIRST_WINDOW  # bytes the next read of a string with escapes takes
         self._buf = bytearray()
         self._cut = False
         self._tokens = 0
@@ -90,6 +95,7 @@ class JsonScanner:
     # --- feeding ----------------------------------------------------------------------------
 
     def feed(self, chunk: bytes) -> None:
+        """Read the next bytes of the body."""
         if self.failed is not None or self._done or not chunk:
             return
         if self._carry:
@@ -167,6 +173,8 @@ class JsonScanner:
     def _start_string(self) -> None:
         self._in_string = True
         self._count = 0
+        self._high = False
+        self._window = _FIRST_WINDOW
         self._cut = False
         self._buf.clear()
         if self._keys and self._is_obj[-1] and self._expect_key:
@@ -208,46 +216,88 @@ class JsonScanner:
         # memory speed. The backslash is looked for only up to the closing quote.
         quote = data.find(b'"', pos, end)
         stop = data.find(b"\\", pos, end if quote < 0 else quote)
-        if stop < 0:
-            stop = quote
-        if stop < 0:
+        if stop >= 0:
+            return self._escaped_part(data, pos, end)
+        if quote < 0:
             if self._str_mode != SKIP:
                 self._take(data, pos, end)
             return end
-        if stop > pos and self._str_mode != SKIP:
-            self._take(data, pos, stop)
-        if data[stop] == 0x22:  # "
-            self._end_string()
-            return stop + 1
-        # A backslash: a two-byte escape or \uXXXX.
-        if stop + 1 >= end:
-            self._carry = data[stop:end]
-            return end
-        kind = data[stop + 1]
-        if kind == 0x75:  # u
-            if stop + 6 > end:
-                self._carry = data[stop:end]
+        if quote > pos and self._str_mode != SKIP:
+            self._take(data, pos, quote)
+        self._end_string()
+        return quote + 1
+
+    def _escaped_part(self, data: bytes, pos: int, end: int) -> int:
+        # The rest of a string that holds escapes, read by the json module's C string scanner
+        # (a Python step per escape cost 200 times a plain byte) over windows that double from
+        # _FIRST_WINDOW bytes: a short string costs a short window, a long one a few windows,
+        # and no byte is scanned twice (a search for the end ahead of the scan would run to
+        # the chunk's end for each string, and the scan again to read it).
+        window = self._window
+        while True:
+            stop = min(end, pos + window)
+            raw = data[pos:stop]
+            cut = _escape_boundary(raw)
+            # latin-1: one character per byte, so positions in the text are positions in the
+            # bytes; the escapes, all ASCII, read the same.
+            text = raw[:cut].decode("latin-1")
+            try:
+                value, after = scanstring(text + '"', 0, False)
+            except ValueError as e:
+                self.failed = ("a \\u escape without four hex digits" if "uXXXX" in str(e)
+                               else "an unknown escape in a string")
                 return end
-            digits = data[stop + 2:stop + 6]
-            if not _HEX.fullmatch(digits):
-                self.failed = "a \\u escape without four hex digits"
+            closed = after <= len(text)  # at a quote of its own, not the one added
+            if after > 1:
+                self._decoded(raw[:after - 1] if closed else raw[:cut], value)
+            if closed:
+                self._end_string()
+                return pos + after
+            if stop == end:
+                if cut < len(raw):  # an escape cut by the chunk's end waits for the next one
+                    self._carry = raw[cut:]
                 return end
-            code = int(digits, 16)
-            if self._str_mode == COUNT:
-                # A surrogate pair is one character, as json.loads makes it; a lone half is one.
-                self._count += 0 if 0xDC00 <= code <= 0xDFFF and self._high else 1
-                self._high = 0xD800 <= code <= 0xDBFF
-            elif self._str_mode == CAPTURE:
-                ch = ("\ufffd" if 0xD800 <= code <= 0xDFFF else chr(code)).encode()
-                self._take(ch, 0, len(ch))
-            return stop + 6
-        plain = _ESCAPES.get(kind)
-        if plain is None:
-            self.failed = "an unknown escape in a string"
-            return end
-        if self._str_mode == COUNT:
-            self._count += 1
-            self._high = False
-        elif self._str_mode == CAPTURE:
-            self._take(plain, 0, len(plain))
-        return stop + 2
+            pos += cut
+            window *= 2
+            self._window = window  # a long string: its next chunk starts with a long window
+
+    def _decoded(self, raw: bytes, value: str) -> None:
+        """Count or capture ``raw``, a run of a string's bytes holding escapes, whole, that
+        ``scanstring`` read (byte for character) as ``value``."""
+        mode = self._str_mode
+        if mode == COUNT:
+            # Characters as the plain path counts them (UTF-8 lead bytes), less what the
+            # escapes saved: each is one character (a surrogate pair of them one in all).
+            plain = len(raw) if raw.isascii() else len(raw.translate(None, _CONTINUATION))
+            n = plain - (len(raw) - len(value))
+            if (self._high and raw.startswith(b"\\u") and value
+                    and 0xDC00 <= ord(value[0]) <= 0xDFFF):
+                n -= 1  # the low half of a pair whose high half ended the last part
+            self._count += n
+            self._high = bool(value) and 0xD800 <= ord(value[-1]) <= 0xDBFF
+        elif mode == CAPTURE and (self._str_is_key or len(self._buf) < self.capture_limit):
+            if not raw.isascii():
+                # Bytes and escapes decoded both as UTF-8 (latin-1 could not tell them apart).
+                value, _ = scanstring(raw.decode("utf-8", "surrogateescape") + '"', 0, False)
+            # A lone surrogate escape becomes U+FFFD; an undecodable byte stays that byte.
+            data = _LONE_SURROGATE.sub("\ufffd", value).encode("utf-8", "surrogateescape")
+            self._take(data, 0, len(data))
+        elif mode == CAPTURE:
+            self._cut = True
+
+
+def _escape_boundary(raw: bytes) -> int:
+    """How many of ``raw``'s bytes (which start on an escape's boundary) end on one: all but
+    an escape cut short at the end (a last backslash, or ``\\u`` and fewer than 4 digits)."""
+    n = len(raw)
+    run = n - len(raw.rstrip(b"\\"))
+    if run % 2:
+        return n - 1
+    if run:
+        return n
+    u = raw.rfind(b"\\u", max(0, n - 5))
+    if u < 0:
+        return n
+    head = raw[:u + 1]
+    # Only a backslash left over from pairing escapes the u: an odd run ending there.
+    return u if (len(head) - len(head.rstrip(b"\\"))) % 2 else n

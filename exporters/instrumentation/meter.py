@@ -44,14 +44,18 @@ from __future__ import annotations
 
 import binascii
 import json
+import logging
 import re
 from collections.abc import Iterable
-from time import perf_counter
+from time import monotonic, perf_counter
 from typing import Any
 
 from mrc_agent.exporters.imagewalk import StructureError, walk
+from mrc_agent.exporters.instrumentation.families import MeterStage
 from mrc_agent.exporters.instrumentation.jsonscan import CAPTURE, COUNT, ITEM, SKIP, JsonScanner
 from mrc_agent.exporters.instrumentation.metrics import MRCMetrics, RequestTracker
+
+log = logging.getLogger(__name__)
 
 #: The request paths metered (a suffix match: a server under a root path is metered too).
 METERED_PATHS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions")
@@ -64,6 +68,13 @@ EVENT_LIMIT = 64 * 1024
 #: A body that arrives in one piece of at most this many bytes is parsed by ``json`` (in C, a
 #: few microseconds) instead of the incremental scan; larger or split ones stream through it.
 WHOLE_LIMIT = 64 * 1024
+#: The largest token count believed: 2**53, past which a float (a counter's value) no longer
+#: holds every whole number. No request comes near it (a million-token context is 2**20); a
+#: larger ``usage`` number is a broken or hostile upstream's, and counts as no usage at all.
+MAX_COUNT = 2**53
+#: The largest image side believed, in pixels: PNG's and TIFF's own limit (2**31 - 1). A size
+#: outside 1..MAX_SIDE (a BMP's negative width, a zero height) is a crafted header's: unknown.
+MAX_SIDE = 2**31 - 1
 #: The status a client gets counted with when it leaves before the answer ends (nginx's).
 CLIENT_CLOSED = 499
 _STATUS_FAILED = 502
@@ -117,11 +128,22 @@ def image_size(url: bytes) -> tuple[int, int] | None:
         try:
             layout = walk(data, _stop_at_size)
         except _Found as found:
-            return found.size
+            return _believable(found.size)
         except StructureError:
             return None
         if layout is None or short or pad >= 0:
-            return layout.size if layout is not None else None
+            return _believable(layout.size) if layout is not None else None
+    return None
+
+
+def _believable(size: tuple[int, int] | None) -> tuple[int, int] | None:
+    """``size`` when both sides are whole numbers from 1 to :data:`MAX_SIDE`, else None."""
+    if size is None:
+        return None
+    width, height = size
+    if (isinstance(width, int) and isinstance(height, int) and 0 < width <= MAX_SIDE
+            and 0 < height <= MAX_SIDE):
+        return width, height
     return None
 
 
@@ -217,8 +239,8 @@ class UsageScan(JsonScanner):
             return
         found = dict(_USAGE_NUMBERS.findall(body, at))
         if b"completion" in found:
-            self.completion_tokens = int(found[b"completion"])
-            self.prompt_tokens = int(found[b"prompt"]) if b"prompt" in found else None
+            self.completion_tokens = _count(found[b"completion"])
+            self.prompt_tokens = _count(found[b"prompt"]) if b"prompt" in found else None
             return
         doc = _loads(body)
         usage = doc.get("usage") if isinstance(doc, dict) else None
@@ -237,10 +259,11 @@ def _loads(body: bytes) -> Any:
 
 
 def _count(value: bytes | Any) -> int | None:
-    """A token count: a whole number >= 0 (as JSON bytes or as parsed), else None."""
+    """A token count: a whole number from 0 to :data:`MAX_COUNT` (as JSON bytes or as parsed),
+    else None: a float, a string, a boolean, NaN, an object or an unbelievable number."""
     if isinstance(value, bytes):
-        return int(value) if value.isdigit() and len(value) <= 18 else None
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        value = int(value) if value.isdigit() and len(value) <= 18 else None
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT:
         return value
     return None
 
@@ -264,7 +287,13 @@ class EventScan:
 
     def __init__(self, exchange: Exchange) -> None:
         self._x = exchange
-        self._pending = b""
+        # The unfinished event: its bytes, appended in place (a copy of the event per piece
+        # made one written a byte at a time cost its length squared), its size (counted on
+        # past EVENT_LIMIT, where the bytes are dropped) and its last 3 bytes, where an event
+        # end split by a piece boundary begins.
+        self._buf = bytearray()
+        self._size = 0
+        self._tail = b""
         self._oversize = False
         self.events = 0
         #: When the last content event was seen (``perf_counter``).
@@ -273,8 +302,13 @@ class EventScan:
         self.completion_tokens: int | None = None
         self.error = False
 
+    @property
+    def pending(self) -> int:
+        """Bytes of the unfinished event held (at most :data:`EVENT_LIMIT`)."""
+        return len(self._buf)
+
     def feed(self, chunk: bytes) -> None:
-        if (not self._pending and not self._oversize and chunk.startswith(b"data: ")
+        if (not self._size and chunk.startswith(b"data: ")
                 and chunk.find(b"\n") == len(chunk) - 2 and chunk.endswith(b"\n\n")):
             # One whole one-line event per chunk, as servers write them: the hot path.
             value = chunk[6:-2]
@@ -285,31 +319,61 @@ class EventScan:
             else:
                 self._value(value)
             return
-        data = self._pending + chunk if self._pending else chunk
-        self._pending = b""
         pos = 0
+        if self._size:
+            # An end that begins in the unfinished event's last bytes: the only place the new
+            # bytes can complete one that the earlier searches could not see.
+            tail = self._tail
+            m = _EVENT_END.search(tail + chunk[:3])
+            if m is not None and m.start() < len(tail):
+                keep = self._size - (len(tail) - m.start())
+                self._end_pending(keep)
+                pos = m.end() - len(tail)
         while True:
-            m = _EVENT_END.search(data, pos)
+            m = _EVENT_END.search(chunk, pos)
             if m is None:
                 break
-            if self._oversize:
-                self._oversize = False
-                self._content()
+            if self._size:
+                self._add(chunk[pos:m.start()])
+                self._end_pending(self._size)
             else:
-                self._event(data[pos:m.start()])
+                self._event(chunk[pos:m.start()])
             pos = m.end()
-        rest = len(data) - pos
-        if self._oversize or rest > EVENT_LIMIT:
+        if pos < len(chunk):
+            self._add(chunk[pos:] if pos else chunk)
+
+    def _add(self, piece: bytes) -> None:
+        """Append ``piece`` to the unfinished event."""
+        if not piece:
+            return
+        self._size += len(piece)
+        self._tail = (self._tail + piece[-3:])[-3:]
+        if self._size > EVENT_LIMIT:
             self._oversize = True
-        elif rest:
-            self._pending = data[pos:]
+            self._buf = bytearray()
+        elif not self._oversize:
+            self._buf += piece
+
+    def _end_pending(self, keep: int) -> None:
+        """The unfinished event ended after its first ``keep`` bytes: read it."""
+        oversize = self._oversize
+        block = bytes(self._buf[:keep]) if not oversize else b""
+        self._buf = bytearray()
+        self._size, self._tail, self._oversize = 0, b"", False
+        if oversize:
+            self._content()
+        else:
+            self._event(block)
 
     def close(self) -> None:
         if self._oversize:
             self._content()
-        elif self._pending.strip():
-            self._event(self._pending)
-        self._pending = b""
+        else:
+            block = bytes(self._buf)
+            if block.strip():
+                self._event(block)
+        self._buf = bytearray()
+        self._size, self._tail, self._oversize = 0, b"", False
 
     def _event(self, block: bytes) -> None:
         if block.startswith(b"data:") and b"\n" not in block and b"\r" not in block:
@@ -367,14 +431,26 @@ class Exchange:
     """One metered request and its answer. The transport calls, in order: :meth:`request_body`
     for each body chunk, :meth:`response_start`, :meth:`response_body` for each chunk, and always
     :meth:`finish` (``client_left`` when the client went away before the answer ended). Each
-    call costs bounded work; none raises on what it is fed."""
+    call costs bounded work; none raises.
 
-    __slots__ = ("tracker", "_t0", "_scan", "_received", "_status", "_resp", "_complete",
-                 "_finished", "_fed", "_whole", "_resp_fed", "_usage", "_held", "_resp_held")
+    The meter never fails a request: every call catches an ``Exception`` from the meter's own
+    work (a bug, or a hostile byte no test foresaw), counts it in ``mrc_meter_errors_total``
+    by stage, logs it (one warning a minute per stage, with its traceback, the rest at debug)
+    and marks the exchange :attr:`degraded`. Reading that stage stops; the exchange still
+    ends, the request is counted by its status and leaves ``mrc_requests_in_flight``. A
+    request degraded before its labels were known is counted in ``mrc_requests_total``
+    only, like a request a library user rejects before its image is decoded."""
+
+    __slots__ = ("tracker", "degraded", "_metrics", "_t0", "_scan", "_received", "_status",
+                 "_resp", "_complete", "_finished", "_fed", "_whole", "_resp_fed", "_usage",
+                 "_held", "_resp_held")
 
     def __init__(self, metrics: MRCMetrics) -> None:
+        self._metrics = metrics
         self.tracker: RequestTracker = metrics.request()
         self.tracker.__enter__()
+        #: The first stage whose reading failed (``METER_STAGES``), or None.
+        self.degraded: MeterStage | None = None
         self._t0 = perf_counter()
         self._scan: ChatRequestScan | None = ChatRequestScan()
         self._received = False
@@ -389,7 +465,70 @@ class Exchange:
         self._held: bytes | None = None
         self._resp_held: bytes | None = None
 
+    # --- the guard --------------------------------------------------------------------------
+
+    def _failed(self, stage: MeterStage) -> None:
+        """The meter's reading failed at ``stage`` (called from an ``except``): count it, log
+        it, and stop reading what that stage reads."""
+        if self.degraded is None:
+            self.degraded = stage
+        if stage == "request":
+            self._scan, self._held, self._received = None, None, True
+        elif stage == "response":
+            self._resp, self._resp_held, self._usage = None, None, None
+        try:
+            self._metrics.meter_error(stage)
+        finally:
+            _log_failure(stage)
+
     def request_body(self, chunk: bytes, more: bool) -> None:
+        """A chunk of the request body (``more``: not its last)."""
+        try:
+            self._request_body(chunk, more)
+        except Exception:
+            self._failed("request")
+
+    def response_start(self, status: int, content_type: str) -> None:
+        """The answer's status and ``Content-Type``."""
+        self._status = status  # first: the outcome needs it whatever the reading does
+        try:
+            self._response_start(status, content_type)
+        except Exception:
+            self._failed("response")
+
+    def response_body(self, chunk: bytes, more: bool) -> None:
+        """A chunk of the answer (``more``: not its last)."""
+        try:
+            self._response_body(chunk, more)
+        except Exception:
+            self._failed("response")
+        finally:
+            if not more:
+                self._complete = True  # the answer ended, whatever its reading did
+
+    def finish(self, client_left: bool = False) -> None:
+        """End the exchange: its outcome is the status when the answer ended, 499 when the
+        client left first (``client_left``), 502 when the server failed before it ended."""
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            self._read_end()
+        except Exception:
+            self._failed("finish")
+        t = self.tracker
+        try:
+            t.set_status(self._final_status(client_left))
+        finally:
+            try:
+                t.__exit__(None, None, None)
+            except Exception:
+                # The tracker counted the request and left in flight before raising.
+                self._failed("finish")
+
+    # --- the reading ------------------------------------------------------------------------
+
+    def _request_body(self, chunk: bytes, more: bool) -> None:
         scan = self._scan
         if scan is None or self._received:
             return
@@ -433,9 +572,11 @@ class Exchange:
         else:
             t.set_image(*scan.largest)
 
-    def response_start(self, status: int, content_type: str) -> None:
-        self._received_all()
-        self._status = status
+    def _response_start(self, status: int, content_type: str) -> None:
+        try:
+            self._received_all()
+        except Exception:
+            self._failed("request")  # the body's end, read late: a request stage failure
         if status >= 400:
             return
         media = content_type.split(";", 1)[0].strip().lower()
@@ -444,7 +585,7 @@ class Exchange:
         elif media == "application/json" or media.endswith("+json"):
             self._resp = UsageScan()
 
-    def response_body(self, chunk: bytes, more: bool) -> None:
+    def _response_body(self, chunk: bytes, more: bool) -> None:
         resp = self._resp
         held, self._resp_held = self._resp_held, None
         if held is not None and resp is not None:
@@ -466,16 +607,9 @@ class Exchange:
             else:
                 resp.feed(chunk)
             self._resp_fed = True
-        if not more:
-            self._complete = True
 
-    def finish(self, client_left: bool = False) -> None:
-        """End the exchange: its outcome is the status when the answer ended, 499 when the
-        client left first (``client_left``), 502 when the server failed before it ended."""
-        if self._finished:
-            return
-        self._finished = True
-        t = self.tracker
+    def _read_end(self) -> None:
+        """What the answer's end tells: the last held chunk, the tokens."""
         resp = self._resp
         held, self._resp_held = self._resp_held, None
         if held is not None and resp is not None:
@@ -486,18 +620,38 @@ class Exchange:
             resp = self._usage
         if resp is not None and (resp.prompt_tokens is not None
                                  or resp.completion_tokens is not None):
-            t.tokens(resp.completion_tokens or 0, resp.prompt_tokens,
-                     at=resp.last if isinstance(resp, EventScan) else None)
+            self.tracker.tokens(resp.completion_tokens or 0, resp.prompt_tokens,
+                                at=resp.last if isinstance(resp, EventScan) else None)
+
+    def _final_status(self, client_left: bool) -> int:
         if self._complete and self._status is not None:
-            status = self._status
+            resp = self._resp
             if isinstance(resp, EventScan) and resp.error:
-                status = max(status, _STATUS_FAILED)
-        elif client_left:
-            status = CLIENT_CLOSED
-        else:
-            status = _STATUS_FAILED  # the server failed before its answer ended
-        t.set_status(status)
-        t.__exit__(None, None, None)
+                return max(self._status, _STATUS_FAILED)
+            return self._status
+        if client_left:
+            return CLIENT_CLOSED
+        return _STATUS_FAILED  # the server failed before its answer ended
+
+
+#: When each stage's failure was last logged as a warning (``time.monotonic``).
+_last_warning: dict[str, float] = {}
+#: Seconds between warnings of one stage: a flood of crafted requests floods no log.
+WARNING_EVERY_S = 60.0
+
+
+def _log_failure(stage: str) -> None:
+    """Log the exception being handled, as a warning with its traceback at most once a minute
+    per stage, at debug otherwise."""
+    now = monotonic()
+    last = _last_warning.get(stage)
+    if last is None or now - last >= WARNING_EVERY_S:
+        _last_warning[stage] = now
+        log.warning("the OpenAI meter failed reading an exchange (%s); the request goes on, "
+                    "counted without the values this cost (mrc_meter_errors_total)", stage,
+                    exc_info=True)
+    else:
+        log.debug("the OpenAI meter failed reading an exchange (%s)", stage, exc_info=True)
 
 
 def metered(method: str, path: str, paths: Iterable[str] = METERED_PATHS) -> bool:

@@ -46,6 +46,8 @@ from mrc_agent.exporters.instrumentation.families import (
     CHAIN_BREAKS,
     GENERATION_TOKENS,
     LATENCY_OUTCOMES,
+    METER_ERRORS,
+    METER_STAGES,
     OUTCOMES,
     PEAK_GPU_MEMORY,
     PREPROCESS_ABANDONED_THREADS,
@@ -62,6 +64,7 @@ from mrc_agent.exporters.instrumentation.families import (
     TIME_PER_OUTPUT_TOKEN,
     TIME_TO_FIRST_TOKEN,
     ChainBreakStep,
+    MeterStage,
     Outcome,
     PreprocessPool,
     Stage,
@@ -131,6 +134,8 @@ class MRCMetrics:
         counters += [(CHAIN_BREAKS, (s,)) for s in CHAIN_BREAK_STEPS]
         self._prompt_tokens_id, self._generation_tokens_id = len(counters), len(counters) + 1
         counters += [(PROMPT_TOKENS, ()), (GENERATION_TOKENS, ())]
+        self._meter_error_ids = {s: len(counters) + i for i, s in enumerate(METER_STAGES)}
+        counters += [(METER_ERRORS, (s,)) for s in METER_STAGES]
         gauges: list[_Series] = [(REQUESTS_IN_FLIGHT, ()), (REQUESTS_QUEUED, ())]
         self._in_flight_id, self._queued_id = 0, 1
         self._abandoned_ids = {p: len(gauges) + i for i, p in enumerate(PREPROCESS_POOLS)}
@@ -198,6 +203,15 @@ class MRCMetrics:
         except KeyError:
             raise ValueError(f"unknown chain step {step!r}; expected one of "
                              f"{', '.join(CHAIN_BREAK_STEPS)}") from None
+        self._store.count(cid)
+
+    def meter_error(self, stage: MeterStage) -> None:
+        """Count one failure of the OpenAI meter's own reading at ``stage`` (``METER_STAGES``)."""
+        try:
+            cid = self._meter_error_ids[stage]
+        except KeyError:
+            raise ValueError(f"unknown meter stage {stage!r}; expected one of "
+                             f"{', '.join(METER_STAGES)}") from None
         self._store.count(cid)
 
     def abandoned_threads(self, pool: PreprocessPool, delta: int) -> None:
@@ -354,6 +368,20 @@ class RequestTracker:
             outcome = "ok" if et is None else _outcome_for_exception(ev)
         observations = self._obs if self._obs is not None else []
         self._obs = None
+        try:
+            increments = self._final(observations, outcome, end)
+        except Exception:
+            # Whatever this request's values did (a count no float holds), it leaves in flight
+            # and is counted: a gauge stuck one high is wrong for good.
+            m._store.finish(m._in_flight_id, m._outcome_ids[outcome], [], [])
+            raise
+        m._store.finish(m._in_flight_id, m._outcome_ids[outcome], observations, increments)
+
+    def _final(self, observations: list[tuple[int, float]], outcome: Outcome,
+               end: float) -> list[tuple[int, float]]:
+        """Add the request's observations at exit to ``observations``; its counter
+        increments."""
+        m = self._m
         if self._p is not None and self._r is not None:
             duration, ttft, tpot = m._req_ids[(self._p, self._r)]
             if outcome in LATENCY_OUTCOMES:
@@ -369,10 +397,8 @@ class RequestTracker:
             observations.append((m._queue_time_id, self._queue))
         if self._images is not None:
             observations.append((m._images_id, float(self._images)))
-        increments = [(cid, float(n)) for cid, n in ((m._prompt_tokens_id, self._n_in),
-                                                      (m._generation_tokens_id, self._n_out))
-                      if n]
-        m._store.finish(m._in_flight_id, m._outcome_ids[outcome], observations, increments)
+        return [(cid, float(n)) for cid, n in ((m._prompt_tokens_id, self._n_in),
+                                                (m._generation_tokens_id, self._n_out)) if n]
 
     @property
     def outcome(self) -> Outcome | None:
