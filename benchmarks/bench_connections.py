@@ -21,15 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from support import report, rss_mb, stop
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def _start(repo: Path) -> tuple[subprocess.Popen[str], int]:
@@ -81,7 +75,7 @@ def flood(repo: Path, n: int, hold_s: float) -> Result:
     proc, port = _start(repo)
     try:
         time.sleep(2.0)
-        rss_before = _rss_mb(proc.pid)
+        rss_before = rss_mb(proc.pid)
         socks = []
         for _ in range(n):
             try:
@@ -90,7 +84,7 @@ def flood(repo: Path, n: int, hold_s: float) -> Result:
                 break
         time.sleep(1.0)
         lat = [_scrape(port) for _ in range(int(hold_s / 0.25))]
-        rss_held = max(_rss_mb(proc.pid), 0.0)
+        rss_held = max(rss_mb(proc.pid), 0.0)
         open_at_end = sum(1 for s in socks if _still_open(s))
         for s in socks:
             s.close()
@@ -100,13 +94,12 @@ def flood(repo: Path, n: int, hold_s: float) -> Result:
         recovery = time.perf_counter() - t0
         time.sleep(1.0)
         ok = [x for x in lat if x != float("inf")]
-        return Result(rss_before, rss_held, _rss_mb(proc.pid),
+        return Result(rss_before, rss_held, rss_mb(proc.pid),
                       statistics.median(ok) * 1000 if ok else float("inf"),
                       max(ok) * 1000 if ok else float("inf"), len(lat) - len(ok), recovery,
                       open_at_end)
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop(proc, 10)
 
 
 def _still_open(s: socket.socket) -> bool:
@@ -145,10 +138,8 @@ def main() -> int:
                     f"time until /metrics answers after the flood closes {a.recovery_s:.2f} s "
                     f"against {b.recovery_s:.2f} s.")
     text = (f"# Idle-connection flood: {args.connections} connections held {args.hold:g} s\n\n"
-            + "\n".join(rows) + "\n")
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+            + "\n".join(rows))
+    report(text, args.out)
     return 0
 
 

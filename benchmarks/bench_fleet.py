@@ -41,8 +41,8 @@ from typing import Any
 
 import httpx
 import yaml
-from bench_connections import _rss_mb  # this directory, the script's own
 from support import free_port as _free_port
+from support import rss_mb, stop
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -195,7 +195,7 @@ def measure(label: str, pods: int, gpus: int, port: int, work: Path,
         res.samples_per_s = (_q(url, "prometheus_tsdb_head_samples_appended_total")
                              - appended0) / (time.monotonic() - t0)
         res.series = _q(url, 'count({job="mrc"})')  # the fleet's, not the store's own
-        res.rss_mb = _rss_mb(proc.pid)
+        res.rss_mb = rss_mb(proc.pid)
         groups = httpx.get(url + "/api/v1/rules", timeout=60).json()["data"]["groups"]
         res.rules_ms = {g["name"]: g["evaluationTime"] * 1000 for g in groups}
         res.pod_records = _q(url, 'count({__name__=~"mrc_(pod|model|service):.+"})')
@@ -211,11 +211,7 @@ def measure(label: str, pods: int, gpus: int, port: int, work: Path,
             if ms > res.query_max_ms:
                 res.query_max_ms, res.query_max_panel = ms, f"{dashboard} / {panel}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
         log.close()
         shutil.rmtree(d / "data", ignore_errors=True)
     return res

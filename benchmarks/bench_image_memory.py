@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from support import report
+
 REPO = Path(__file__).resolve().parent.parent
 
 _CHILD = r"""
@@ -108,10 +110,8 @@ def main() -> int:
             lines.append(f"- {parallel} at once: peak {ratio:.2f}x "
                          f"the baseline's; retained {(new['after'] - new['start']) * mb:.0f} MB "
                          f"vs {(old['after'] - old['start']) * mb:.0f} MB")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    text = "\n".join(lines)
+    report(text, args.out)
     return 0
 
 

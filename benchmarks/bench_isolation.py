@@ -61,6 +61,7 @@ from typing import Any
 import bcrypt
 import httpx
 from support import free_port as _free_port
+from support import report
 
 from mrc_agent.reference_service.loadgen import make_photo, percentile
 
@@ -522,11 +523,8 @@ def main() -> int:
         service.terminate()
         service.wait(30)
         svc_log.close()
-    text = _table(rows, args) + f"\nLogs: {tmp}\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    text = _table(rows, args) + f"\nLogs: {tmp}"
+    report(text, args.out)
     return 0
 
 

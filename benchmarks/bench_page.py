@@ -34,10 +34,8 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +47,7 @@ from mrc_agent.agent.core.stacks import StacksUnavailable, find_austin
 from mrc_agent.alerts.alertmanager import alertmanager_config
 from mrc_agent.alerts.build import rule_file
 from mrc_agent.alerts.config import DEFAULT
+from mrc_agent.alerts.webhook import WebhookReceiver
 
 #: The GPU busy, then idle; the target hot from HOT_AT_S: by then the series has 2.5 minutes of
 #: history, so the alert's 2-minute window is full of samples when starvation begins, as on an
@@ -86,36 +85,6 @@ def write_trace(path: Path) -> None:
                     + "\n")
 
 
-class Pager:
-    """The on-call's webhook: notes when each notification arrived."""
-
-    def __init__(self) -> None:
-        self.received: list[tuple[float, dict[str, Any]]] = []
-        received = self.received
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
-                received.append((time.time(), body))
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/page"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def paged(self) -> tuple[float, dict[str, Any]] | None:
-        for at, body in self.received:
-            for alert in body.get("alerts", []):
-                if alert["labels"].get("alertname") == ALERT and alert["status"] == "firing":
-                    return at, alert
-        return None
-
-
 def spawn(args: list[str], log: Path, **kw: Any) -> subprocess.Popen[bytes]:
     with log.open("wb") as f:
         return subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, **kw)
@@ -140,7 +109,7 @@ def first_scraped(prom: str, pid: int) -> float | None:
 def measure(tmp: Path, interval: str) -> dict[str, Any]:
     trace = tmp / "gpu.jsonl"
     write_trace(trace)
-    pager = Pager()
+    pager = WebhookReceiver("/page")
     cfg = replace(DEFAULT, page_webhook_url=pager.url, ticket_webhook_url=pager.url)
     (tmp / "rules.yaml").write_text(yaml.safe_dump(rule_file(cfg)))
     (tmp / "am.yaml").write_text(yaml.safe_dump(alertmanager_config(cfg)))
@@ -186,7 +155,7 @@ def measure(tmp: Path, interval: str) -> dict[str, Any]:
         marks: dict[str, float] = {}
         deadline = time.monotonic() + HOT_AT_S + PAGE_TIMEOUT_S
         next_alerts = 0.0
-        while time.monotonic() < deadline and pager.paged() is None:
+        while time.monotonic() < deadline and not pager.arrivals(ALERT):
             if "flagged" not in marks and starved_now(agent_url + "/metrics", target.pid):
                 marks["flagged"] = time.time()
             if time.monotonic() >= next_alerts:
@@ -196,7 +165,7 @@ def measure(tmp: Path, interval: str) -> dict[str, Any]:
                     if a["labels"].get("alertname") == ALERT:
                         marks.setdefault(a["state"], time.time())
             time.sleep(0.1)
-        paged = pager.paged()
+        paged = next(iter(pager.arrivals(ALERT)), None)
         if paged is None or not onset_file.exists():
             raise SystemExit(f"no page within {PAGE_TIMEOUT_S:g} s of the onset")
         marks["paged"] = paged[0]
@@ -214,7 +183,7 @@ def measure(tmp: Path, interval: str) -> dict[str, Any]:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
-        pager.server.shutdown()
+        pager.stop()
 
 
 def seconds(text: str) -> float:

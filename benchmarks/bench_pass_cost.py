@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from support import report
+
 from mrc_agent.agent.core.config import AgentConfig, validate
 from mrc_agent.agent.core.wiring import build_runner, make_sources
 from mrc_agent.agent.tools.tracegen import write_trace
@@ -97,11 +99,8 @@ def main() -> int:
               "platform's wake-up penalty, which the agent pays like any thread that sleeps.", "",
               f"Machine: {os.cpu_count()} cores, {platform.machine()}, Python "
               f"{platform.python_version()}, kernel {platform.release()}."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    text = "\n".join(lines)
+    report(text, args.out)
     return 0
 
 

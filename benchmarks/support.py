@@ -1,6 +1,6 @@
-"""What the benchmarks share: a free loopback port, waiting for a server to answer, and writing
-the report. Imported as ``support``: a benchmark runs as ``python3 benchmarks/NAME.py``, which
-puts this folder first on ``sys.path``."""
+"""What the benchmarks share: a free loopback port, waiting for a server to answer, stopping a
+process, and writing the report. Imported as ``support``: a benchmark runs as ``python3
+benchmarks/NAME.py``, which puts this folder first on ``sys.path``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -36,8 +37,29 @@ def wait_http(url: str, what: str, timeout: float,
     raise SystemExit(f"{what} not ready within {timeout:g} s")
 
 
+def stop(proc: subprocess.Popen[Any], timeout: float = 30) -> None:
+    """Terminate ``proc`` and reap it, killing it when it outlives ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of process ``pid`` in MiB (``VmRSS``); 0 when the kernel gives none."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def report(text: str, out: Path | None) -> None:
-    """Print the report, and write it to ``out`` too when given."""
+    """Print the report, and write it to ``out`` too when given (its folder made first: the
+    default ``benchmarks/results/`` may not exist in a fresh checkout)."""
     print(text)
     if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")

@@ -58,11 +58,12 @@ def describe(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
-def find_executable(name: str, explicit: str | None = None) -> str:
+def find_executable(name: str, explicit: str | None = None, *, package: str = "") -> str:
     """A helper program: ``explicit`` when given, else the one installed beside this Python
     (a virtual environment's ``bin``, where the agent's extras put it), else the first on
     ``PATH``. FileNotFoundError says which was missing: ``NAME not found at PATH`` or
-    ``NAME is not installed``."""
+    ``NAME is not installed``, the latter with how to install it when ``package`` names the
+    PyPI package of the ``diagnose`` extra that brings it."""
     if explicit:
         if os.path.isfile(explicit) and os.access(explicit, os.X_OK):
             return explicit
@@ -72,5 +73,7 @@ def find_executable(name: str, explicit: str | None = None) -> str:
         return beside
     found = shutil.which(name)
     if found is None:
-        raise FileNotFoundError(f"{name} is not installed")
+        # Only when nothing was named: a wrong explicit path is a typo, not a missing install.
+        hint = f" (pip install 'mrc-agent[diagnose]' or pip install {package})" if package else ""
+        raise FileNotFoundError(f"{name} is not installed{hint}")
     return found

@@ -1,4 +1,5 @@
-"""Real Prometheus, real Alertmanager and a webhook receiver on loopback, for end-to-end tests.
+"""Real Prometheus and real Alertmanager on loopback, for end-to-end tests (the webhook receiver
+they page is :mod:`mrc_agent.alerts.webhook`, which a benchmark shares).
 
 Everything binds to 127.0.0.1 on free ports, keeps its state in a temporary directory, and is
 stopped by the owner (the fixtures call ``stop()`` in their teardown).
@@ -6,7 +7,7 @@ stopped by the owner (the fixtures call ``stop()`` in their teardown).
 
 from __future__ import annotations
 
-import json
+import asyncio
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from typing import Any
 import httpx
 import yaml
 
+from tests.conftest import AgentProcess
+from tests.integration.test_service import Service
 from tests.support import free_port
 
 
@@ -31,6 +34,31 @@ def replay_trace(tmp: Path, pattern: str, gpus: int = 1, duration: float = 20) -
                          cwd=Path(__file__).resolve().parents[1], timeout=60)
     path.write_text(out.stdout)
     return path
+
+
+def watched_service(tmp: Path, stack: list[Any]) -> tuple[Service, AgentProcess]:
+    """The reference service and an agent watching it with every GPU source (a replayed busy
+    trace of two GPUs with NVML, GPM and profiling fields). Each is appended to ``stack`` as it
+    starts, so the caller's teardown stops what did start when a later one fails."""
+    service = Service(tmp, "--max-queue", "64")
+    stack.append(service)
+    agent = AgentProcess("--pid", str(service.proc.pid), "--interval", "0.5",
+                         "--gpu-backend", f"replay:{replay_trace(tmp, 'busy', 2)}",
+                         "--collector", "profiling")
+    stack.append(agent)
+    return service, agent
+
+
+def put_load(url: str, duration: float, seed: int) -> None:
+    """The load generator against the service at ``url``: 4 requests a second for ``duration``
+    seconds, on a thread of its own (the caller may run an event loop), waited for at most
+    two minutes."""
+    from mrc_agent.reference_service.loadgen import run_load
+
+    thread = threading.Thread(target=lambda: asyncio.run(run_load(
+        url, rate=4.0, duration=duration, max_new_tokens=4, seed=seed)), daemon=True)
+    thread.start()
+    thread.join(120)
 
 
 def require(binary: str) -> str:
@@ -69,37 +97,6 @@ class _Proc:
 
     def text_log(self) -> str:
         return self.log_path.read_text(errors="replace")
-
-
-class Webhook:
-    """Collects Alertmanager webhook notifications."""
-
-    def __init__(self) -> None:
-        self.notifications: list[dict[str, Any]] = []
-        received = self.notifications
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                length = int(self.headers.get("Content-Length", "0"))
-                received.append(json.loads(self.rfile.read(length)))
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def alerts(self, name: str, status: str = "firing") -> list[dict[str, Any]]:
-        return [a for n in self.notifications for a in n.get("alerts", [])
-                if a["labels"].get("alertname") == name and a["status"] == status]
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 class Alertmanager(_Proc):

@@ -1,5 +1,5 @@
-"""What many tests share: a clock the test moves by hand, a free loopback port, and a
-collector's view of one pass."""
+"""What many tests share: a clock the test moves by hand, a free loopback port, three GPUs'
+identities, and a collector's view of one pass."""
 
 from __future__ import annotations
 
@@ -20,6 +20,11 @@ from mrc_agent.agent.core.sample import Sample
 from mrc_agent.agent.core.targets import Target
 
 T = TypeVar("T")
+
+#: Three GPUs of one H200 node, for the collectors' logic tests.
+GPU0 = GPUIdentity(0, "GPU-a", "NVIDIA H200")
+GPU1 = GPUIdentity(1, "GPU-b", "NVIDIA H200")
+GPU2 = GPUIdentity(2, "GPU-c", "NVIDIA H200")
 
 
 class Clock:

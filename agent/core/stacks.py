@@ -68,11 +68,9 @@ def find_austin(explicit: str | None = None) -> str:
     """The austin executable (:func:`~mrc_agent.exporters.files.find_executable`: explicit,
     beside this Python from the ``diagnose`` extra's ``austin-dist``, or on ``PATH``)."""
     try:
-        return find_executable("austin", explicit)
+        return find_executable("austin", explicit, package="austin-dist")
     except FileNotFoundError as e:
-        hint = "" if explicit else (" (pip install 'mrc-agent[diagnose]' or pip install "
-                                    "austin-dist)")
-        raise StacksUnavailable("missing", f"{e}{hint}") from None
+        raise StacksUnavailable("missing", str(e)) from None
 
 
 def module_of(path: str) -> str:

@@ -41,9 +41,9 @@ from mrc_agent.alerts.unit_tests import (
     nvlink,
     promtool_tests,
 )
+from tests.conftest import REPO
 from tests.support import free_port
 
-REPO = Path(__file__).resolve().parents[2]
 GENERATED = REPO / "alerts" / "generated"
 RUNBOOKS = REPO / "docs" / "runbooks"
 UNIT_TESTS = REPO / "alerts" / "tests"

@@ -14,8 +14,6 @@ unit test's job (``alerts/tests/MRCProcessCPUUserSaturated.yaml``).
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -27,12 +25,19 @@ import yaml
 from mrc_agent.alerts.alertmanager import alertmanager_config
 from mrc_agent.alerts.build import rule_file
 from mrc_agent.alerts.config import DEFAULT, Config
+from mrc_agent.alerts.webhook import WebhookReceiver
 from mrc_agent.dashboards.build import all_queries, template_queries
 from mrc_agent.dashboards.queries import substitute_macros
 from tests.conftest import BUSY, AgentProcess, Procs
 from tests.e2e.test_stacks_e2e import PANEL as STACKS_PANEL
-from tests.e2e_harness import Alertmanager, Prometheus, Webhook, replay_trace, wait_until
-from tests.integration.test_service import Service
+from tests.e2e_harness import (
+    Alertmanager,
+    Prometheus,
+    put_load,
+    replay_trace,
+    wait_until,
+    watched_service,
+)
 
 #: The CPU-saturation line the paging test builds its rules with: what a busy loop certainly
 #: holds in every 0.5 s sampling window however loaded the machine is (a tenth of a core, five
@@ -50,7 +55,7 @@ def _config(webhook: str) -> Config:
 @dataclass
 class Paging:
     prometheus: Prometheus
-    webhook: Webhook
+    webhook: WebhookReceiver
     started: float  # when the agent's first sample of the spinner was scraped
 
 
@@ -60,7 +65,7 @@ def paging(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Paging]:
     rules page at ``CPU_LINE`` of a core, which the spinner holds however loaded the machine."""
     tmp = tmp_path_factory.mktemp("e2e-paging")
     procs = Procs()
-    webhook = Webhook()
+    webhook = WebhookReceiver()
     stack: list[Any] = []
     try:
         cfg = _config(webhook.url)
@@ -135,24 +140,14 @@ def test_low_nvlink_trace_pages_oncall(paging: Paging) -> None:
 def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
     """The reference service under the load generator, an agent watching it with every GPU
     source (a replayed busy trace with NVML, GPM and profiling fields), both scraped."""
-    from mrc_agent.reference_service.loadgen import run_load
-
     tmp = tmp_path_factory.mktemp("e2e-dash")
     stack: list[Any] = []
     try:
-        service = Service(tmp, "--max-queue", "64")
-        stack.append(service)
-        agent = AgentProcess("--pid", str(service.proc.pid), "--interval", "0.5",
-                             "--gpu-backend", f"replay:{replay_trace(tmp, 'busy', 2)}",
-                             "--collector", "profiling")
-        stack.append(agent)
+        service, agent = watched_service(tmp, stack)
         prom = Prometheus(tmp / "prom", {"agent": [f"127.0.0.1:{agent.port}"],
                                          "service": [f"127.0.0.1:{service.port}"]})
         stack.append(prom)
-        load = threading.Thread(target=lambda: asyncio.run(run_load(
-            service.url, rate=4.0, duration=40.0, max_new_tokens=4, seed=3)), daemon=True)
-        load.start()
-        load.join(120)
+        put_load(service.url, 40.0, seed=3)
         time.sleep(3)  # the last answers scraped
         yield prom
     finally:

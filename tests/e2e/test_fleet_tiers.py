@@ -13,8 +13,6 @@ differ only by the cluster's external label, which is exactly what must keep the
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,10 +23,9 @@ import yaml
 
 from mrc_agent.dashboards.build import all_queries
 from mrc_agent.dashboards.queries import substitute_macros
-from tests.conftest import REPO, AgentProcess
+from tests.conftest import REPO
 from tests.e2e.test_stacks_e2e import PANEL as STACKS_PANEL
-from tests.e2e_harness import Prometheus, replay_trace, wait_until
-from tests.integration.test_service import Service
+from tests.e2e_harness import Prometheus, put_load, wait_until, watched_service
 
 pytestmark = pytest.mark.prometheus
 
@@ -72,17 +69,10 @@ def _central_config() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def central(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
-    from mrc_agent.reference_service.loadgen import run_load
-
     tmp = tmp_path_factory.mktemp("fleet")
     stack: list[Any] = []
     try:
-        service = Service(tmp, "--max-queue", "64")
-        stack.append(service)
-        agent = AgentProcess("--pid", str(service.proc.pid), "--interval", "0.5",
-                             "--gpu-backend", f"replay:{replay_trace(tmp, 'busy', 2)}",
-                             "--collector", "profiling")
-        stack.append(agent)
+        service, agent = watched_service(tmp, stack)
         store = Prometheus(tmp / "central", {}, config=_central_config(), mode="receiver")
         stack.append(store)
         for cluster in CLUSTERS:
@@ -90,10 +80,7 @@ def central(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
                 tmp / cluster, {}, mode="agent",
                 config=_node_config(cluster, f"127.0.0.1:{agent.port}",
                                     f"127.0.0.1:{service.port}", store.url)))
-        load = threading.Thread(target=lambda: asyncio.run(run_load(
-            service.url, rate=4.0, duration=25.0, max_new_tokens=4, seed=5)), daemon=True)
-        load.start()
-        load.join(120)
+        put_load(service.url, 25.0, seed=5)
         # Every cluster's last scrapes written and evaluated centrally.
         wait_until(lambda: set(_clusters(store, "mrc_model:requests:rate5m")) == set(CLUSTERS), 30,
                    what="both clusters' samples recorded centrally")

@@ -20,8 +20,8 @@ from mrc_agent.alerts.config import DEFAULT
 from mrc_agent.alerts.engine_tests import MINUTES, fixtures, series
 from mrc_agent.dashboards.build import build_all
 from mrc_agent.dashboards.queries import substitute_macros
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 ROW = "Engine view beside the client's"
 COMPARE = "Time to first token: client and engine P50/P99"
 GAP = "Time to first token outside the engine (mean)"

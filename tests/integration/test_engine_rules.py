@@ -29,8 +29,7 @@ from mrc_agent.alerts.engines import (
     EngineQueries,
     markdown_table,
 )
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO
 
 #: A raw engine metric in a rule: vLLM's and SGLang's ``engine:name``, TGI's ``tgi_name``.
 _RAW = re.compile(r"\b((?:vllm|sglang):[a-z_]+|tgi_[a-z_]+)\b")

@@ -211,7 +211,7 @@ def test_a_jpeg_shorter_than_its_header_claims_is_422(service: Service) -> None:
     assert r.json()["error"]["code"] == "image_truncated"
 
 
-# -- issue 19: a hostile input costs only itself -----------------------------------------------
+# -- isolation: a hostile input costs only itself ---------------------------------------------
 
 
 def test_good_requests_succeed_while_crafted_headers_arrive(cache_dir: Path) -> None:

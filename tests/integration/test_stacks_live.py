@@ -24,10 +24,7 @@ from mrc_agent.agent.core.collectors.stacks import (
     FUNCTION_SECONDS,
     StacksCollector,
 )
-from mrc_agent.agent.core.hw.base import GPUIdentity
-from tests.support import pass_view
-
-GPU0 = GPUIdentity(0, "GPU-a", "NVIDIA H200")
+from tests.support import GPU0, pass_view
 
 PROGRAM = textwrap.dedent("""\
     import sys, time

@@ -1,6 +1,6 @@
 """The profiling source against the PM-sampling sets real chips offer (tests/data/cupti_sets,
 read out of libcupti.so.13 13.4.92 and 13.5.25): what it configures, in what unit it counts
-DRAM reads, and what the collector then says (issue 22, N1)."""
+DRAM reads, and what the collector then says."""
 
 from __future__ import annotations
 

@@ -36,8 +36,8 @@ from mrc_agent.dashboards.queries import (
     substitute_macros,
 )
 from mrc_agent.dashboards.validate import SCHEMA_DIR, validate
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 GENERATED = REPO / "dashboards" / "generated"
 SHARED_SCHEMA = REPO.parent / "shared" / "grafana-schema"
 

@@ -18,10 +18,7 @@ from mrc_agent.agent.core.collectors.derived import (
     Starvation,
 )
 from mrc_agent.agent.core.hw.base import GPUIdentity
-from tests.support import pass_view, published
-
-GPU0 = GPUIdentity(0, "GPU-a", "NVIDIA H200")
-GPU1 = GPUIdentity(1, "GPU-b", "NVIDIA H200")
+from tests.support import GPU0, GPU1, pass_view, published
 
 
 def test_idle_windows_are_measured_from_first_idle_to_first_busy_point() -> None:

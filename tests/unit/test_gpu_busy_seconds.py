@@ -1,7 +1,7 @@
-"""GPU busy time as a counter (issue 21, Deliver 3): ``mrc_gpu_busy_seconds_total`` integrated
-from the utilisation samples at their own granularity, so ``rate()`` over any window gives the
-duty cycle whatever the scrape interval, where a utilisation gauge scraped every 15-60 s shows
-only the instants the scrapes land on."""
+"""GPU busy time as a counter: ``mrc_gpu_busy_seconds_total`` integrated from the utilisation
+samples at their own granularity, so ``rate()`` over any window gives the duty cycle whatever
+the scrape interval, where a utilisation gauge scraped every 15-60 s shows only the instants
+the scrapes land on."""
 
 from __future__ import annotations
 
@@ -10,11 +10,9 @@ import math
 import pytest
 
 from mrc_agent.agent.core.collectors.derived import DerivedCollector, IdleTracker
-from mrc_agent.agent.core.hw.base import GPUIdentity
 from mrc_agent.agent.core.sample import Sample
-from tests.support import pass_view
+from tests.support import GPU0, pass_view
 
-GPU0 = GPUIdentity(0, "GPU-a", "NVIDIA H200")
 #: NVML's utilisation sample period on datacenter parts.
 PERIOD = 1 / 6
 

@@ -9,6 +9,7 @@ import pynvml
 import pytest
 
 from mrc_agent.agent.core.hw.base import SourceUnavailable
+from mrc_agent.agent.core.hw.nvml import NvmlBackend
 from mrc_agent.agent.tools.simgpu.nvml import gpu
 from tests.nvml_support import (
     NVML_LOGGER,
@@ -20,6 +21,24 @@ from tests.nvml_support import (
     gpm_values,
     messages,
 )
+
+
+def _refused_twice(b: NvmlBackend) -> None:
+    """``b`` refuses GPM as unsupported, and again on the next pass: the verdict sticks (the
+    caller asserts how few NVML calls it took)."""
+    for _ in range(2):
+        with pytest.raises(SourceUnavailable) as info:
+            b.sample_gpm()
+        assert info.value.reason == "gpm_unsupported"
+
+
+def _logged_over_passes(b: NvmlBackend, caplog: pytest.LogCaptureFixture, about: str) -> list[str]:
+    """The adapter's messages containing ``about`` over three GPM passes: what is logged once
+    shows once, not once a pass."""
+    with caplog.at_level(logging.INFO, logger=NVML_LOGGER):
+        for _ in range(3):
+            b.sample_gpm()
+    return messages(caplog, about)
 
 
 def test_gpm_first_call_primes_then_reports_converted_values() -> None:
@@ -65,12 +84,7 @@ def test_gpm_only_for_capable_gpus() -> None:
 
 def test_gpm_unsupported_everywhere_is_source_unavailable() -> None:
     fake = EventNvml([gpu(index=0), gpu(index=1)])  # gpm=None: pre-Hopper
-    b = backend(fake)
-    with pytest.raises(SourceUnavailable) as info:
-        b.sample_gpm()
-    assert info.value.reason == "gpm_unsupported"
-    with pytest.raises(SourceUnavailable):
-        b.sample_gpm()
+    _refused_twice(backend(fake))
     assert fake.calls["nvmlGpmQueryDeviceSupport"] == 2  # once per GPU, then remembered
 
 
@@ -92,10 +106,7 @@ def test_gpus_without_gpm_are_each_logged_once(caplog: pytest.LogCaptureFixture)
         ]
     )
     b = backend(fake)
-    with caplog.at_level(logging.INFO, logger=NVML_LOGGER):
-        for _ in range(3):
-            b.sample_gpm()
-    assert messages(caplog, "GPM support") == [
+    assert _logged_over_passes(b, caplog, "GPM support") == [
         f"GPU 0 ({UUID0}): no GPM support",
         f"GPU 1 ({UUID1}): no GPM support",
     ]
@@ -108,11 +119,7 @@ def test_gpm_supported_device_that_will_not_sample_is_unsupported_at_once() -> N
     # E.g. MIG mode at device level: the support query says yes, sampling says NOT_SUPPORTED.
     fake = EventNvml([gpu(gpm=gpm_values(), not_supported={"nvmlGpmSampleGet"})])
     b = backend(fake)
-    with pytest.raises(SourceUnavailable) as info:
-        b.sample_gpm()
-    assert info.value.reason == "gpm_unsupported"
-    with pytest.raises(SourceUnavailable):
-        b.sample_gpm()
+    _refused_twice(b)
     assert fake.calls["nvmlGpmSampleGet"] == 1
     [g] = b.info()["gpus"]
     assert g["gpm_supported"] is False and g["unsupported"] == ["gpm"]
@@ -123,10 +130,7 @@ def test_gpm_metrics_not_supported_are_each_logged_once(caplog: pytest.LogCaptur
     del values[pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC]
     del values[pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC]
     b = backend(EventNvml([gpu(gpm=values)]))
-    with caplog.at_level(logging.INFO, logger=NVML_LOGGER):
-        for _ in range(3):
-            b.sample_gpm()
-    assert messages(caplog, "GPM metric") == [
+    assert _logged_over_passes(b, caplog, "GPM metric") == [
         f"GPU 0 ({UUID0}): GPM metric nvlink_tx_bytes_per_second not supported; leaving it absent",
         f"GPU 0 ({UUID0}): GPM metric nvlink_rx_bytes_per_second not supported; leaving it absent",
     ]

@@ -1,6 +1,5 @@
-"""Older drivers under both nvidia-ml-py versions the project declares (issue 22, F14 and N8),
-each on that version's real module: 13.615 (installed) and 12.535 (its wheel, as .ci/run
-downloads it).
+"""Older drivers under both nvidia-ml-py versions the project declares, each on that version's
+real module: 13.615 (installed) and 12.535 (its wheel, as .ci/run downloads it).
 
 * A driver without the ``_v3`` process-list entry points: 12.535's unversioned call raises
   ``NVMLError_FunctionNotFound``, 13.x's ``throwOnVersionMismatch`` turns that into

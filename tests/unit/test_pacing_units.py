@@ -48,12 +48,18 @@ def test_a_bucket_that_could_never_pass_a_request_is_refused(rate: float, burst:
         TokenBucket(rate, burst)
 
 
-def test_an_address_that_reconnects_keeps_its_debt() -> None:
-    clock = Clock()
-    budgets = AddressBudgets(rate=1, burst=2, max_keys=8, clock=clock)
-    bucket = budgets.opened("203.0.113.1")
-    for _ in range(5):
+def _spent(budgets: AddressBudgets, address: str, requests: int) -> TokenBucket:
+    """``address``'s bucket once it opened and passed ``requests`` requests, one at a time as
+    a client sends them."""
+    bucket = budgets.opened(address)
+    for _ in range(requests):
         bucket.reserve()
+    return bucket
+
+
+def test_an_address_that_reconnects_keeps_its_debt() -> None:
+    budgets = AddressBudgets(rate=1, burst=2, max_keys=8, clock=Clock())
+    bucket = _spent(budgets, "203.0.113.1", 5)
     budgets.closed("203.0.113.1")
     again = budgets.opened("203.0.113.1")
     assert again is bucket and again.reserve() == pytest.approx(4.0)
@@ -78,15 +84,10 @@ def test_an_address_is_forgotten_once_closed_with_a_full_bucket() -> None:
 
 
 def test_the_table_stays_bounded_and_drops_the_fullest_idle_addresses_first() -> None:
-    clock = Clock()
-    budgets = AddressBudgets(rate=1, burst=10, max_keys=8, clock=clock)
-    held = budgets.opened("held")
-    for _ in range(30):
-        held.reserve()
+    budgets = AddressBudgets(rate=1, burst=10, max_keys=8, clock=Clock())
+    held = _spent(budgets, "held", 30)
     for i in range(7):  # idle addresses, address i spent i + 1 tokens
-        bucket = budgets.opened(f"idle{i}")
-        for _ in range(i + 1):
-            bucket.reserve()
+        _spent(budgets, f"idle{i}", i + 1)
         budgets.closed(f"idle{i}")
     assert len(budgets) == 8
     budgets.opened("new")

@@ -1,4 +1,4 @@
-"""PCIe byte counters that cannot silently under-read (issue 22, N3).
+"""PCIe byte counters that cannot silently under-read.
 
 A 32-bit byte counter wraps every ~67 ms of a Gen5 x16 link. The agent establishes each
 counter's width from its NVML value type, reads a narrow one from a thread of its own often

@@ -11,7 +11,6 @@ from mrc_agent.agent.core.collectors.stacks import (
     FUNCTION_SECONDS,
     StacksCollector,
 )
-from mrc_agent.agent.core.hw.base import GPUIdentity
 from mrc_agent.agent.core.stacks import (
     SampleParser,
     StackSample,
@@ -20,11 +19,7 @@ from mrc_agent.agent.core.stacks import (
     function_name,
     module_of,
 )
-from tests.support import pass_view
-
-GPU0 = GPUIdentity(0, "GPU-a", "NVIDIA H200")
-GPU1 = GPUIdentity(1, "GPU-b", "NVIDIA H200")
-GPU2 = GPUIdentity(2, "GPU-c", "NVIDIA H200")
+from tests.support import GPU0, GPU1, GPU2, pass_view
 
 AUSTIN_OUTPUT = """\
 # austin: 3.7.0

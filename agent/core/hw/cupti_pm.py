@@ -336,7 +336,7 @@ class CuptiPmSampler:
             raise SourceUnavailable(self._scope_error.reason, self._scope_error.detail)
         failures = self._bring_up(lib, errors, now)
         if any(self._unneeded(dev) for dev in self._devices):
-            self._cycle()  # GPUs whose start failed for good (N9 in issue 22)
+            self._cycle()  # frees the GPUs refused for good; the rest restart this pass
             failures += self._bring_up(lib, errors, now)
         failures = [f for f in failures if f]
         running = [dev for dev in self._watched if dev.running]

@@ -39,11 +39,9 @@ def find_py_spy(explicit: str | None = None) -> str:
     beside this Python from the ``diagnose`` extra, or on ``PATH``). Raises
     PySpyError('missing')."""
     try:
-        return find_executable("py-spy", explicit)
+        return find_executable("py-spy", explicit, package="py-spy")
     except FileNotFoundError as e:
-        hint = "" if explicit else (" (pip install 'mrc-agent[diagnose]' or pip install "
-                                    "py-spy)")
-        raise PySpyError("missing", f"{e}{hint}") from None
+        raise PySpyError("missing", str(e)) from None
 
 
 def _ptrace_hint(pid: int) -> str:
