@@ -37,7 +37,6 @@ import base64
 import io
 import json
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -49,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from support import free_port, report
+from support import free_port, host, parser, report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -365,9 +364,7 @@ def bench_middleware(rounds: int, requests: int) -> list[str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer rounds (~1 min)")
-    ap.add_argument("--out", type=Path, help="also write the table here")
+    ap = parser(__doc__, "fewer rounds (~1 min)")
     ap.add_argument("--serve-upstream", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_upstream:
@@ -393,8 +390,7 @@ def main() -> int:
         "Middleware CPU per request (`time.process_time`, in process, no HTTP; a stream is the "
         f"role event, {EVENTS} content events, usage and [DONE]), {rounds * 2 + 1} rounds:",
         "", *mw, "",
-        f"Host: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()};"
-        f" {nginx}, uvicorn {uvicorn.__version__}, starlette {starlette.__version__}, h11 "
+        f"{host()}; {nginx}, uvicorn {uvicorn.__version__}, starlette {starlette.__version__}, h11 "
         f"{h11.__version__}. The clients, the upstream and the proxy share the machine's cores.",
     ])
     report(text, args.out)

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -41,7 +39,7 @@ from typing import Any
 
 import httpx
 import yaml
-from support import free_port, report, wait_http
+from support import free_port, host, report, wait_http
 
 from mrc_agent.agent.core.stacks import StacksUnavailable, find_austin
 from mrc_agent.alerts.alertmanager import alertmanager_config
@@ -232,8 +230,7 @@ def render(result: dict[str, Any], interval: str) -> str:
                                                result["description"] else "none"),
               f"- The stacks collector {'ran' if result['stacks'] else 'did not run (no austin)'}"
               "; with it the description names the function the hottest thread ran.",
-              "", f"Host: {platform.machine()}, {os.cpu_count()} CPUs, Python "
-              f"{platform.python_version()}."]
+              "", f"{host()}."]
     return "\n".join(lines)
 
 

@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import itertools
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,7 @@ import time
 from pathlib import Path
 
 import httpx
-from support import free_port, report, wait_http
+from support import free_port, host, report, wait_http
 
 from mrc_agent.reference_service.loadgen import make_photo
 
@@ -167,8 +166,7 @@ def main() -> int:
         f"- agent CPU: {base_c * 100:.2f} % of a core without, {with_c * 100:.2f} % with: "
         f"{more * 100:+.2f} points (goal <= {GOAL_CORE * 100:g}: "
         f"{'met' if more <= GOAL_CORE else 'NOT met'})",
-        "", f"Host: {platform.machine()}, {os.cpu_count()} CPUs, Python "
-        f"{platform.python_version()}. The clients, the service and the agent share the cores.",
+        "", f"{host()}. The clients, the service and the agent share the cores.",
     ])
     report(text, args.out)
     return 0

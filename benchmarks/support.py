@@ -4,6 +4,9 @@ benchmarks/NAME.py``, which puts this folder first on ``sys.path``."""
 
 from __future__ import annotations
 
+import argparse
+import os
+import platform
 import socket
 import subprocess
 import time
@@ -54,6 +57,21 @@ def rss_mb(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return 0.0
+
+
+def parser(doc: str | None, quick: str) -> argparse.ArgumentParser:
+    """A benchmark's command line: its docstring's first paragraph, ``--quick`` (``quick``
+    says what it cuts) and ``--out`` (the report also written there)."""
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help=quick)
+    ap.add_argument("--out", type=Path, help="also write the table here")
+    return ap
+
+
+def host() -> str:
+    """The report's host line: processor architecture, cores, Python."""
+    return (f"Host: {platform.machine()}, {os.cpu_count()} CPUs, Python "
+            f"{platform.python_version()}")
 
 
 def report(text: str, out: Path | None) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from time import perf_counter
 from types import TracebackType
@@ -198,20 +198,19 @@ class MRCMetrics:
 
     def chain_break(self, step: ChainBreakStep) -> None:
         """Count an intermediate step that failed or gave nothing usable (``CHAIN_BREAK_STEPS``)."""
-        try:
-            cid = self._break_ids[step]
-        except KeyError:
-            raise ValueError(f"unknown chain step {step!r}; expected one of "
-                             f"{', '.join(CHAIN_BREAK_STEPS)}") from None
-        self._store.count(cid)
+        self._count_named(self._break_ids, step, "chain step")
 
     def meter_error(self, stage: MeterStage) -> None:
         """Count one failure of the OpenAI meter's own reading at ``stage`` (``METER_STAGES``)."""
+        self._count_named(self._meter_error_ids, stage, "meter stage")
+
+    def _count_named(self, ids: Mapping[str, int], name: str, what: str) -> None:
+        """Count the series of label value ``name`` in ``ids`` (ValueError for another)."""
         try:
-            cid = self._meter_error_ids[stage]
+            cid = ids[name]
         except KeyError:
-            raise ValueError(f"unknown meter stage {stage!r}; expected one of "
-                             f"{', '.join(METER_STAGES)}") from None
+            raise ValueError(f"unknown {what} {name!r}; expected one of "
+                             f"{', '.join(ids)}") from None
         self._store.count(cid)
 
     def abandoned_threads(self, pool: PreprocessPool, delta: int) -> None:

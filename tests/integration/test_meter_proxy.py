@@ -37,14 +37,6 @@ SMALL, MID, LARGE = data_url(640, 480), data_url(1600, 1200), data_url(3000, 200
 REMOTE = "https://images.example/cat.jpg"
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[tuple[FakeEngine, ServerThread]]:
-    fake = FakeEngine()
-    server = ServerThread(fake.app())
-    yield fake, server
-    server.stop()
-
-
 @pytest.fixture
 def proxy(engine: tuple[FakeEngine, ServerThread]) -> Iterator[ProxyThread]:
     p = ProxyThread(engine[1].url)

@@ -59,14 +59,6 @@ def _metered(app: Starlette) -> tuple[Starlette, CollectorRegistry]:
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[tuple[FakeEngine, ServerThread]]:
-    fake = FakeEngine()
-    server = ServerThread(fake.app())
-    yield fake, server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def wrapped() -> Iterator[tuple[FakeEngine, ServerThread, CollectorRegistry]]:
     fake = FakeEngine()
     app, reg = _metered(fake.app())
