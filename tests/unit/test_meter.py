@@ -162,6 +162,17 @@ def test_the_largest_image_decides_and_an_unknown_one_makes_it_unknown() -> None
     assert s.prompt_chars == 13
 
 
+@pytest.mark.parametrize("order", [(0, 1, 2), (1, 0, 2), (2, 0, 1), (0, 2, 1)])
+def test_the_largest_image_is_by_pixels_not_by_one_side(order: tuple[int, int, int]) -> None:
+    """The widest (4000x200) and the tallest (200x4000) hold 0.8 MP each; 1500x1500 holds
+    2.25 MP and decides the cell wherever it stands among them."""
+    urls = [data_url(4000, 200), data_url(1500, 1500), data_url(200, 4000)]
+    s = ChatRequestScan()
+    s.feed(json.dumps(chat("", *[urls[i] for i in order])).encode())
+    s.close()
+    assert (s.images, s.largest) == (3, (1500, 1500))
+
+
 @pytest.mark.parametrize("body", [
     json.dumps(chat("q" * 70, data_url(100, 100), data_url(2000, 1500), stream=True)),
     json.dumps(chat("", data_url(100, 100), "https://example.com/a.png")),
@@ -252,6 +263,28 @@ def test_a_stream_without_usage_counts_no_tokens_and_has_no_tpot() -> None:
     assert sum(series(v, "mrc_time_to_first_token_seconds_count")) == 1.0
     assert sum(series(v, "mrc_time_per_output_token_seconds_count")) == 0.0
     assert series(v, "mrc_generation_tokens_total") == [0.0]
+
+
+def test_a_tool_call_is_a_first_token_as_text_is() -> None:
+    """A stream whose content is a function call alone (``content`` null, then
+    ``tool_calls`` deltas, as the OpenAI API streams them) has a first token."""
+    m, reg = _metrics()
+    x = Exchange(m)
+    x.request_body(json.dumps(chat("q", stream=True, usage=False)).encode(), False)
+    x.response_start(200, "text/event-stream")
+    call = {"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "lookup", "arguments": ""}}
+    x.response_body(_events(
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "function": {"arguments": '{"q": 1}'}}]}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}, b"[DONE]"),
+        False)
+    x.finish()
+    v = _values(reg)
+    assert sum(series(v, "mrc_time_to_first_token_seconds_count")) == 1.0
+    assert series(v, "mrc_requests_total", outcome="ok") == [1.0]
 
 
 def test_a_plain_answer_records_usage_but_no_first_token() -> None:
