@@ -10,8 +10,10 @@ import math
 import pytest
 
 from mrc_agent.agent.core.collectors.derived import DerivedCollector, IdleTracker
-from mrc_agent.agent.core.sample import Sample
-from tests.support import GPU0, pass_view
+from mrc_agent.agent.core.collectors.gpu import GpuCollector
+from mrc_agent.agent.core.hw.base import DeviceSample
+from mrc_agent.agent.core.sample import HistogramValue, Sample
+from tests.support import GPU0, pass_view, run_pass
 
 #: NVML's utilisation sample period on datacenter parts.
 PERIOD = 1 / 6
@@ -109,3 +111,113 @@ def test_one_point_per_pass_stands_for_the_whole_pass() -> None:
         view = pass_view(now, util={GPU0: util}, points={GPU0: [(now, util)]})
         totals.append(busy_of(c.update(view).samples))
     assert totals == [0.0, 0.5, 1.0]
+
+
+def metric(samples: list[Sample], name: str) -> float:
+    [value] = [v for n, labels, v in samples if n == name and labels == GPU0.labels]
+    assert isinstance(value, float)
+    return value
+
+
+def windows_of(samples: list[Sample]) -> tuple[int, float]:
+    """The idle-window histogram's count and sum."""
+    [value] = [v for n, labels, v in samples
+               if n == "mrc_gpu_idle_window_seconds" and labels == GPU0.labels]
+    assert isinstance(value, HistogramValue)
+    return value.total, value.sum
+
+
+class LateBuffer:
+    """A DeviceSource whose sample buffer posts each sample ``lag`` seconds after its stamp
+    (NVML posts a period's sample once the period is over), read at ``now``; its gauge is the
+    mean of the samples of the last second (GetUtilizationRates' period on many parts)."""
+
+    def __init__(self, samples: list[tuple[float, float]], lag: float) -> None:
+        self.samples = samples
+        self.lag = lag
+        self.now = 0.0
+        self.seen = -math.inf
+
+    def sample_devices(self) -> list[DeviceSample]:
+        posted = [p for p in self.samples if p[0] + self.lag <= self.now]
+        new = [p for p in posted if p[0] > self.seen]
+        if new:
+            self.seen = new[-1][0]
+        recent = [u for t, u in posted if t > self.now - self.lag - 1.0]
+        gauge = sum(recent) / len(recent) if recent else 0.0
+        return [DeviceSample(gpu=GPU0, gpu_util=gauge, util_samples=new)]
+
+
+def agent(source: LateBuffer, passes: list[float]) -> list[list[Sample]]:
+    """The gpu and derived collectors run at each of ``passes`` on ``source``."""
+    gpu, derived, out = GpuCollector(source), DerivedCollector(), []
+    for now in passes:
+        source.now = now
+        out.append(run_pass(pass_view(now), (gpu, derived))[1])
+    return out
+
+
+def test_a_pass_without_a_new_sample_does_not_hide_the_samples_posted_after_it() -> None:
+    """The agent samples every 50 ms, faster than NVML posts (every 1/6 s, 0.1 s late): most
+    passes find nothing new. A point stamped "now" from the gauge would be newer than the
+    samples still to be posted, and they would be skipped. Every sample counts instead: busy
+    seconds are exactly those of the samples, and the 0.5 s idle windows (which a one-second
+    gauge never shows) are all seen."""
+    # 1 s of work, then two idle samples: windows of 1/3 s, which the gauge never shows.
+    samples = [(k * PERIOD, 0.0 if k % 9 in (7, 8) else 1.0) for k in range(1, 91)]
+    source = LateBuffer(samples, lag=0.1)
+    # From the first pass on the buffer holds a sample (NVML's buffer predates the agent).
+    last = agent(source, [k * 0.05 for k in range(6, 20 * 16)])[-1]
+    expected = sum(u * PERIOD for _, u in samples[1:])  # the first only starts the count
+    assert metric(last, "mrc_gpu_busy_seconds_total") == pytest.approx(expected)
+    assert windows_of(last) == (10, pytest.approx(10 * 2 * PERIOD))  # one per 1.5 s cycle
+
+
+def test_a_sample_after_a_pause_counts_its_own_period_not_the_pause() -> None:
+    """The agent (or NVML's buffer) paused 30 s: the busy sample after it was busy for its own
+    period, not for 30 s. A gap up to twice the spacing (one sample missed) still counts."""
+    tracker = IdleTracker(threshold=0.05)
+    tracker.feed([(k * PERIOD, 1.0) for k in range(13)])  # 2 s busy: spacing 1/6 s
+    assert tracker.busy_seconds == pytest.approx(2.0)
+    tracker.feed([(2.0 + 2 * PERIOD, 0.5)])  # one sample missed: counted whole
+    assert tracker.busy_seconds == pytest.approx(2.0 + PERIOD)
+    tracker.feed([(32.0, 1.0)])
+    assert tracker.busy_seconds == pytest.approx(2.0 + 2 * PERIOD)
+    tracker.feed([(32.0 + PERIOD, 1.0)])  # and the spacing is still NVML's
+    assert tracker.busy_seconds == pytest.approx(2.0 + 3 * PERIOD)
+
+
+def test_an_empty_buffer_while_the_gauge_reads_idle_is_idle_time() -> None:
+    """NVML's buffer runs dry while the GPU idles (polarsignals/gpu-metrics-agent#37): passes
+    find nothing new and the gauge reads 0. That time is idle: the counter does not move, the
+    idle window runs from where the next sample was due, and the first sample after it counts
+    its own period only. A sample posted after an idle pass, stamped before it, still counts."""
+    busy = [(k * PERIOD, 1.0) for k in range(1, 13)]  # 1/6 s .. 2 s, busy
+    resumed = [(12.0, 1.0), (12.0 + PERIOD, 1.0)]
+    late = (2.0 + PERIOD, 0.5)  # stamped before the pass at 2.25 that saw nothing new
+    script = {2.0: (busy, 1.0), 2.25: ([], 0.0), 2.5: ([late], 0.0), 7.0: ([], 0.0),
+              12.0: ([], 0.0), 12.25: (resumed, 1.0)}
+    gpu, derived = GpuCollector(Scripted(script)), DerivedCollector()
+    seen = {}
+    for now in script:
+        seen[now] = run_pass(pass_view(now), (gpu, derived))[1]
+    busy_at = {now: metric(s, "mrc_gpu_busy_seconds_total") for now, s in seen.items()}
+    idle_at = {now: metric(s, "mrc_gpu_idle_current_seconds") for now, s in seen.items()}
+    assert busy_at[2.0] == pytest.approx(11 * PERIOD)
+    assert busy_at[2.5] == pytest.approx(11.5 * PERIOD)  # the late sample counted
+    assert busy_at[7.0] == busy_at[12.0] == busy_at[2.5]  # idle, not missing
+    # Half busy: the gauge's idle at 2.25 was a moment, the window starts after the late one.
+    assert idle_at[7.0] == pytest.approx(7.0 - (2.0 + 2 * PERIOD))
+    assert busy_at[12.25] == pytest.approx(busy_at[2.5] + 2 * PERIOD)  # not + 10 s
+    assert windows_of(seen[12.25]) == (1, pytest.approx(10 - 2 * PERIOD))
+
+
+class Scripted:
+    """A DeviceSource answering, pass by pass, the new samples and the gauge it was given."""
+
+    def __init__(self, script: dict[float, tuple[list[tuple[float, float]], float]]) -> None:
+        self.answers = iter(script.values())
+
+    def sample_devices(self) -> list[DeviceSample]:
+        points, gauge = next(self.answers)
+        return [DeviceSample(gpu=GPU0, gpu_util=gauge, util_samples=list(points))]

@@ -50,10 +50,14 @@ def backend(fake: Any, clock: Clock | None = None, **kwargs: Any) -> NvmlBackend
 
 # --- PCIe byte counters ---------------------------------------------------------------------
 
+#: A count past 2^32: the counter is known 64 bits wide (below it, it is taken as 32 bits
+#: whatever type NVML names, and reads a second apart are too far apart to count).
+WIDE = 2**40
+
 
 def test_pcie_byte_counters_give_totals_and_rates_and_no_throughput_thread() -> None:
     clock = Clock()
-    fake = FakeNvml([gpu(pcie_count=counted(1_000, 50_000))])
+    fake = FakeNvml([gpu(pcie_count=counted(WIDE + 1_000, WIDE + 50_000))])
     b = NvmlBackend(lib=fake, clock=clock, wall_clock=lambda: WALL_NOW)  # thread allowed
     try:
         [s] = b.sample_devices()
@@ -61,7 +65,7 @@ def test_pcie_byte_counters_give_totals_and_rates_and_no_throughput_thread() -> 
         assert s.pcie_tx_bytes_per_second is None  # no rate from one reading
         assert s.sources["pcie"] == "byte_counters"
         clock.now += 2.0
-        fake.gpus[0]["pcie_count"] = counted(1_000 + 4_000, 50_000 + 10_000_000)
+        fake.gpus[0]["pcie_count"] = counted(WIDE + 5_000, WIDE + 50_000 + 10_000_000)
         [s] = b.sample_devices()
         assert (s.pcie_tx_bytes_total, s.pcie_rx_bytes_total) == (4_000, 10_000_000)
         assert s.pcie_tx_bytes_per_second == 2_000 and s.pcie_rx_bytes_per_second == 5_000_000
@@ -104,10 +108,10 @@ def test_pcie_counter_wrap_at_32_bits_is_undone_and_a_reset_counts_from_zero() -
 
 def test_pcie_totals_never_go_down_across_an_nvml_reinit() -> None:
     clock = Clock()
-    fake = FakeNvml([gpu(pcie_count=counted(100, 100))])
+    fake = FakeNvml([gpu(pcie_count=counted(WIDE + 100, WIDE + 100))])
     b = backend(fake, clock)
     b.sample_devices()
-    fake.gpus[0]["pcie_count"] = counted(600, 100)
+    fake.gpus[0]["pcie_count"] = counted(WIDE + 600, WIDE + 100)
     clock.now += 1
     assert b.sample_devices()[0].pcie_tx_bytes_total == 500
     fake.lose_gpu(0)
@@ -364,14 +368,14 @@ def test_pcie_counters_are_kept_per_gpu_and_a_gpu_without_them_is_asked_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     clock = Clock()
-    fake = FakeNvml([gpu(index=0), gpu(index=1, pcie_count=counted(0, 0)),
-                     gpu(index=2, pcie_count=counted(0, 0))])
+    fake = FakeNvml([gpu(index=0), gpu(index=1, pcie_count=counted(WIDE, WIDE)),
+                     gpu(index=2, pcie_count=counted(WIDE, WIDE))])
     b = backend(fake, clock)
     with caplog.at_level(logging.INFO, logger=NVML_LOGGER):
         b.sample_devices()
         clock.now += 1.0
-        fake.gpus[1]["pcie_count"] = counted(100, 200)
-        fake.gpus[2]["pcie_count"] = counted(7, 9)
+        fake.gpus[1]["pcie_count"] = counted(WIDE + 100, WIDE + 200)
+        fake.gpus[2]["pcie_count"] = counted(WIDE + 7, WIDE + 9)
         _, s1, s2 = b.sample_devices()
         b.sample_devices()
     assert (s1.pcie_tx_bytes_total, s1.pcie_rx_bytes_total) == (100, 200)
@@ -427,7 +431,7 @@ def test_unwrap_at_its_edges() -> None:
 
 def test_doctor_comparison_reads_both_directions_over_one_window() -> None:
     clock = Clock()
-    fake = FakeNvml([gpu(index=0, pcie_count=counted(1_000, 2_000)),
+    fake = FakeNvml([gpu(index=0, pcie_count=counted(WIDE + 1_000, WIDE + 2_000)),
                      gpu(index=1, not_supported={"nvmlDeviceGetPcieThroughput"}),
                      gpu(index=2)])
     b = backend(fake, clock)
@@ -435,7 +439,7 @@ def test_doctor_comparison_reads_both_directions_over_one_window() -> None:
 
     def wait(seconds: float) -> None:
         clock.now += 2.0
-        fake.gpus[0]["pcie_count"] = counted(1_000 + 600, 2_000 + 1_000)
+        fake.gpus[0]["pcie_count"] = counted(WIDE + 1_600, WIDE + 3_000)
 
     rows = b.compare_pcie(seconds=2.0, sleep=wait)
     assert rows[UUID0] == {"counter_tx": 300, "counter_rx": 500, "call_tx": 1000 * 1024,

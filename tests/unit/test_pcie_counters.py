@@ -1,9 +1,10 @@
 """PCIe byte counters that cannot silently under-read.
 
-A 32-bit byte counter wraps every ~67 ms of a Gen5 x16 link. The agent establishes each
-counter's width from its NVML value type, reads a narrow one from a thread of its own often
-enough that no wrap goes unseen, and drops (and says once) any increase the link cannot
-explain: a narrow counter read too late, or a jump larger than the link carries.
+A 32-bit byte counter wraps every ~67 ms of a Gen5 x16 link. The agent takes each counter as
+32 bits wide until it has seen a value of 2^32 or more on it, whatever NVML value type it comes
+as, reads a narrow one from a thread of its own often enough that no wrap goes unseen, and
+drops (says once, and counts in mrc_gpu_pcie_dropped_intervals_total) any increase the link
+cannot explain: a narrow counter read too late, or a jump larger than the link carries.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import threading
 import pynvml
 import pytest
 
+from mrc_agent.agent.core.attribution import MODE_ALL
+from mrc_agent.agent.core.collectors.gpu import PCIE_DROPPED, GpuCollector
 from mrc_agent.agent.core.hw.nvml import NvmlBackend
 from mrc_agent.agent.core.hw.nvml.pcie_counters import (
     FALLBACK_LINK_BYTES_PER_S,
@@ -26,6 +29,7 @@ from mrc_agent.agent.tools.simgpu.nvml import FakeNvml, gpu
 from tests.nvml_support import NVML_LOGGER as LOGGER
 from tests.nvml_support import UUID0, backend, counted
 from tests.nvml_support import FakeClock as Clock
+from tests.support import pass_view
 
 U32 = "NVML_VALUE_TYPE_UNSIGNED_INT"
 U64 = "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG"
@@ -111,8 +115,8 @@ def test_a_narrow_counter_read_too_late_is_dropped_and_said_once(
     assert said.startswith(f"GPU 0 ({UUID0}): PCIe TX byte counter went from 0 to ")
     assert "a 32-bit counter on a 64 GB/s link cannot be read from unambiguously" in said
     assert [r.getMessage() for r in caplog.records if "read every" in r.getMessage()] == [
-        f"GPU 0 ({UUID0}): PCIe byte counters are 32-bit and wrap every 67 ms at the link's "
-        "64 GB/s; read every 22 ms by their own thread"]
+        f"GPU 0 ({UUID0}): PCIe byte counters are taken as 32-bit (none seen at 2^32 yet) and "
+        "wrap every 67 ms at the link's 64 GB/s; read every 22 ms by their own thread"]
 
 
 def test_an_impossible_jump_of_a_64_bit_counter_is_dropped_not_exported(
@@ -145,7 +149,7 @@ def test_without_the_link_from_nvml_the_fastest_link_bounds_it() -> None:
 
 
 def test_the_thread_runs_for_narrow_counters_only_and_stops_at_close() -> None:
-    wide = NvmlBackend(lib=FakeNvml([gpu(pcie_count=counted(0, 0, U64))]))
+    wide = NvmlBackend(lib=FakeNvml([gpu(pcie_count=counted(2**40, 2**40, U64))]))
     narrow_fake = FakeNvml([gpu(pcie_count=counted(0, 0, U32))])
     narrow = NvmlBackend(lib=narrow_fake)
     try:
@@ -198,3 +202,129 @@ def test_an_unknown_value_type_is_no_attribute_error_on_either_library() -> None
     assert not hasattr(old, "NVML_VALUE_TYPE_UNSIGNED_SHORT")
     with pytest.raises(HardwareError, match="unknown value type 6"):
         union_value(old, 6, old.c_nvmlValue_t())
+
+
+def _narrow_run(value_type: str, cast: int = 0) -> tuple[float, float, float]:
+    """A second of host->device copies at :data:`RATE` on a counter the driver keeps in 32
+    bits that NVML hands back as ``value_type``, read every 20 ms by the narrow thread's
+    rounds. ``cast``: a negative 32-bit value comes back sign-extended to 64 bits this way
+    (the fake stores it in ``ullVal``). (true bytes, TX total, RX total)."""
+    def kept(n: float) -> int:
+        low = int(n) % 2**32
+        return low - 2**32 + cast if cast and low >= 2**31 else low
+
+    clock = Clock()
+    fake = FakeNvml([gpu(pcie_count=counted(0, 0, value_type))])
+    b = backend(fake, clock=clock)
+    b.sample_devices()
+    assert b._pcie_counters.narrow(UUID0)  # below 2^32 so far: taken as 32 bits wide
+    true = 0.0
+    for _ in range(50):
+        clock.now += 0.02
+        true += RATE * 0.02
+        fake.gpus[0]["pcie_count"] = counted(kept(true), kept(true / 2), value_type)
+        b._narrow.run_round()
+    [s] = b.sample_devices()
+    assert s.pcie_tx_bytes_total is not None and s.pcie_rx_bytes_total is not None
+    return true, s.pcie_tx_bytes_total, s.pcie_rx_bytes_total
+
+
+def test_a_32_bit_counter_nvml_types_as_64_bit_wraps_and_is_counted_right() -> None:
+    # Before: typed 64-bit, no thread read it and each wrap looked like a restart.
+    true, tx, rx = _narrow_run(U64)
+    assert true > 12 * 2**32
+    assert (tx, rx) == (int(true), int(true / 2))
+
+
+@pytest.mark.parametrize(("value_type", "cast"), [
+    ("NVML_VALUE_TYPE_SIGNED_INT", 0),  # past 2^31 the int reads negative
+    ("NVML_VALUE_TYPE_SIGNED_LONG_LONG", 0),
+    ("NVML_VALUE_TYPE_SIGNED_LONG_LONG", 2**64),  # an int sign-extended to a long long
+])
+def test_a_32_bit_counter_in_a_signed_type_is_counted_right(value_type: str, cast: int) -> None:
+    true, tx, rx = _narrow_run(value_type, cast)
+    assert (tx, rx) == (int(true), int(true / 2))
+
+
+def test_a_counter_seen_at_2_32_or_more_is_wide_from_then_on() -> None:
+    clock = Clock()
+    fake = FakeNvml([gpu(pcie_count=counted(2**32 - 10, 5, U64))])
+    b = backend(fake, clock=clock)
+    b.sample_devices()
+    assert b._pcie_counters.narrow(UUID0)
+    clock.now += 0.01
+    fake.gpus[0]["pcie_count"] = counted(2**32 + 90, 5, U64)  # past 2^32: 64 bits wide
+    b.sample_devices()
+    assert b._pcie_counters.narrow(UUID0)  # RX not yet
+    clock.now += 1.0
+    fake.gpus[0]["pcie_count"] = counted(2**32 + 1e9, 2**33, U64)
+    [s] = b.sample_devices()
+    assert not b._pcie_counters.narrow(UUID0) and b._pcie_counters.narrow_period() is None
+    assert s.pcie_tx_bytes_total == 100 + 1e9 - 90  # a second apart, and kept: 64 bits
+    assert s.pcie_rx_bytes_total == 2**33 - 5
+
+
+def _dropped(b: NvmlBackend) -> dict[tuple[str, str], float]:
+    """``mrc_gpu_pcie_dropped_intervals_total`` as the gpu collector emits it, by
+    (direction, reason)."""
+    out = GpuCollector(b, MODE_ALL).update(pass_view()).samples
+    return {labels[-2:]: value for name, labels, value in out  # type: ignore[misc]
+            if name == PCIE_DROPPED.name}
+
+
+def test_every_dropped_interval_is_counted_by_direction_and_reason() -> None:
+    clock = Clock()
+    fake = FakeNvml([gpu(pcie_count=counted(0, 0, U32))])
+    b = backend(fake, clock=clock)
+    zero = {(d, r): 0.0 for d in ("tx", "rx") for r in ("gap", "impossible")}
+    assert _dropped(b) == zero  # every series from the first read, at 0
+    true = 0.0
+    for n in (1, 2):  # the narrow thread stopped: reads a second apart, twice
+        clock.now += 1.0
+        true += RATE
+        fake.gpus[0]["pcie_count"] = counted(true, true, U32)
+        assert _dropped(b) == zero | {("tx", "gap"): n, ("rx", "gap"): n}
+    clock.now += 0.02  # the thread's pace again: nothing more is dropped
+    fake.gpus[0]["pcie_count"] = counted(true + RATE * 0.02, true + RATE * 0.02, U32)
+    assert _dropped(b)[("tx", "gap")] == 2
+
+
+def test_an_impossible_jump_is_counted_apart_from_a_gap() -> None:
+    clock = Clock()
+    fake = FakeNvml([gpu(pcie_count=counted(2**40, 2**40, U64))])
+    b = backend(fake, clock=clock)
+    b.sample_devices()
+    clock.now += 1.0
+    fake.gpus[0]["pcie_count"] = counted(2**40 + 5e9, 2**40 + 2**60, U64)
+    [s] = b.sample_devices()
+    assert s.pcie_dropped_intervals[("rx", "impossible")] == 1
+    assert sum(s.pcie_dropped_intervals.values()) == 1
+
+
+def test_the_throughput_call_gpu_has_no_dropped_series() -> None:
+    assert _dropped(backend(FakeNvml([gpu()]))) == {}
+
+
+def test_the_link_bound_takes_the_device_max_generation_and_16_lanes() -> None:
+    # A VM that says Gen3 x4 of an H200 (Gen5 x16): 4 GB/s would make real traffic impossible.
+    link = {"tx_kb_per_s": 0, "rx_kb_per_s": 0, "replays": 0, "max_link_generation": 3,
+            "max_link_width": 4, "gpu_max_link_generation": 5}
+    clock = Clock()
+    fake = FakeNvml([gpu(pcie=link, pcie_count=counted(0, 0, U32))])
+    b = backend(fake, clock=clock)
+    b.sample_devices()
+    assert b._pcie_counters.narrow_period() == pytest.approx(2**32 / 64e9 / 3)
+    clock.now += 0.02
+    fake.gpus[0]["pcie_count"] = counted(RATE * 0.02, 0, U32)  # 53 GB/s, 20 ms apart
+    [s] = b.sample_devices()
+    assert s.pcie_tx_bytes_total == int(RATE * 0.02)
+    assert sum(s.pcie_dropped_intervals.values()) == 0
+    assert fake.calls["nvmlDeviceGetGpuMaxPcieLinkGeneration"] == 1
+
+
+def test_without_the_device_max_generation_the_reported_one_at_16_lanes_bounds_it() -> None:
+    link = {"tx_kb_per_s": 0, "rx_kb_per_s": 0, "replays": 0, "max_link_generation": 4,
+            "max_link_width": 8}  # an older driver: the device-only call is NOT_SUPPORTED
+    b = backend(FakeNvml([gpu(pcie=link, pcie_count=counted(0, 0, U32))]))
+    b.sample_devices()
+    assert b._pcie_counters.narrow_period() == pytest.approx(2**32 / 32e9 / 3)  # Gen4 x16

@@ -222,6 +222,10 @@ def test_swapped_pcie_directions_fail_and_one_gpu_skips_nvlink(tmp_path: Path) -
 
 # --- the same checks against the project's hand-written fakes ------------------------------------
 
+#: Where the bridge's 64-bit PCIe byte counters start.
+_WIDE = 2**40
+
+
 class _Bridge:
     """Moves FakeNvml's and FakeCupti's data on from the dry model before every poll, so
     the project's own fakes report what the dry workload did."""
@@ -238,9 +242,12 @@ class _Bridge:
                 tx, rx = m.pcie_rates(i, now - 0.02, now)
                 data["pcie"] = {"tx_kb_per_s": int(tx / 1024), "rx_kb_per_s": int(rx / 1024),
                                 "replays": 0}
+                # Past 2**32 from the first read: a counter typed 64-bit is taken as 32-bit
+                # until it shows it is wider, and this one moves only at polls, in jumps a
+                # 32-bit counter read between them could not carry.
                 ctx, crx = m.pcie_counters(i, now)
                 data.setdefault("pcie_count", {})
-                data["pcie_count"].update(tx_bytes=int(ctx), rx_bytes=int(crx))
+                data["pcie_count"].update(tx_bytes=int(ctx) + _WIDE, rx_bytes=int(crx) + _WIDE)
                 busy = m.busy(i, ("d2d", "gemm"), now - 0.2, now)
                 data["util"] = {"gpu": round(100 * busy), "memory": 0}
                 data["util_samples"] = m.util_grid(i, 0, now)

@@ -2,7 +2,8 @@
 
 Idle windows come from the finest utilisation points the source gives (NVML's sample buffer or
 the replayed trace), so a gap shorter than the agent's interval still counts. A window is
-measured from its first idle point to the first busy point after it; windows shorter than the
+measured from its first idle point to the first busy point after it (where the buffer runs dry
+while the gauge reads idle, from where the next point was due); windows shorter than the
 source's own sampling period cannot be seen. Busy time is integrated from the same points
 (``mrc_gpu_busy_seconds_total``), so ``rate()`` gives the duty cycle over any window: a gauge
 of utilisation scraped every 15-60 s only shows the moments the scrapes happen to land on.
@@ -14,6 +15,8 @@ the GPU threshold: the CPU-side pipeline is the bottleneck and the GPU waits.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -60,6 +63,15 @@ STARVED_SECONDS = counter(NAME, "mrc_gpu_starved_seconds_total", PROC,
 METRICS = (IDLE_WINDOW, IDLE_CURRENT, BUSY_SECONDS, STARVED, STARVED_SECONDS)
 
 
+#: How many of a GPU's most recent gaps between utilisation points its sample spacing is the
+#: median of: one long gap (an agent pause, an idle stretch with an empty buffer) never moves a
+#: median of nine, and a source that changes its period is followed within five gaps.
+SPACING_GAPS = 9
+#: A point's span counts whole up to this many sample spacings: a sample posted late or one
+#: step missed still counts, a pause or an idle stretch behind one busy sample does not.
+SPAN_CAP_SPACINGS = 2.0
+
+
 class IdleTracker:
     """Turns a stream of (time, utilisation) points into completed idle-window durations and
     busy seconds.
@@ -69,6 +81,18 @@ class IdleTracker:
     own spacing), so busy time is the sum of utilisation times that span. The first point
     only starts the count. Where a source gives one point per pass (no sample buffer), that
     point stands for the whole pass: an estimate as coarse as the pass.
+
+    A span counts whole up to :data:`SPAN_CAP_SPACINGS` times the GPU's sample spacing (the
+    median of its last :data:`SPACING_GAPS` gaps; the first gap, with nothing to compare it
+    with, is taken whole); a longer one counts as one spacing, the sample's own period, and the
+    rest is not counted busy, so ``rate()`` reads it as idle. Idle rather than unknown because
+    NVML keeps posting samples while the agent is paused (the next pass reads them all): a gap
+    in its buffer is NVML posting nothing, which it does while the GPU idles. Only a pause
+    longer than the buffer holds also loses busy time, and a counter cannot say "unknown".
+
+    :meth:`quiet_pass` takes a pass that brought no new point: an idle gauge then starts an
+    idle window (NVML's buffer runs dry while the GPU idles) without moving the last point, so
+    samples posted later with earlier stamps still count.
     """
 
     def __init__(self, threshold: float) -> None:
@@ -77,13 +101,30 @@ class IdleTracker:
         self.last_t: float | None = None
         self.histogram = HistogramValue(IDLE_WINDOW_BUCKETS)
         self.busy_seconds = 0.0
+        self._gaps: deque[float] = deque(maxlen=SPACING_GAPS)
+        #: The idle window running now was started by an idle gauge, not by an idle point.
+        self._idle_from_gauge = False
+
+    def spacing(self) -> float | None:
+        """The GPU's sample spacing: the median of its recent gaps (None before the first)."""
+        return statistics.median_low(self._gaps) if self._gaps else None
 
     def feed(self, points: Sequence[tuple[float, float]]) -> None:
         for t, util in points:
             if self.last_t is not None and t <= self.last_t:
                 continue  # already seen
             if self.last_t is not None:
-                self.busy_seconds += min(max(util, 0.0), 1.0) * (t - self.last_t)
+                gap = t - self.last_t
+                spacing = self.spacing()
+                # Beyond the cap the sample stands for its own period only.
+                span = gap if spacing is None or gap <= SPAN_CAP_SPACINGS * spacing else spacing
+                self.busy_seconds += min(max(util, 0.0), 1.0) * span
+                self._gaps.append(gap)
+                if self._idle_from_gauge and util > self.threshold and gap <= span:
+                    # The next sample came in time and busy: the buffer had not run dry, the
+                    # gauge caught an idle moment inside a busy period. No window.
+                    self.idle_since = None
+            self._idle_from_gauge = False
             self.last_t = t
             if util <= self.threshold:
                 if self.idle_since is None:
@@ -91,6 +132,16 @@ class IdleTracker:
             elif self.idle_since is not None:
                 self.histogram.observe(t - self.idle_since)
                 self.idle_since = None
+
+    def quiet_pass(self, now: float, gauge: float) -> None:
+        """A pass at ``now`` that brought no new point while the gauge read ``gauge``: idle
+        reads as idle from where the next sample was due. Busy seconds are not touched (the
+        time counts as idle unless samples for it arrive later)."""
+        if self.last_t is None or self.idle_since is not None or gauge > self.threshold:
+            return
+        spacing = self.spacing() or 0.0
+        self.idle_since = min(self.last_t + spacing, now)
+        self._idle_from_gauge = True
 
     def current(self, now: float) -> float:
         return 0.0 if self.idle_since is None else max(now - self.idle_since, 0.0)
@@ -122,7 +173,11 @@ class DerivedCollector:
             tracker = self._idle.get(gpu)
             if tracker is None:
                 tracker = self._idle[gpu] = IdleTracker(self.thresholds.idle_util)
+            before = tracker.last_t
             tracker.feed(points)
+            gauge = gpus_read.util.get(gpu)
+            if tracker.last_t == before and gauge is not None:
+                tracker.quiet_pass(view.now, gauge)
             out.append((IDLE_WINDOW.name, gpu.labels, tracker.histogram.copy()))
             out.append((IDLE_CURRENT.name, gpu.labels, tracker.current(view.now)))
             out.append((BUSY_SECONDS.name, gpu.labels, tracker.busy_seconds))

@@ -60,6 +60,12 @@ PCIE_TX_BYTES = counter(NAME, "mrc_gpu_pcie_tx_bytes_total", GPU,
                         "PCIe bytes transmitted (device to host), NVML's PCIe byte counter.")
 PCIE_RX_BYTES = counter(NAME, "mrc_gpu_pcie_rx_bytes_total", GPU,
                         "PCIe bytes received (host to device), NVML's PCIe byte counter.")
+PCIE_DROPPED = counter(
+    NAME, "mrc_gpu_pcie_dropped_intervals_total", GPU + ("direction", "reason"),
+    "Intervals between two reads of NVML's PCIe byte counter that were left out of "
+    "mrc_gpu_pcie_tx_bytes_total or mrc_gpu_pcie_rx_bytes_total, so those totals under-read: "
+    "reason gap (reads too far apart to tell how often a 32-bit counter wrapped) or "
+    "impossible (an increase the link cannot carry).")
 PCIE_REPLAYS = counter(NAME, "mrc_gpu_pcie_replays_total", GPU,
                        "PCIe replay events (link errors).")
 NVLINK_TX = counter(NAME, "mrc_gpu_nvlink_tx_bytes_total", GPU,
@@ -94,9 +100,9 @@ PROCESS_MEMORY_USED = gauge(NAME, "mrc_gpu_process_memory_used_bytes", GPU + PRO
                             "Device memory held by a target process on this GPU.")
 
 METRICS = (UTILIZATION, MEMORY_UTILIZATION, MEMORY_USED, MEMORY_TOTAL, PCIE_TX, PCIE_RX,
-           PCIE_TX_BYTES, PCIE_RX_BYTES, SOURCE_INFO, PCIE_REPLAYS, NVLINK_TX, NVLINK_RX,
-           NVLINK_LINK_TX, NVLINK_LINK_RX, POWER, SM_CLOCK, TEMPERATURE, ECC_ERRORS, XID_ERRORS,
-           LAST_XID, PROCESS_MEMORY_USED)
+           PCIE_TX_BYTES, PCIE_RX_BYTES, PCIE_DROPPED, SOURCE_INFO, PCIE_REPLAYS, NVLINK_TX,
+           NVLINK_RX, NVLINK_LINK_TX, NVLINK_LINK_RX, POWER, SM_CLOCK, TEMPERATURE, ECC_ERRORS,
+           XID_ERRORS, LAST_XID, PROCESS_MEMORY_USED)
 
 #: DeviceSample attribute -> metric, for the plain one-value-per-GPU fields.
 _DEVICE_FIELDS = {
@@ -141,6 +147,8 @@ class GpuCollector:
         self._source = source
         self._gpus = gpus
         self._last: Attribution | None = None
+        #: GPUs whose source has given fine-grained utilisation samples.
+        self._fine: set[GPUIdentity] = set()
 
     def update(self, view: PassView) -> Update:
         out: list[Sample] = []
@@ -166,6 +174,8 @@ class GpuCollector:
             if s.sources:
                 out.append((SOURCE_INFO.name,
                             labels + tuple(s.sources.get(k, "") for k in SOURCE_KEYS), {}))
+            for (direction, reason), n in sorted(s.pcie_dropped_intervals.items()):
+                out.append((PCIE_DROPPED.name, labels + (direction, reason), n))
             for link, (tx, rx) in sorted(s.nvlink_links.items()):
                 out.append((NVLINK_LINK_TX.name, labels + (str(link),), tx))
                 out.append((NVLINK_LINK_RX.name, labels + (str(link),), rx))
@@ -184,7 +194,14 @@ class GpuCollector:
                     held.setdefault(pid, set()).add(s.gpu)
             if s.gpu_util is not None:
                 util[s.gpu] = s.gpu_util
-                points[s.gpu] = s.util_samples or [(view.now, s.gpu_util)]
+                if s.util_samples:
+                    self._fine.add(s.gpu)
+                # A GPU that has given fine samples waits for them: a point stamped now would
+                # hide the samples its buffer posts later with earlier stamps. Only a GPU that
+                # never gave any (no buffer, or stamps on no known clock) has the rate stand for
+                # the pass.
+                points[s.gpu] = (s.util_samples if s.gpu in self._fine
+                                 else [(view.now, s.gpu_util)])
         readings = GpuReadings(MappingProxyType(util), MappingProxyType(points),
                                MappingProxyType({p: frozenset(g) for p, g in held.items()}))
         return Update(out, (att, readings))

@@ -93,6 +93,9 @@ class DeviceSample:
     pcie_tx_bytes_total: float | None = None
     pcie_rx_bytes_total: float | None = None
     pcie_replays_total: float | None = None
+    #: Intervals dropped from the PCIe byte totals, cumulative, per ``(direction, reason)``
+    #: (``tx``/``rx``; ``gap``/``impossible``); every pair, at 0 too, where the counters answer.
+    pcie_dropped_intervals: dict[tuple[str, str], float] = field(default_factory=dict)
     nvlink_tx_bytes_total: float | None = None  # summed over links
     nvlink_rx_bytes_total: float | None = None
     #: Per-link cumulative ``(tx_bytes, rx_bytes)``, keyed by link index.

@@ -348,11 +348,16 @@ class FakeNvml:
     def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: FakeHandle) -> int:
         return self._pcie_link("nvmlDeviceGetMaxPcieLinkGeneration", handle, "generation")
 
+    def nvmlDeviceGetGpuMaxPcieLinkGeneration(self, handle: FakeHandle) -> int:
+        return self._pcie_link("nvmlDeviceGetGpuMaxPcieLinkGeneration", handle, "generation",
+                               "gpu_max_link")
+
     def nvmlDeviceGetMaxPcieLinkWidth(self, handle: FakeHandle) -> int:
         return self._pcie_link("nvmlDeviceGetMaxPcieLinkWidth", handle, "width")
 
-    def _pcie_link(self, name: str, handle: FakeHandle, what: str) -> int:
-        value = self._gpu(name, handle)["pcie"].get(f"max_link_{what}")
+    def _pcie_link(self, name: str, handle: FakeHandle, what: str,
+                   key: str = "max_link") -> int:
+        value = self._gpu(name, handle)["pcie"].get(f"{key}_{what}")
         if value is None:
             raise self._error(not_supported())
         return int(value)

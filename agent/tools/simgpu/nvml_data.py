@@ -26,9 +26,11 @@ def gpu(**overrides: Any) -> dict[str, Any]:
         # nvmlDeviceGetMemoryInfo, bytes. v1 ``used`` includes ``reserved``; v2 does not.
         "memory": {"total": 80 * 2**30, "used": 10 * 2**30, "reserved": 512 * 2**20},
         # nvmlDeviceGetPcieThroughput (KB/s), nvmlDeviceGetPcieReplayCounter, and
-        # nvmlDeviceGetMaxPcieLinkGeneration / Width (None: answers NOT_SUPPORTED)
+        # nvmlDeviceGetMaxPcieLinkGeneration / Width and the device-only
+        # nvmlDeviceGetGpuMaxPcieLinkGeneration (None: answers NOT_SUPPORTED, an older driver)
         "pcie": {"tx_kb_per_s": 1000, "rx_kb_per_s": 2000, "replays": 0,
-                 "max_link_generation": 5, "max_link_width": 16},
+                 "max_link_generation": 5, "max_link_width": 16,
+                 "gpu_max_link_generation": 5},
         # NVML_FI_DEV_PCIE_COUNT_TX_BYTES / _RX_BYTES raw values (None: a driver without them)
         # and the NVML_VALUE_TYPE_* name they come back as (32-bit ones wrap at 2**32)
         "pcie_count": {"tx_bytes": None, "rx_bytes": None,

@@ -154,6 +154,7 @@ class DeviceReader:
         if counted is not None:
             s.pcie_tx_bytes_total, s.pcie_rx_bytes_total = counted[0], counted[1]
             s.pcie_tx_bytes_per_second, s.pcie_rx_bytes_per_second = counted[2], counted[3]
+            s.pcie_dropped_intervals = self._pcie_counters.dropped(gpu.identity.uuid)
             s.sources["pcie"] = "byte_counters"
             return
         s.sources["pcie"] = "throughput_call"

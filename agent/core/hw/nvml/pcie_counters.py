@@ -1,21 +1,27 @@
 """PCIe byte totals from NVML's byte-count fields, that cannot silently under-read.
 
 ``NVML_FI_DEV_PCIE_COUNT_TX_BYTES``/``_RX_BYTES`` say bytes in so many words and cost one
-field read, but NVML says of them only that the value "can be wrapped". The width is the
-value's own ``NVML_VALUE_TYPE_*``: an unsigned int wraps at 2^32 bytes, every ~67 ms of a Gen5
-x16 link (an H200's) at its line rate. A reader every 0.5-1 s that undoes one wrap per read
-would under-read by up to ~90 % and look fine. So:
+field read, but NVML says of them only that the value "can be wrapped". NVIDIA's open
+driver keeps them as 32-bit values (``ctrl2080bus.h``) whatever ``NVML_VALUE_TYPE_*`` NVML
+hands them back as, so a counter is taken as 32 bits wide until a value of 2^32 or more has
+been seen on it (then it is known to be 64); a signed type's negative value is the unsigned
+one it was cast from. 32 bits
+wrap at 2^32 bytes, every ~67 ms of a Gen5 x16 link (an H200's) at its line rate. A reader
+every 0.5-1 s that undoes one wrap per read would under-read by up to ~90 % and look fine. So:
 
-* each GPU's link bounds what any increase may be: generation and width from NVML
-  (:func:`link_bytes_per_s`), Gen6 x16 where NVML does not say;
-* a narrow counter (under 64 bits) is read by a thread of its own, :data:`READS_PER_WRAP`
-  times per the shortest time it can wrap in (every 22 ms on an H200), so a wrap is never
-  missed while the thread keeps up;
+* each GPU's link bounds what any increase may be (:func:`link_bytes_per_s`): the larger of
+  NVML's device-only and reported max generation (the reported one is capped by the upstream
+  port, which a VM or riser may under-report), at a width of at least 16; Gen6 x16 where NVML
+  says neither generation;
+* a narrow counter (not yet seen at 2^32 or more) is read by a thread of its own,
+  :data:`READS_PER_WRAP` times per the shortest time it can wrap in (every 22 ms on an H200),
+  so a wrap is never missed while the thread keeps up;
 * every read is timed from before the call to after it, and an increase is kept only when
   exactly one explanation fits the link over the longest time the two reads can be apart
   (:func:`unwrap`). A narrow counter that could have wrapped more than once since its last
   read, or any increase larger than the link carries, is dropped, not exported: the total
-  skips it, the rate over that window is absent, and it is said once per GPU.
+  skips it, the rate over that window is absent, it is said once per GPU, and it is counted
+  per direction and :data:`DROP_REASONS` reason (:meth:`PcieCounters.dropped`).
 """
 
 from __future__ import annotations
@@ -57,12 +63,26 @@ READS_PER_WRAP = 3
 #: The narrow-counter thread's period stays within these bounds, seconds.
 _NARROW_PERIOD_MIN_S = 0.005
 _NARROW_PERIOD_MAX_S = 0.25
-#: Value types the byte-count fields may come back in, and the width each wraps at.
+#: Value types the byte-count fields may come back in, and the width each type names. The
+#: counter's own width may be less (see the module docstring): :meth:`PcieCounters` takes 32
+#: until it has seen a value of 2^32 or more.
 WRAP_BITS = {
     "NVML_VALUE_TYPE_UNSIGNED_INT": 32,
+    "NVML_VALUE_TYPE_SIGNED_INT": 32,
     "NVML_VALUE_TYPE_UNSIGNED_LONG": 64,
     "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG": 64,
+    "NVML_VALUE_TYPE_SIGNED_LONG_LONG": 64,
 }
+_SIGNED_BITS = {"NVML_VALUE_TYPE_SIGNED_INT": 32, "NVML_VALUE_TYPE_SIGNED_LONG_LONG": 64}
+#: The width a counter is taken to have until a value at or past 2^32 shows it is wider.
+NARROW_BITS = 32
+#: The least link width the bound assumes: a riser or VM may report fewer lanes than it has.
+_MIN_LINK_WIDTH = 16
+#: Why an interval was dropped: ``gap``, a narrow counter's two reads so far apart it could
+#: have wrapped more than once; ``impossible``, an increase no wrap nor restart the link could
+#: carry explains.
+DROP_REASONS = ("gap", "impossible")
+DIRECTIONS = ("tx", "rx")
 
 
 def link_bytes_per_s(generation: int | None, width: int | None) -> float:
@@ -84,7 +104,15 @@ def unwrap(
     bound: float = FALLBACK_LINK_BYTES_PER_S,
 ) -> float | None:
     """The increase from ``previous`` to ``raw`` of a counter that may wrap or restart, or
-    None where the link cannot tell which.
+    None where the link cannot tell which (:func:`judge` says why)."""
+    return judge(previous, raw, bits, longest, bound)[0]
+
+
+def judge(
+    previous: float, raw: float, bits: int | None, longest: float,
+    bound: float = FALLBACK_LINK_BYTES_PER_S,
+) -> tuple[float | None, str | None]:
+    """``(increase, None)``, or ``(None, reason)`` with a :data:`DROP_REASONS` reason.
 
     ``longest`` is the longest time the two reads can be apart, ``bound`` the link's bytes per
     second. None: a counter of ``bits`` that could have carried a whole wrap in that time
@@ -94,7 +122,7 @@ def unwrap(
     """
     most = bound * max(longest, 0.0) + _SLACK_BYTES
     if bits is not None and bits < 64 and most >= float(1 << bits):
-        return None
+        return None, "gap"
     if raw >= previous:
         increase: float | None = raw - previous
     elif bits is not None:
@@ -102,8 +130,8 @@ def unwrap(
     else:
         increase = None
     if increase is not None and increase <= most:
-        return increase
-    return raw if raw <= most else None
+        return increase, None
+    return (raw, None) if raw <= most else (None, "impossible")
 
 
 @dataclass
@@ -153,8 +181,12 @@ class PcieCounters:
         self._absent: set[str] = set()
         #: Per GPU UUID: the bytes per second its link cannot exceed.
         self._bounds: dict[str, float] = {}
-        #: Per GPU UUID with a counter under 64 bits: how often the thread must read it.
+        #: Per GPU UUID with a counter taken as narrow: how often the thread must read it.
         self._narrow: dict[str, float] = {}
+        #: Counters (UUID, direction) seen at 2^32 or more: 64 bits wide, whatever their type.
+        self._wide: set[tuple[str, str]] = set()
+        #: Intervals dropped per (UUID, direction, reason), since the agent started.
+        self._dropped: dict[tuple[str, str, str], int] = {}
 
     def live(self, uuid: str) -> bool:
         """Whether this GPU's byte counters answered (the throughput thread then skips it)."""
@@ -167,7 +199,7 @@ class PcieCounters:
             return uuid in self._absent
 
     def narrow(self, uuid: str) -> bool:
-        """Whether this GPU's byte counters are under 64 bits wide (the thread reads them)."""
+        """Whether a byte counter of this GPU is taken as narrow (the thread reads them)."""
         with self._lock:
             return uuid in self._narrow
 
@@ -175,6 +207,15 @@ class PcieCounters:
         """How often the thread must read the narrow counters; None when there are none."""
         with self._lock:
             return min(self._narrow.values(), default=None)
+
+    def dropped(self, uuid: str) -> dict[tuple[str, str], float]:
+        """Intervals dropped from this GPU's totals per (direction, reason), every pair present
+        (0 where none was); empty for a GPU whose byte counters have not answered."""
+        with self._lock:
+            if (uuid, "tx") not in self._counts:
+                return {}
+            return {(d, r): float(self._dropped.get((uuid, d, r), 0))
+                    for d in DIRECTIONS for r in DROP_REASONS}
 
     def read(
         self, lib: Any, gpu: Gpu
@@ -223,52 +264,56 @@ class PcieCounters:
         if values is None:
             self._mark_absent(gpu, "")
             return False
-        got: dict[int, tuple[float, int | None]] = {}
+        got: dict[int, float] = {}
         for value in list(values)[:2]:
             if value.nvmlReturn != lib.NVML_SUCCESS:
                 if value.nvmlReturn in unsupported_codes(lib):
                     self._mark_absent(gpu, f"the driver lacks field {value.fieldId}")
                     return False
                 raise lib.NVMLError(value.nvmlReturn)
-            got[int(value.fieldId)] = (
-                union_value(lib, value.valueType, value.value),
-                counter_bits(lib, value.valueType),
-            )
+            got[int(value.fieldId)] = counter_raw(lib, value.valueType, value.value)
         if tx_id not in got or rx_id not in got:
             raise HardwareError(f"GPU {gpu.index}: NVML answered other fields than asked")
         bound = self._bound(lib, gpu)
+        narrow = False
         for direction, field_id in (("tx", tx_id), ("rx", rx_id)):
-            raw, bits = got[field_id]
-            self._step(gpu, direction, raw, bits, bound, before, after)
+            narrow = self._step(gpu, direction, got[field_id], bound, before, after) or narrow
+        self._note_narrow(gpu, narrow, bound)
         return True
 
-    def _step(self, gpu: Gpu, direction: str, raw: float, bits: int | None, bound: float,
-              before: float, after: float) -> None:
+    def _step(self, gpu: Gpu, direction: str, raw: float, bound: float,
+              before: float, after: float) -> bool:
+        """Apply one reading; whether the counter is still taken as narrow."""
         uuid = gpu.identity.uuid
-        if bits is not None and bits < 64:
-            self._note_narrow(gpu, bits, bound)
         key = (uuid, direction)
         with self._lock:
+            if raw >= float(1 << NARROW_BITS):
+                self._wide.add(key)  # judged wide from here on, this reading included
+            bits = 64 if key in self._wide else NARROW_BITS
             count = self._counts.get(key)
             if count is None:
                 self._counts[key] = _Count(raw=raw, total=0.0, before=before, after=after)
-                return
+                return bits < 64
             longest = after - count.before
-            increase = unwrap(count.raw, raw, bits, longest, bound)
+            increase, reason = judge(count.raw, raw, bits, longest, bound)
             total = count.total + (increase or 0.0)
             self._counts[key] = _Count(raw=raw, total=total, before=before, after=after)
             report = self._reports.get(uuid)
-            if increase is None and report is not None:
-                report.dropped = True
-        if increase is None:
+            if reason is not None:
+                drop = (uuid, direction, reason)
+                self._dropped[drop] = self._dropped.get(drop, 0) + 1
+                if report is not None:
+                    report.dropped = True
+        if reason is not None:
             self._memo.log_once(
                 log, f"pcie_dropped:{uuid}", logging.WARNING,
                 "GPU %d (%s): PCIe %s byte counter went from %.0f to %.0f in up to %.3f s, "
                 "which a %s-bit counter on a %.0f GB/s link cannot be read from unambiguously; "
                 "that interval is dropped from the totals and its rate left absent (said "
-                "once per GPU)", gpu.index, uuid, direction.upper(), count.raw, raw, longest,
-                bits if bits is not None else "?", bound / 1e9,
+                "once per GPU; mrc_gpu_pcie_dropped_intervals_total counts each)", gpu.index,
+                uuid, direction.upper(), count.raw, raw, longest, bits, bound / 1e9,
             )
+        return bits < 64
 
     def _bound(self, lib: Any, gpu: Gpu) -> float:
         """The bytes per second this GPU's link cannot exceed, asked of NVML once per GPU."""
@@ -277,27 +322,40 @@ class PcieCounters:
             if uuid in self._bounds:
                 return self._bounds[uuid]
         found: list[int | None] = []
-        for feature, name in (("pcie_max_link_generation", "nvmlDeviceGetMaxPcieLinkGeneration"),
-                              ("pcie_max_link_width", "nvmlDeviceGetMaxPcieLinkWidth")):
+        for feature, name in (
+            ("pcie_gpu_max_link_generation", "nvmlDeviceGetGpuMaxPcieLinkGeneration"),
+            ("pcie_max_link_generation", "nvmlDeviceGetMaxPcieLinkGeneration"),
+            ("pcie_max_link_width", "nvmlDeviceGetMaxPcieLinkWidth"),
+        ):
             call = getattr(lib, name, None)
             got = None if call is None else self._memo.optional(
                 lib, gpu, feature, partial(call, gpu.handle))
             found.append(int(got) if got is not None else None)
-        bound = link_bytes_per_s(found[0], found[1])
+        # The device's own max generation is not capped by the upstream port, which a VM or a
+        # riser may under-report; a bound too low drops every real increase, one too high
+        # only lets a wrap be missed later (the thread then reads less often than it could).
+        generations = [g for g in found[:2] if g in _GT_PER_S]
+        bound = link_bytes_per_s(
+            max(generations, default=None), max(found[2] or 0, _MIN_LINK_WIDTH))
         with self._lock:
             self._bounds[uuid] = bound
         return bound
 
-    def _note_narrow(self, gpu: Gpu, bits: int, bound: float) -> None:
+    def _note_narrow(self, gpu: Gpu, narrow: bool, bound: float) -> None:
         uuid = gpu.identity.uuid
+        bits = NARROW_BITS
         period = narrow_period(bits, bound)
         with self._lock:
+            if not narrow:  # both counters seen wide: the sampler's reads suffice
+                self._narrow.pop(uuid, None)
+                return
             if self._narrow.get(uuid) == period:
                 return
             self._narrow[uuid] = period
         self._memo.log_once(
             log, f"pcie_narrow:{uuid}", logging.INFO,
-            "GPU %d (%s): PCIe byte counters are %d-bit and wrap every %.0f ms at the link's "
+            "GPU %d (%s): PCIe byte counters are taken as %d-bit (none seen at 2^32 yet) and "
+            "wrap every %.0f ms at the link's "
             "%.0f GB/s; read every %.0f ms by their own thread", gpu.index, uuid, bits,
             float(1 << bits) / bound * 1e3, bound / 1e9, period * 1e3,
         )
@@ -372,9 +430,17 @@ class NarrowCounterReader:
                 )
 
 
-def counter_bits(lib: Any, value_type: int) -> int | None:
-    """The width a counter of this ``NVML_VALUE_TYPE_*`` wraps at; None for another type."""
-    for const, bits in WRAP_BITS.items():
+def counter_raw(lib: Any, value_type: int, value: Any) -> float:
+    """A byte count as the unsigned value the driver keeps, from an nvmlValue_t of any type.
+
+    A signed type's negative value is an unsigned one cast: an int's is taken modulo 2^32,
+    a long long's modulo 2^32 where it fits an int (a 32-bit count sign-extended), else 2^64.
+    """
+    raw = union_value(lib, value_type, value)
+    if raw >= 0:
+        return raw
+    for const, bits in _SIGNED_BITS.items():
         if value_type == getattr(lib, const, None):
-            return bits
-    return None
+            wrap = bits if raw < -float(1 << 31) else NARROW_BITS
+            return raw + float(1 << wrap)
+    return raw

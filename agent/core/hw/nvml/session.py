@@ -218,6 +218,10 @@ class NvmlSession:
         self._needs_reinit = False
         self._failing = False
         self._gpus: list[Gpu] = []
+        #: The library and GPUs of the session now up, replaced whole and never changed in
+        #: place: set once :meth:`_init` has opened every GPU, cleared before teardown. What
+        #: :meth:`snapshot` reads without the lock.
+        self._published: tuple[Any, tuple[Gpu, ...]] | None = None
 
     def require_lib(self) -> Any:
         """The library, importing ``pynvml`` the first time (SourceUnavailable if absent)."""
@@ -243,15 +247,24 @@ class NvmlSession:
             self._teardown()
 
     def snapshot(self) -> tuple[Any, list[Gpu]] | None:
-        """The library and this session's GPUs, taken under :attr:`lock` and used without it.
+        """The library and this session's GPUs, for the PCIe threads; ``None`` while no
+        session is up. Never waits for :attr:`lock`.
 
-        ``None`` while NVML is not initialised. The PCIe thread works from this, so its 20 ms
-        reads never hold the lock the sampler needs.
+        The sampler holds that lock through whole device and GPM passes (hundreds of ms on 8
+        GPUs, longer when the process is CPU-throttled), and the narrow-counter thread must
+        read every ~22 ms or lose wraps; so this reads the published pair, replaced whole by
+        one reference assignment (atomic), instead of taking the lock. It cannot be torn: it
+        is published after every GPU is open and withdrawn before teardown. A thread may still
+        use handles a teardown has since killed, as it always could (the snapshot was always
+        used after the lock was let go): that read fails with an NVMLError, which the threads
+        skip for the round. NVML itself is thread-safe (NVML API reference, introduction).
+        The lock stays what serialises sessions (init, re-init, teardown) and the backend's
+        calls; the threads need none of that, only a consistent pair.
         """
-        with self.lock:
-            if not self._initialized or self._lib is None:
-                return None
-            return self._lib, list(self._gpus)
+        published = self._published
+        if published is None:
+            return None
+        return published[0], list(published[1])
 
     def _init(self) -> None:
         lib = self.require_lib()
@@ -300,8 +313,10 @@ class NvmlSession:
                 raise self.unavailable("no_permission", f"no permission on any of {count} GPUs")
             raise self.unavailable("no_gpu", "NVML reports no GPU")
         self._gpus = gpus
+        self._published = (lib, tuple(gpus))
 
     def _teardown(self) -> None:
+        self._published = None  # first: the PCIe threads stop taking these handles up
         lib = self._lib
         if lib is not None:
             for gpu in self._gpus:

@@ -2,7 +2,8 @@
 
 Both PCIe threads are one of these: the throughput call's (20 ms blocking reads) and the narrow
 byte counters' (a 32-bit counter read often enough that it cannot wrap twice unseen). Each runs
-from a snapshot of the session's GPUs, never holding the session lock across an NVML call.
+from a snapshot of the session's GPUs (:meth:`NvmlSession.snapshot`, which never waits for
+the session lock the sampler holds through its passes), never holding that lock itself.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class PeriodicThread:
             return
         thread, stop = worker
         stop.set()  # wakes its pause at once; a round in progress ends after its current GPU
-        # Joined without the session lock: the thread takes it for its snapshot of the GPUs.
+        # Joined without the session lock: a round may be in an NVML call that has to end.
         if thread is not threading.current_thread():
             thread.join(join_timeout)
             if thread.is_alive():
