@@ -17,7 +17,11 @@ keep-alive pool to the upstream, one worker process: the proxy is one process to
 this process keep one connection each and send a chat request with a small data-URL image; a
 request's latency runs from its first byte sent to the stream's last byte, its TTFT to the first
 content event. Per concurrency and round the three ways take turns (order rotated each round);
-"added" is the median over rounds of the per-round difference to direct access.
+"added" is the median over rounds of the per-round difference to direct access. CPU per
+stream is what the way's own processes ran on a CPU (``schedstat``, every thread; nginx's
+master and worker) over all its rounds, divided by the streams it carried; per event divides that by
+the events a stream puts on the wire. ``--pin`` runs the proxies on CPU 1 and the clients and
+the upstream on CPU 0 (``taskset``), so a proxy's latency is not its neighbours' CPU.
 
 **Middleware.** The same Starlette app, with and without ``MRCMeterMiddleware``, called in
 process through a hand-written ASGI ``receive``/``send`` (no HTTP, so the figure is the
@@ -147,13 +151,15 @@ http {{
 """
 
 
-def start_nginx(tmp: Path, up: int, port: int) -> subprocess.Popen[bytes]:
+def start_nginx(tmp: Path, up: int, port: int, prefix: list[str] | None = None
+                ) -> subprocess.Popen[bytes]:
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     if not Path(nginx).exists():
         raise SystemExit("nginx is needed (Debian's nginx-light)")
     conf = tmp / "nginx.conf"
     conf.write_text(NGINX_CONF.format(tmp=tmp, up=up, port=port))
-    proc = subprocess.Popen([nginx, "-p", str(tmp), "-c", str(conf), "-g", "daemon off;"],
+    proc = subprocess.Popen([*(prefix or []), nginx, "-p", str(tmp), "-c", str(conf), "-g",
+                             "daemon off;"],
                             stderr=subprocess.DEVNULL)
     wait_port(port, proc, "nginx")
     return proc
@@ -228,33 +234,82 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def bench_proxy(rounds: int, per_client: int) -> list[str]:
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds the processes ``pids`` have run, every thread's, in nanoseconds' precision
+    (``/proc/PID/task/TID/schedstat``; ``/proc/PID/stat`` counts whole clock ticks, 10 ms,
+    too coarse for a stream's hundreds of microseconds)."""
+    total = 0
+    for pid in pids:
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                total += int((task / "schedstat").read_text().split()[0])
+            except (OSError, IndexError, ValueError):
+                continue  # a thread that ended between the listing and the read
+    return total / 1e9
+
+
+def family(pid: int) -> list[int]:
+    """``pid`` and its child processes (nginx's workers)."""
+    out = [pid]
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children = (task / "children").read_text().split()
+        out += [int(c) for c in children]
+    return out
+
+
+#: Concurrent streams measured; each proxy sees the same load in turn.
+CONCURRENCY = (1, 16, 64, 256)
+#: Events of one streamed answer on the wire: the role event, the content events, usage, [DONE].
+WIRE_EVENTS = EVENTS + 3
+
+
+def bench_proxy(rounds: int, per_client: int, pin: bool) -> list[str]:
+    """The latency table, and CPU per stream of each proxy's own processes. With ``pin`` the
+    proxies run on CPU 1 and this process (the clients) and the upstream on CPU 0."""
     tmp = Path(tempfile.mkdtemp(prefix="bench-meter-"))
     up, px, pxm, ng = free_port(), free_port(), free_port(), free_port()
     procs: list[subprocess.Popen[bytes]] = []
+    other = ["taskset", "-c", "0"] if pin else []
+    own = ["taskset", "-c", "1"] if pin else []
+    if pin:
+        os.sched_setaffinity(0, {0})
     try:
-        procs.append(subprocess.Popen([sys.executable, __file__, "--serve-upstream", str(up)]))
+        procs.append(subprocess.Popen([*other, sys.executable, __file__, "--serve-upstream",
+                                       str(up)]))
         wait_port(up, procs[-1], "the upstream")
         env = dict(os.environ)
-        procs.append(subprocess.Popen([sys.executable, "-m", "mrc_agent.agent", "proxy",
+        procs.append(subprocess.Popen([*own, sys.executable, "-m", "mrc_agent.agent", "proxy",
                                        "--listen", f"127.0.0.1:{px}", "--upstream",
                                        f"http://127.0.0.1:{up}", "--metrics-listen",
                                        f"127.0.0.1:{pxm}", "--log-level", "warning"], env=env))
         wait_port(px, procs[-1], "mrc-agent proxy")
-        procs.append(start_nginx(tmp, up, ng))
+        procs.append(start_nginx(tmp, up, ng, own))
         ways = {"direct": up, "mrc-agent proxy": px, "nginx": ng}
+        pids = {"direct": [procs[0].pid], "mrc-agent proxy": [procs[1].pid],
+                "nginx": family(procs[2].pid)}
         body = chat_body(png_data_url(640, 480))
         rows = ["| concurrent streams | way | latency p50 (ms) | p99 (ms) | TTFT p50 (ms) | "
-                "streams/s | added p50 (ms) | added p99 (ms) |",
-                "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                "streams/s | added p50 (ms) | added p99 (ms) | CPU per stream (us) | "
+                "per event (us) |",
+                "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         verdicts: list[str] = []
-        for conc in (1, 16, 64):
+        for conc in CONCURRENCY:
             stats: dict[str, list[tuple[float, float, float, float]]] = {w: [] for w in ways}
+            cpu = {w: 0.0 for w in ways}
+            streams = {w: 0 for w in ways}
             asyncio.run(load(up, body, conc, 2))  # warm every connection pool
             for r in range(rounds):
                 order = list(ways)[r % 3:] + list(ways)[:r % 3]
                 for way in order:
-                    out, wall = asyncio.run(load(ways[way], body, conc, per_client))
+                    c0 = cpu_seconds(pids[way])
+                    n = per_client if conc <= 64 else max(per_client // 4, 2)
+                    out, wall = asyncio.run(load(ways[way], body, conc, n))
+                    cpu[way] += cpu_seconds(pids[way]) - c0
+                    streams[way] += len(out)
                     lat = [o[0] * 1e3 for o in out]
                     ttft = [o[1] * 1e3 for o in out]
                     stats[way].append((pct(lat, 0.5), pct(lat, 0.99), pct(ttft, 0.5),
@@ -268,14 +323,20 @@ def bench_proxy(rounds: int, per_client: int) -> list[str]:
                                         zip(per_round, stats["direct"], strict=True))
                 added[way] = (d50, d99)
                 extra = ("-", "-") if way == "direct" else (f"{d50:.2f}", f"{d99:.2f}")
+                per_stream = cpu[way] / max(streams[way], 1) * 1e6
                 rows.append(f"| {conc} | {way} | {med[0]:.2f} | {med[1]:.2f} | {med[2]:.2f} | "
-                            f"{med[3]:.0f} | {extra[0]} | {extra[1]} |")
+                            f"{med[3]:.0f} | {extra[0]} | {extra[1]} | {per_stream:.0f} | "
+                            f"{per_stream / WIRE_EVENTS:.1f} |")
+                cpu[way] = per_stream
             p50, p99 = added["mrc-agent proxy"]
             n99 = max(added["nginx"][1], 0.05)
             ok50 = p50 <= GOAL_P50_MS
             ok99 = p99 <= GOAL_P99_RATIO * n99
+            ratio = cpu["mrc-agent proxy"] / max(cpu["nginx"], 1e-9)
             verdicts.append(
-                f"- {conc} streams: proxy adds {p50:.2f} ms at p50 (goal <= {GOAL_P50_MS:g} ms: "
+                f"- {conc} streams: proxy CPU per stream {ratio:.1f}x nginx's (goal <= 3x: "
+                f"{'met' if ratio <= 3 else 'NOT met'}); proxy adds {p50:.2f} ms at p50 "
+                f"(goal <= {GOAL_P50_MS:g} ms: "
                 f"{'met' if ok50 else 'NOT met'}) and {p99:.2f} ms at p99, {p99 / n99:.2f}x "
                 f"nginx's {added['nginx'][1]:.2f} ms (goal <= {GOAL_P99_RATIO:g}x: "
                 f"{'met' if ok99 else 'NOT met'}; nginx's added p99 floored at 0.05 ms)")
@@ -365,13 +426,15 @@ def bench_middleware(rounds: int, requests: int) -> list[str]:
 
 def main() -> int:
     ap = parser(__doc__, "fewer rounds (~1 min)")
+    ap.add_argument("--pin", action="store_true",
+                    help="the proxies on CPU 1, the clients and the upstream on CPU 0")
     ap.add_argument("--serve-upstream", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_upstream:
         serve_upstream(args.serve_upstream)
         return 0
     rounds = 3 if args.quick else 11
-    proxy = bench_proxy(rounds, 10 if args.quick else 25)
+    proxy = bench_proxy(rounds, 10 if args.quick else 25, args.pin)
     mw = bench_middleware(rounds * 2 + 1, 400 if args.quick else 1000)
     import h11
     import starlette
