@@ -7,6 +7,11 @@ defaults under ``--gpu-backend auto`` are best-effort and never fail the doctor.
 
 For each target it also says which GPUs it is attributed and from which source, and which GPUs
 the agent would report (agent.core.attribution, docs/attribution.md).
+
+The profiling check tries CUPTI PM sampling on those GPUs only, as the agent's profiling does
+(``profiling_scope``), and prints the CUPTI version. Where CUPTI answers busy while an
+``mrc-agent run`` process runs beside doctor (same container, or a pod sharing its process
+namespace), it says the profiler is held by this pod's agent, as information, not a failure.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ import os
 import shutil
 import sys
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any, TextIO
 
-from mrc_agent.agent.core.attribution import decide, explain, read_view
+from mrc_agent.agent.core.attribution import TargetView, decide, explain, read_view
 from mrc_agent.agent.core.config import (
     DOCTOR,
     AgentConfig,
@@ -117,8 +123,9 @@ def gather(cfg: AgentConfig, nvml_lib: Any | None = None, cupti_lib: Any | None 
             links = {g["index"]: g.get("nvlink_active_links", 0) for g in gpus}
             checks.append(Check("NVLink", None, ", ".join(
                 f"GPU {i}: {n} active link(s)" for i, n in links.items())))
-            checks.append(_profiling_check(nvml, cupti_lib))
             devices = _devices(nvml)
+            checks.append(Check("CUPTI", None, cupti_version(cupti_lib)))
+            checks.append(_profiling_check(nvml, cupti_lib, cfg, procfs, devices))
             checks.extend(_reading_checks(nvml, devices, cfg.gpm_interval))
         nvml.close()
     checks.extend(_target_checks(cfg, procfs, devices))
@@ -165,21 +172,71 @@ def _reading_checks(nvml: Any, devices: list[DeviceSample] | None,
     return out
 
 
-def _profiling_check(nvml: Any, cupti_lib: Any | None) -> Check:
+def _profiling_check(nvml: Any, cupti_lib: Any | None, cfg: AgentConfig, procfs: ProcFS,
+                     devices: list[DeviceSample] | None) -> Check:
+    """Try CUPTI PM sampling on the GPUs the agent would profile: the pod's (the same
+    attribution and scope as the profiling collector), never every GPU of the node, since
+    sampling holds a GPU's performance monitors and would shut a neighbour's profiler out."""
+    from mrc_agent.agent.core.collectors.profiling import profiling_scope
     from mrc_agent.agent.core.hw.cupti_pm import CuptiPmSampler
 
+    att = decide(cfg.gpus, _target_views(cfg, procfs), devices or [])
     try:
-        devices = [s.gpu for s in nvml.sample_devices() if not s.gpu.is_mig]
-        sampler = CuptiPmSampler(devices, lib=cupti_lib)
+        gpus = [s.gpu for s in (devices or nvml.sample_devices()) if not s.gpu.is_mig]
+        sampler = CuptiPmSampler(gpus, lib=cupti_lib, profile_undecided=cfg.profile_unattributed)
         try:
-            sampler.sample_profiling()
+            sampler.sample_profiling_for(lambda given: profiling_scope(att, given))
             return Check("profiling counters", True, "CUPTI PM sampling works", "profiling")
         finally:
             sampler.close()
     except SourceUnavailable as exc:
+        if exc.reason == "profiler_busy":
+            agents = agent_pids(procfs)
+            if agents:
+                # Informational: the agent beside doctor holding the profiler is the working
+                # case, not a fault; doctor cannot sample beside it (one profiler per GPU).
+                return Check("profiling counters", None, (
+                    f"held by this pod's agent (PID {', '.join(map(str, agents))} runs "
+                    "`mrc-agent run`; CUPTI answered busy, so doctor cannot try it beside the "
+                    "agent: see the agent's mrc_agent_compute_memory_source_info)"), "profiling")
         return Check("profiling counters", False, f"{exc.reason}: {exc.detail}", "profiling")
     except HardwareError as exc:
         return Check("profiling counters", False, str(exc), "profiling")
+
+
+def agent_pids(procfs: ProcFS) -> list[int]:
+    """The other processes in this PID namespace that run ``mrc-agent run`` (or ``python -m
+    mrc_agent.agent run``): the pod's agent when doctor is exec'd into its container or the pod
+    shares its process namespace. Doctor cannot ask CUPTI who holds the performance monitors;
+    this is how it tells "the agent beside it" from another profiler."""
+    found = []
+    for pid in sorted(procfs.pids()):
+        if pid == os.getpid():
+            continue
+        try:
+            words = procfs.cmdline(pid).split()
+        except ProcessGone:
+            continue
+        programs = [w for w in words if os.path.basename(w) == "mrc-agent" or w.startswith(
+            "mrc_agent.agent")]
+        if programs and "run" in words[words.index(programs[0]) + 1:]:
+            found.append(pid)
+    return found
+
+
+def cupti_version(lib: Any | None) -> str:
+    """The CUPTI binding and library versions doctor would profile with. cupti-python (13.4)
+    has no call for ``cuptiGetVersion``, so these are the installed packages' versions; a
+    stand-in library says its own (``version``)."""
+    if lib is not None:
+        return str(getattr(lib, "version", "a stand-in library of unknown version"))
+    parts = []
+    for dist, what in (("cupti-python", "binding"), ("nvidia-cuda-cupti", "libcupti wheel")):
+        try:
+            parts.append(f"{dist} {metadata.version(dist)} ({what})")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{dist} not installed")
+    return ", ".join(parts)
 
 
 def _devices(backend: Any) -> list[DeviceSample] | None:
@@ -188,6 +245,14 @@ def _devices(backend: Any) -> list[DeviceSample] | None:
         return samples
     except HardwareError:  # SourceUnavailable too: the GPU checks above say why
         return None
+
+
+def _target_views(cfg: AgentConfig, procfs: ProcFS) -> list[TargetView]:
+    """What /proc says about each configured target, for the GPU attribution ([] without)."""
+    resolver = TargetResolver(cfg.pids, cfg.pidfile, cfg.process_name, procfs=procfs)
+    if not resolver.configured:
+        return []
+    return [read_view(procfs, t.pid) for t in resolver.resolve()]
 
 
 def _target_checks(cfg: AgentConfig, procfs: ProcFS,

@@ -118,6 +118,45 @@ def test_cupti_answers_that_never_change_are_reasons_not_retried(
     assert sampler.status()[0] == expected and result in sampler.status()[1]
 
 
+@pytest.mark.parametrize("method", ["enable", "start"])
+@pytest.mark.parametrize("exc", [
+    TypeError("Collector.enable() takes 1 positional argument but 2 were given"),
+    AttributeError("module 'cupti.pm_sampling' has no attribute 'TriggerMode'"),
+])
+def test_a_binding_signature_mismatch_is_said_once_and_not_retried(
+    method: str, exc: BaseException, caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    sampler, lib = rig(FakeDevice(errors={method: [exc] * 9}), clock=clock)
+
+    with caplog.at_level("WARNING"):
+        for _ in range(4):
+            assert reason(sampler) == "binding_mismatch"
+            clock.now += 10 * BACKOFF_MAX_S
+    assert lib.count(0, method) == 1  # not every pass, not after a backoff either
+    assert lib.enabled() == []  # a collector it will never use is given back
+    assert sampler.status() == ("binding_mismatch", f"{type(exc).__name__}: {exc}")
+    said = [r for r in caplog.records if "binding_mismatch" in r.getMessage()]
+    assert len(said) == 1
+
+
+def test_a_decode_signature_mismatch_after_a_good_start_stops_for_good() -> None:
+    clock = Clock()
+    rows = [[{SM: 10.0, DRAM: 64.0}]] * 3
+    bad = TypeError("decode() got an unexpected keyword argument 'max_samples'")
+    sampler, lib = rig(FakeDevice(decodes=list(rows), errors={"decode": [None, bad, bad]}),
+                       clock=clock)
+
+    assert sampler.sample_profiling()[0].sm_instructions_executed_total == 10.0
+    with pytest.raises(HardwareError):
+        sampler.sample_profiling()  # the pass it failed in
+    for _ in range(3):
+        clock.now += 10 * BACKOFF_MAX_S
+        assert reason(sampler) == "binding_mismatch"
+    assert lib.count(0, "decode") == 2 and lib.count(0, "start") == 1
+    assert lib.enabled() == []
+
+
 def test_every_reason_is_bounded_and_every_result_name_is_cuptis() -> None:
     assert set(cupti_reasons.REASON_BY_RESULT.values()) <= cupti_reasons.REASON_CODES
     assert cupti_reasons.REASON_BY_RESULT["ERROR_NOT_INITIALIZED"] != "no_gpu"

@@ -433,11 +433,16 @@ def test_no_such_device_is_no_gpu(exc: BaseException | None, reason: str) -> Non
     assert unavailable(sampler).reason == reason
 
 
-def test_nvperf_libraries_missing_is_cupti_missing() -> None:
-    exc = RuntimeError("CUPTI could not load the nvperf* libraries required for profiling.")
+def test_nvperf_form_of_not_initialised_is_cupti_not_initialized() -> None:
+    # cupti-python's text for ERROR_NOT_INITIALIZED from profiler_initialize (pm_sampling.py):
+    # the same code as the raw answer, so the same reason; the text stays in the detail.
+    exc = RuntimeError("CUPTI could not load the nvperf* libraries required for profiling. "
+                       "Ensure libnvperf_host.so and libnvperf_target.so, shipped alongside "
+                       "the libcupti.so in use, are discoverable by the dynamic linker")
     sampler, lib = sampler_for(FakeDevice(errors={"enable": [exc, exc]}))
 
-    assert unavailable(sampler).reason == "cupti_missing"
+    caught = unavailable(sampler)
+    assert caught.reason == "cupti_not_initialized" and "nvperf" in caught.detail
     # cupti-python turns ERROR_NOT_INITIALIZED into this text, so one retry with the primary
     # context was made, and the context given back when it did not help.
     assert lib.count(0, "enable") == 2 and lib.driver.retained == {}

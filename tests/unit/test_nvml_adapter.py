@@ -569,3 +569,33 @@ def test_gpus_without_active_nvlink_are_each_logged_once(
         f"GPU 0 ({UUID0}): no active NVLink; NVLink series stay absent",
         f"GPU 1 ({UUID1}): no active NVLink; NVLink series stay absent",
     ]
+
+
+@pytest.mark.parametrize("code", [pynvml.NVML_ERROR_UNKNOWN, pynvml.NVML_ERROR_TIMEOUT])
+def test_one_transient_aggregate_refusal_does_not_switch_to_per_link_for_good(code: int) -> None:
+    fake = EventNvml([gpu(nvlink={0: nvlink(1, 2), 1: nvlink(3, 4)}, nvlink_aggregate_scope=code)])
+    b = backend(fake)
+    [s] = b.sample_devices()  # this pass: the per-link reads
+    assert s.sources["nvlink"] == "per_link_sum" and s.nvlink_tx_bytes_total == 4 * 1024
+    fake.gpus[0]["nvlink_aggregate_scope"] = True  # the blip passed
+    [s] = b.sample_devices()
+    assert s.sources["nvlink"] == "aggregate" and s.nvlink_tx_bytes_total == 4 * 1024
+
+
+def test_aggregate_refusals_in_a_row_switch_but_not_supported_switches_at_once() -> None:
+    from mrc_agent.agent.core.hw.nvml.nvlink import AGGREGATE_REFUSALS
+
+    flaky = gpu(nvlink={0: nvlink(1, 2), 1: nvlink(3, 4)},
+                nvlink_aggregate_scope=pynvml.NVML_ERROR_UNKNOWN)
+    fake = EventNvml([flaky])
+    b = backend(fake)
+    for _ in range(AGGREGATE_REFUSALS):
+        b.sample_devices()
+    fake.gpus[0]["nvlink_aggregate_scope"] = True  # too late: given up after that many in a row
+    assert b.sample_devices()[0].sources["nvlink"] == "per_link_sum"
+    refused = gpu(nvlink={0: nvlink(1, 2), 1: nvlink(3, 4)}, nvlink_aggregate_scope=False)
+    fake = EventNvml([refused])
+    b = backend(fake)
+    b.sample_devices()  # NOT_SUPPORTED: the driver has no such scope, no second ask
+    fake.gpus[0]["nvlink_aggregate_scope"] = True
+    assert b.sample_devices()[0].sources["nvlink"] == "per_link_sum"

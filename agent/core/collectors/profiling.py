@@ -102,8 +102,7 @@ class ProfilingCollector:
             # that holds hardware per GPU takes only the pod's GPUs (agent.core.attribution).
             att = view.decide_gpus(self._gpus, gpus)
             decided.append(att)
-            return ProfilingScope(frozenset(g for g in gpus if att.watches(g)),
-                                  undecided=att.mode == MODE_UNKNOWN)
+            return profiling_scope(att, gpus)
 
         try:
             source = require(self._source)
@@ -129,6 +128,14 @@ class ProfilingCollector:
         # runs but cannot feed the compute-to-memory signal, and must not say "ok".
         self.status = ("degraded", "; ".join(one_sided)) if one_sided else ("ok", "")
         return Update(out, (ProfilingStatus(*self.status), att))
+
+
+def profiling_scope(att: Attribution, gpus: Sequence[GPUIdentity]) -> ProfilingScope:
+    """The GPUs of ``gpus`` a profiling source may hold under ``att``: the pod's, or every one
+    (marked undecided) while no target says which are its own. ``doctor`` uses it too, so it
+    tries the GPUs the agent would profile and no others."""
+    return ProfilingScope(frozenset(g for g in gpus if att.watches(g)),
+                          undecided=att.mode == MODE_UNKNOWN)
 
 
 def _missing_side(s: ProfilingSample) -> str:

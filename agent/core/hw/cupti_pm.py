@@ -47,7 +47,9 @@ Failures before sampling runs become :class:`SourceUnavailable` with a bounded r
 (``cupti_reasons.REASON_CODES``). Failures after a successful start, and starts that may work
 later, become :class:`HardwareError`; the GPU is then retried with an exponential backoff
 (:data:`BACKOFF_INITIAL_S` doubling to :data:`BACKOFF_MAX_S`, reset by a good decode) and its
-totals carry on from where they were. A busy GPU is retried after :data:`BUSY_RETRY_S`.
+totals carry on from where they were. A busy GPU is retried after :data:`BUSY_RETRY_S`. A
+TypeError or AttributeError from the binding (a cupti-python whose API changed) is the reason
+``binding_mismatch`` wherever it comes, decode included: said once, not retried until restart.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ from mrc_agent.agent.core.hw.cupti_reasons import REASON_CODES as _REASON_CODES
 from mrc_agent.agent.core.hw.cupti_reasons import classify as _classify
 from mrc_agent.agent.core.hw.cupti_reasons import describe as _describe
 from mrc_agent.agent.core.hw.cupti_reasons import not_initialised as _not_initialised
+from mrc_agent.agent.core.hw.cupti_reasons import runtime_errors as _runtime_errors
 
 __all__ = [
     "BACKOFF_INITIAL_S",
@@ -328,7 +331,7 @@ class CuptiPmSampler:
         lib = self._require_lib()
         if not self._devices:
             raise SourceUnavailable("no_gpu", "no GPUs were given to the profiling source")
-        errors = self._runtime_errors(lib)
+        errors = _runtime_errors(lib)
         now = self._clock()
         if any(self._unneeded(dev) for dev in self._devices):
             self._cycle()  # GPUs that left the scope: before any start of this pass
@@ -353,6 +356,8 @@ class CuptiPmSampler:
                 self._collect(dev)
             except errors as exc:
                 failures.append(self._fail_run(dev, f"decode failed: {_describe(exc)}", now))
+                if _classify(lib, exc) == "binding_mismatch":  # for good: released next pass
+                    self._unavailable(dev, "binding_mismatch", f"decode: {_describe(exc)}", now)
             else:
                 # "ok" only once a decode worked, so a GPU that starts but cannot decode
                 # does not flap between states (and log lines) on every call.
@@ -566,12 +571,6 @@ class CuptiPmSampler:
             metric_set=choice.metric_set, dram_unit=choice.dram_unit,
             dram_unit_basis=choice.dram_unit_basis,
         )
-
-    def _runtime_errors(self, lib: Any) -> tuple[type[BaseException], ...]:
-        # What cupti.pm_sampling raises (its docstrings): cuptiError for CUPTI codes it does not
-        # translate, and MemoryError / PermissionError / RuntimeError / ValueError for those it
-        # does. Anything else is a bug here and should surface as one.
-        return (lib.cupti.cuptiError, MemoryError, RuntimeError, ValueError, OSError)
 
     # -- the CUPTI boundary: the only methods that call the library -----------------------------
 

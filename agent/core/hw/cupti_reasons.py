@@ -16,6 +16,7 @@ from typing import Any
 REASON_CODES = frozenset(
     {
         "attribution_unknown",  # several GPUs and no target says which are its own
+        "binding_mismatch",  # cupti-python's API is not the one this agent calls (until restart)
         "cupti_incompatible",  # this CUPTI does not work with this driver
         "cupti_missing",
         "cupti_not_initialized",  # CUPTI cannot reach the CUDA driver even after cuInit
@@ -64,10 +65,29 @@ _MISSING_LIBRARY_ERRORS = frozenset(
 )
 
 
+#: Text cupti-python raises, as a RuntimeError, for ERROR_NOT_INITIALIZED from
+#: profiler_initialize / profiler_host_initialize ("CUPTI could not load the nvperf* libraries
+#: required for profiling ..."): its guess at the cause, not a load failure it saw.
+_NVPERF_NOT_INITIALISED = "could not load the nvperf"
+
+
+def runtime_errors(lib: Any) -> tuple[type[BaseException], ...]:
+    """What a call into cupti.pm_sampling may raise (its docstrings): cuptiError for CUPTI codes
+    it does not translate, MemoryError / PermissionError / RuntimeError / ValueError for those
+    it does; and TypeError / AttributeError, which at this boundary mean a cupti-python whose
+    signatures differ from those called here (:func:`classify`). Anything else is a bug."""
+    return (lib.cupti.cuptiError, MemoryError, RuntimeError, ValueError, OSError, TypeError,
+            AttributeError)
+
+
 def classify(lib: Any, exc: BaseException) -> str | None:
     """The bounded reason a start-up error means, or ``None`` when it may be transient."""
     if isinstance(exc, lib.cupti.cuptiError):
         return REASON_BY_RESULT.get(result_name(lib, getattr(exc, "status", None)))
+    # A changed signature or a renamed attribute of the binding: it stays so until the agent
+    # (or cupti-python) is changed, so it is said once, never retried every pass.
+    if isinstance(exc, (TypeError, AttributeError)):
+        return "binding_mismatch"
     # cupti.pm_sampling translates some codes into builtin exceptions (Collector.enable):
     # INSUFFICIENT_PRIVILEGES -> PermissionError, INVALID_PARAMETER on the device index ->
     # ValueError, INVALID_OPERATION ("already enabled") and nvperf load failures -> RuntimeError.
@@ -77,6 +97,10 @@ def classify(lib: Any, exc: BaseException) -> str | None:
         return "no_gpu"
     if isinstance(exc, RuntimeError):
         name, text = type(exc).__name__, str(exc)
+        if type(exc) is RuntimeError and _NVPERF_NOT_INITIALISED in text:
+            # The same code as a raw ERROR_NOT_INITIALIZED, after the same cuInit and primary
+            # context retry (not_initialised): the same reason; the detail keeps the text.
+            return "cupti_not_initialized"
         if name in _MISSING_LIBRARY_ERRORS or "nvperf" in text:
             return "cupti_missing"
         if name == "NotSupportedError":  # cupti-python: "CUDA driver is not found (...)"
@@ -91,7 +115,7 @@ def not_initialised(lib: Any, exc: BaseException) -> bool:
     when profiler_initialize answers it (a RuntimeError about the nvperf libraries)."""
     if isinstance(exc, lib.cupti.cuptiError):
         return result_name(lib, getattr(exc, "status", None)) == "ERROR_NOT_INITIALIZED"
-    return type(exc) is RuntimeError and "nvperf" in str(exc)
+    return type(exc) is RuntimeError and _NVPERF_NOT_INITIALISED in str(exc)
 
 
 def result_name(lib: Any, status: Any) -> str:

@@ -182,8 +182,11 @@ class FakeCupti:
 
     def __init__(self, devices: dict[int, FakeDevice] | None = None, *,
                  set_api: bool = True, counted: bool = True,
-                 properties_api: bool = False) -> None:
+                 properties_api: bool = False,
+                 version: str = "simulated cupti-python 13.4") -> None:
         self.devices: dict[int, FakeDevice] = devices if devices is not None else {}
+        #: What ``doctor`` prints as the CUPTI version of a stand-in library.
+        self.version = version
         #: Whether profiler_initialize / profiler_deinitialize calls are counted (module
         #: docstring); uncounted, one deinitialise tears the profiler down for all.
         self.counted = counted

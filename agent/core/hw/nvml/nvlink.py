@@ -8,6 +8,9 @@ it: on some drivers a per-link read answers the aggregate itself, and summing th
 the total once per link (18 times too high on an H200). Without the aggregate scope (older
 drivers) the totals are the per-link sum, unless every link answers the same non-zero number,
 which is the same fault: then one of them is the total and no per-link series is kept.
+An aggregate refused with a code that may pass (UNKNOWN, TIMEOUT) is asked again; only
+NOT_SUPPORTED-like answers, or :data:`AGGREGATE_REFUSALS` refusals in a row, switch the GPU
+to per-link reads for good.
 ``sources["nvlink"]`` says which of these is live. A GPU without an active link keeps its
 NVLink fields ``None``: absent series, never zeros.
 """
@@ -29,6 +32,10 @@ _WHOLE_GPU_FAILURES = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_UNINITIALIZED",
                        "NVML_ERROR_DRIVER_NOT_LOADED", "NVML_ERROR_LIB_RM_VERSION_MISMATCH")
 #: nvmlFieldValue_t.scopeId asking for all links together (NVML: "UINT_MAX").
 AGGREGATE_SCOPE = 0xFFFFFFFF
+#: Consecutive refusals of the aggregate scope, with a code that may pass (UNKNOWN, TIMEOUT,
+#: ...), after which per-link reads serve the GPU for good. NOT_SUPPORTED, NO_PERMISSION,
+#: FUNCTION_NOT_FOUND and INVALID_ARGUMENT (a driver older than the scope) switch at once.
+AGGREGATE_REFUSALS = 3
 #: How far the per-link sum may differ from the aggregate read in the same call: the fields
 #: are read one after another while traffic flows, so not to the byte.
 _SUM_TOLERANCE = 0.02
@@ -42,6 +49,8 @@ class NvlinkCounters:
         #: GPUs (UUIDs) whose driver refuses the aggregate scope, and those whose per-link
         #: counts did not sum to it: remembered for the process's life.
         self._no_aggregate: set[str] = set()
+        #: Refusals in a row of the aggregate with a code that may pass, per GPU (UUID).
+        self._refusals: dict[str, int] = {}
         self._per_link_bad: set[str] = set()
 
     def active_links(self, lib: Any, gpu: Gpu) -> list[int]:
@@ -71,19 +80,23 @@ class NvlinkCounters:
         tx: dict[int, float] = {}
         rx: dict[int, float] = {}
         whole_gpu = {getattr(lib, n, None) for n in _WHOLE_GPU_FAILURES}
+        refused: list[int] = []  # the aggregate's answers this pass (TX, RX): one refusal
         for value in list(values)[: len(request)]:
             scope = int(value.scopeId)
             if scope == AGGREGATE_SCOPE and value.nvmlReturn != lib.NVML_SUCCESS and (
                 value.nvmlReturn not in whole_gpu
             ):
-                self._refuse_aggregate(lib, gpu, int(value.nvmlReturn))
+                refused.append(int(value.nvmlReturn))
                 continue
             kib = self._field_value(lib, gpu, value, f"nvlink_field_{value.fieldId}_link_{scope}")
             if kib is None:
                 continue
             (tx if value.fieldId == tx_id else rx)[scope] = nvlink_kib_to_bytes(kib)
+        if refused:
+            self._refuse_aggregate(lib, gpu, refused)
         per_link = {link: (tx[link], rx[link]) for link in links if link in tx and link in rx}
         if AGGREGATE_SCOPE in tx and AGGREGATE_SCOPE in rx:
+            self._refusals.pop(uuid, None)
             s.nvlink_tx_bytes_total = tx[AGGREGATE_SCOPE]
             s.nvlink_rx_bytes_total = rx[AGGREGATE_SCOPE]
             s.sources["nvlink"] = "aggregate"
@@ -91,8 +104,8 @@ class NvlinkCounters:
                                           s.nvlink_rx_bytes_total):
                 s.nvlink_links = per_link
             return
-        if not per_link:
-            return
+        if not per_link or (uuid in self._per_link_bad and uuid not in self._no_aggregate):
+            return  # per-link counts known not to sum to the aggregate: no totals this pass
         if len(per_link) > 1 and len(set(per_link.values())) == 1 and any(
             v > 0 for v in next(iter(per_link.values()))
         ):
@@ -110,13 +123,24 @@ class NvlinkCounters:
         s.nvlink_rx_bytes_total = sum(r for _, r in per_link.values())
         s.sources["nvlink"] = "per_link_sum"
 
-    def _refuse_aggregate(self, lib: Any, gpu: Gpu, code: int) -> None:
-        """The aggregate scope answered ``code``: per-link reads serve this GPU from now on.
+    def _refuse_aggregate(self, lib: Any, gpu: Gpu, codes: list[int]) -> None:
+        """The aggregate scope answered ``codes`` (TX, RX) in one pass: this pass's totals
+        come from the per-link reads, and from now on where the answer will not change.
 
-        Not only NOT_SUPPORTED: a driver older than the scope may take UINT_MAX for a link
-        index and answer INVALID_ARGUMENT, and failing every pass for one field would lose
-        every other reading of the GPU."""
+        NOT_SUPPORTED (and the other unsupported codes) and INVALID_ARGUMENT, which a driver
+        older than the scope answers taking UINT_MAX for a link index, switch at once. Any other
+        code (UNKNOWN, TIMEOUT, ...) may pass: the aggregate is asked again, and given up only
+        after :data:`AGGREGATE_REFUSALS` in a row, since failing every pass for one field would
+        lose every other reading of the GPU."""
         uuid = gpu.identity.uuid
+        final = unsupported_codes(lib) | {lib.NVML_ERROR_INVALID_ARGUMENT}
+        code = next((c for c in codes if c in final), codes[0])
+        self._refusals[uuid] = self._refusals.get(uuid, 0) + 1
+        if code not in final and self._refusals[uuid] < AGGREGATE_REFUSALS:
+            log.debug("GPU %d (%s): the NVLink all-links scope answered %s (%d in a row); "
+                      "asked again next pass", gpu.index, uuid, _error_name(lib, code),
+                      self._refusals[uuid])
+            return
         self._no_aggregate.add(uuid)
         level = logging.INFO if code in unsupported_codes(lib) else logging.WARNING
         self._memo.log_once(
