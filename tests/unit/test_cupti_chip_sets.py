@@ -132,8 +132,9 @@ def test_a_dram_count_in_an_unknown_unit_is_not_counted_as_bytes() -> None:
     assert kept == MetricChoice(SM, None)
 
 
-def _sampler(device: FakeDevice, **lib_options: bool) -> tuple[CuptiPmSampler, FakeCupti]:
-    lib = FakeCupti({0: device}, **lib_options)
+def _sampler(device: FakeDevice, *, properties_api: bool = False,
+             set_api: bool = True) -> tuple[CuptiPmSampler, FakeCupti]:
+    lib = FakeCupti({0: device}, properties_api=properties_api, set_api=set_api)
     gpu = GPUIdentity(0, fake_uuid(0), "NVIDIA H200")
     return CuptiPmSampler([gpu], lib=lib, cuda=CudaDriver(lib.driver)), lib
 
