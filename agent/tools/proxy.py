@@ -58,13 +58,14 @@ import h11
 
 from mrc_agent.agent.tools.proxy_http import (
     HEAD_END,
+    LINGER_BYTES,
+    LINGER_S,
     ProxyError,
     Upstream,
     both_lengths,
     descriptors_for,
     error_body,
     forward_headers,
-    linger,
     raw_error,
     split_hostport,
 )
@@ -76,6 +77,7 @@ from mrc_agent.agent.tools.proxy_upstream import (
     UpstreamConn,
     UpstreamFailed,
 )
+from mrc_agent.exporters.exposition.http.wire import linger
 from mrc_agent.exporters.instrumentation.meter import METERED_PATHS, Exchange, metered
 from mrc_agent.exporters.instrumentation.metrics import MRCMetrics
 
@@ -130,11 +132,11 @@ class Proxy:
         self._server: asyncio.Server | None = None
         self.max_connections = max_connections
         self._clients: set[asyncio.Task[None]] = set()
-        self._writers: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         #: The client connections with a request being answered now.
         self._busy: set[asyncio.Task[None]] = set()
-        #: The client connections waiting for a request head, the longest waiting first.
-        self._waiting: dict[asyncio.Task[None], None] = {}
+        #: The client connections waiting for a request head, the longest waiting first, and
+        #: their writers (closing one is how the cap evicts it).
+        self._waiting: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         self._draining = False
 
     async def start(self, host: str, port: int) -> int:
@@ -202,18 +204,17 @@ class Proxy:
 
     # --- one client connection --------------------------------------------------------------
 
-    def _admit(self, task: asyncio.Task[None], writer: asyncio.StreamWriter) -> bool:
+    def _admit(self, task: asyncio.Task[None]) -> bool:
         """Make room for a new client connection at the cap: close the one that has waited
         longest for its next request head (idle between requests, or part-way through a
         head); one being answered is never closed. False when all are being answered."""
         if len(self._clients) >= self.max_connections and self._waiting:
-            oldest = next(iter(self._waiting))
+            oldest, oldest_writer = next(iter(self._waiting.items()))
             self._forget(oldest)
-            self._writers.pop(oldest).close()  # its read sees the end and its task returns
+            oldest_writer.close()  # its read sees the end and its task returns
         if len(self._clients) >= self.max_connections:
             return False
         self._clients.add(task)
-        self._writers[task] = writer
         return True
 
     def _forget(self, task: asyncio.Task[None]) -> None:
@@ -224,7 +225,7 @@ class Proxy:
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        if not self._admit(task, writer):
+        if not self._admit(task):
             log.warning("%d client connections, all being answered: refusing one",
                         len(self._clients))
             with contextlib.suppress(Exception):
@@ -236,14 +237,14 @@ class Proxy:
         client_ip = peer[0] if isinstance(peer, tuple) else ""
         try:
             while True:
-                self._waiting[task] = None  # the newest waiter last: evicted after the rest
+                self._waiting[task] = writer  # the newest waiter last: evicted after the rest
                 try:
                     event = await self._read_head(conn, reader)
                 except (TimeoutError, ConnectionError):
                     return
                 except h11.RemoteProtocolError as e:
                     await self._refuse(conn, writer, e.error_status_hint, str(e))
-                    await linger(reader, writer)
+                    await linger(reader, writer, LINGER_S, LINGER_BYTES)
                     return
                 finally:
                     self._waiting.pop(task, None)
@@ -266,7 +267,6 @@ class Proxy:
             with contextlib.suppress(Exception):
                 writer.close()
             self._forget(task)
-            self._writers.pop(task, None)
 
     async def _read_head(self, conn: h11.Connection, reader: asyncio.StreamReader) -> object:
         """The next request's head, or what ends the connection: whole within
@@ -296,8 +296,7 @@ class Proxy:
                 return event
             data = await reader.read(CHUNK)
             if not data:
-                conn.receive_data(b"")
-                data = b""
+                conn.receive_data(b"")  # the end: h11 gives ConnectionClosed or an error
 
     async def _refuse(self, conn: h11.Connection, writer: asyncio.StreamWriter, status: int,
                       message: str) -> None:
@@ -331,7 +330,7 @@ class Proxy:
                     exchange.response_body(b"", False)
                 await self._refuse(conn, writer, 400, "the request has both Content-Length "
                                    "and Transfer-Encoding")
-                await linger(reader, writer)
+                await linger(reader, writer, LINGER_S, LINGER_BYTES)
                 return False
             try:
                 up = await self._connect()

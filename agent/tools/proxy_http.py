@@ -1,10 +1,9 @@
 """HTTP/1.1 rules ``mrc-agent proxy`` applies to each message it relays (RFC 9110, RFC 9112):
-which headers are hop-by-hop, which framing is refused, the error answers it writes itself and
-the lingering close after them; and the command's addresses."""
+which headers are hop-by-hop, which framing is refused, the error answers it writes itself;
+and the command's addresses."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -14,13 +13,11 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from urllib.parse import urlsplit
 
-from mrc_agent.agent.tools.proxy_upstream import CHUNK
-
 log = logging.getLogger(__name__)
 
 #: How long, and how much, of what a refused client still sends is read and dropped before
-#: its connection closes (nginx's ``lingering_time`` is 30 s; a request head or a small body
-#: arrives in well under a second).
+#: its connection closes (:func:`~mrc_agent.exporters.exposition.http.wire.linger`; nginx's
+#: ``lingering_time`` is 30 s, a request head or a small body arrives in well under a second).
 LINGER_S = 2.0
 LINGER_BYTES = 1 << 20
 #: The end of a head: h11 takes a bare LF as a line end, so this is where it ends a head.
@@ -97,26 +94,6 @@ def raw_error(status: int, message: str) -> bytes:
     return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n" % (status, HTTPStatus(status).phrase.encode(),
                                              len(body)) + body)
-
-
-async def linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """After an error answer that ends the connection: stop writing, then read and drop what
-    the client still sends, for at most :data:`LINGER_S` seconds and :data:`LINGER_BYTES`, so
-    that the close does not reset the connection before the client has read the answer
-    (nginx's ``lingering_close``)."""
-    async def drop() -> None:
-        await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
-        left = LINGER_BYTES
-        while left > 0:
-            data = await reader.read(CHUNK)
-            if not data:
-                return
-            left -= len(data)
-
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(drop(), LINGER_S)
 
 
 def split_hostport(value: str, flag: str) -> tuple[str, int]:

@@ -66,7 +66,13 @@ from prometheus_client.registry import CollectorRegistry
 from mrc_agent.exporters.exposition.checks import CheckQueue, peer_key
 from mrc_agent.exporters.exposition.http.connections import Conn, Connections
 from mrc_agent.exporters.exposition.http.routes import Authenticator, Request, Response, Routes
-from mrc_agent.exporters.exposition.http.wire import BadRequest, Head, Wire, response_head
+from mrc_agent.exporters.exposition.http.wire import (
+    BadRequest,
+    Head,
+    Wire,
+    linger,
+    response_head,
+)
 from mrc_agent.exporters.exposition.limits import Limits
 from mrc_agent.exporters.exposition.render_cache import RenderCache
 from mrc_agent.exporters.pacing import AddressBudgets
@@ -424,22 +430,7 @@ class ExpositionServer:
         return None
 
     async def _linger(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """After an early answer, drain what the client still sends for a short while, so it
-        reads the answer instead of a reset."""
-        with contextlib.suppress(OSError, RuntimeError):
-            if writer.can_write_eof():
-                writer.write_eof()
-        left = self.limits.linger_bytes
-        deadline = time.monotonic() + self.limits.linger_s
-        with contextlib.suppress(ConnectionError, TimeoutError, asyncio.TimeoutError):
-            while left > 0:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                chunk = await asyncio.wait_for(reader.read(min(left, 1 << 16)), remaining)
-                if not chunk:
-                    break
-                left -= len(chunk)
+        await linger(reader, writer, self.limits.linger_s, self.limits.linger_bytes)
 
     async def _get(self, head: Head) -> tuple[int, bytes, str, dict[str, str]]:
         path = head.path

@@ -19,7 +19,9 @@ for ``keep-alive``, as exporter-toolkit's server does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -239,3 +241,24 @@ def response_head(status: int, ctype: str, length: int, extra: Mapping[str, str]
     elif http10:
         lines.append("Connection: keep-alive")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+async def linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, seconds: float,
+                 limit: int) -> None:
+    """After an early answer that ends the connection: stop writing, then read and drop what
+    the client still sends, for at most ``seconds`` and ``limit`` bytes, so that it reads the
+    answer instead of a reset (nginx's ``lingering_close``)."""
+    with contextlib.suppress(OSError, RuntimeError):
+        if writer.can_write_eof():
+            writer.write_eof()
+    left = limit
+    deadline = time.monotonic() + seconds
+    with contextlib.suppress(ConnectionError, TimeoutError, asyncio.TimeoutError):
+        while left > 0:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            chunk = await asyncio.wait_for(reader.read(min(left, _CHUNK)), remaining)
+            if not chunk:
+                break
+            left -= len(chunk)
