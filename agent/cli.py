@@ -70,7 +70,7 @@ COMMANDS: tuple[Command, ...] = (
             entry=("add_alerts_arguments", "run_alerts")),
     Command("proxy", "meter an OpenAI-compatible server (vLLM, SGLang, TGI, Triton) from in "
             "front of it: a streaming reverse proxy serving the request metrics",
-            f"{TOOLS}.proxy"),
+            f"{TOOLS}.proxy_cli"),
     Command("dashboards", "Grafana dashboards as code", f"{TOOLS}.mixin",
             entry=("add_dashboards_arguments", "run_dashboards")),
 )
