@@ -135,10 +135,13 @@ class Proxy:
         self._waiting: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         self._draining = False
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on ``host:port`` (0: a free port); returns the port."""
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
+        """Listen on ``host:port`` (0: a free port); returns the port. ``reuse_port``: with
+        ``SO_REUSEPORT``, so several processes listen on one port and the kernel spreads the
+        connections among them."""
         self._server = await asyncio.start_server(self._client, host.strip("[]"), port,
-                                                  limit=CHUNK, backlog=1024)
+                                                  limit=CHUNK, backlog=1024,
+                                                  reuse_port=reuse_port or None)
         return int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self, drain: float = 0.0) -> None:
