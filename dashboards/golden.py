@@ -133,7 +133,7 @@ def build(cfg: Config) -> dict[str, Any]:
             description=(
                 "Share of wall-clock time the target's hottest thread ran each Python function "
                 "(module:qualname) while its GPUs idled or it was starved, from continuous "
-                "stack samples (mrc-agent --collector stacks; running time only). "
+                "stack samples (the agent's stacks collector, on by default; running time only). "
                 "A preprocessing function here, during starvation, is the culprit the GPU "
                 "waits on."),
             links=runbook(cfg, Alerts.STARVED)),

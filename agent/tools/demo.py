@@ -178,8 +178,7 @@ def run_demo(duration: float, listen: str, trace: str | None, port: int = 8000,
             else _gpu_backend()
         cfg = validate(AgentConfig(
             pids=[service.pid], listen=listen, interval=0.5, gpu_backend=backend,
-            collectors={**DEFAULT_ON, "profiling": backend.startswith("replay:"),
-                        "stacks": True}))
+            collectors={**DEFAULT_ON, "profiling": backend.startswith("replay:")}))
         sources = make_sources(cfg)
         runner = build_runner(cfg, sources)
         server = build_server(cfg, runner)

@@ -169,7 +169,7 @@ def test_config_file_that_is_a_fifo_or_a_device(fifo: Path) -> None:
 def test_collector_switches_read_as_booleans(tmp_path: Path) -> None:
     cfg = load({}, env={}, config_path=_config(
         tmp_path, b'collectors: {gpu: "false", gpm: "off", profiling: "yes", derived: 0}\n'))
-    assert cfg.enabled == ["process", "profiling"]
+    assert cfg.enabled == ["process", "profiling", "stacks"]
 
 
 def test_token_file_that_is_a_fifo(fifo: Path) -> None:

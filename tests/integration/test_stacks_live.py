@@ -3,6 +3,7 @@ phases follow a GPU timeline fed to the collector, its culprit known."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -128,3 +129,47 @@ def test_a_sampler_that_ended_is_running_until_it_has_said_why(tmp_path: Path) -
         assert sampler.error is not None and sampler.error.reason == "not_python", sampler.error
     finally:
         sampler.stop()
+
+
+def test_the_default_run_without_austin_says_missing_once_and_the_rest_runs_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``mrc-agent run`` as configured by default (the stacks collector on) where austin is
+    nowhere to be found: each target's available series says missing, the log says it once
+    across passes and targets, and the process collector's values come as before."""
+    from mrc_agent.agent.core.collectors import PASS_FINISHERS
+    from mrc_agent.agent.core.config import AgentConfig
+    from mrc_agent.agent.core.hw.sources import Sources
+    from mrc_agent.agent.core.runner import Runner
+    from mrc_agent.agent.core.targets import TargetResolver
+    from mrc_agent.agent.core.wiring import build_collectors
+
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+             for _ in range(2)]
+    # Neither beside this Python nor on PATH.
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    cfg = AgentConfig(pids=[p.pid for p in procs], gpu_backend="none")
+    assert cfg.collectors["stacks"] and "stacks" in cfg.enabled
+    runner = Runner(build_collectors(cfg, Sources()), TargetResolver(cfg.pids), 0.2,
+                    finishers=PASS_FINISHERS)
+    try:
+        with caplog.at_level(logging.WARNING):
+            for _ in range(4):
+                snap = runner.sample_once()
+        by_name: dict[str, list] = {}
+        for name, labels, value in snap.samples:
+            by_name.setdefault(name, []).append((labels, value))
+        assert {(labels[0], labels[2], v) for labels, v in by_name[AVAILABLE.name]} == {
+            (str(p.pid), "missing", 0.0) for p in procs}
+        said = [r.getMessage() for r in caplog.records if "no stacks" in r.getMessage()]
+        assert len(said) == 1 and "austin is not installed" in said[0], said
+        assert {labels[0] for labels, _ in by_name["mrc_process_cpu_user_ratio"]} == {
+            str(p.pid) for p in procs}
+        health = {labels[0]: v for labels, v in by_name["mrc_agent_collector_success"]}
+        assert health["process"] == 1.0 and health["stacks"] == 1.0, health
+    finally:
+        runner.stop()
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -17,7 +17,7 @@ def test_precedence_file_then_env_then_cli(tmp_path) -> None:
     assert cfg.pids == [21, 22]  # env over file
     assert cfg.listen == "127.0.0.1:9000"  # file over default
     assert cfg.process_name == "uvicorn"
-    assert cfg.enabled == ["process", "gpu", "profiling", "derived"]
+    assert cfg.enabled == ["process", "gpu", "profiling", "derived", "stacks"]
 
 
 def test_env_names_the_config_file(tmp_path) -> None:

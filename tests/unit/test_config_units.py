@@ -128,7 +128,7 @@ def test_collectors_from_a_mapping_switch_only_what_is_named() -> None:
     cfg = AgentConfig()
     out = c._collectors({"gpm": "off", "profiling": True}, cfg)
     assert out == {"process": True, "gpu": True, "gpm": False, "profiling": True,
-                   "derived": True, "stacks": False}
+                   "derived": True, "stacks": True}
     assert cfg.collectors["gpm"] is True  # the config's own mapping is not changed
 
 
@@ -136,10 +136,10 @@ def test_collectors_from_a_list_take_minus_plus_and_blank_items() -> None:
     cfg = AgentConfig()
     assert c._collectors(" profiling , ,-gpm,+gpu,", cfg) == {
         "process": True, "gpu": True, "gpm": False, "profiling": True, "derived": True,
-        "stacks": False}
+        "stacks": True}
     assert c._collectors(["-process", "profiling"], cfg) == {
         "process": False, "gpu": True, "gpm": True, "profiling": True, "derived": True,
-        "stacks": False}
+        "stacks": True}
 
 
 def test_collectors_build_on_what_an_earlier_source_switched(tmp_path) -> None:
@@ -148,8 +148,8 @@ def test_collectors_build_on_what_an_earlier_source_switched(tmp_path) -> None:
     cfg = load({"collectors": "profiling"}, env={"MRC_AGENT_COLLECTORS": "-process"},
                config_path=str(f))
     assert cfg.collectors == {"process": False, "gpu": True, "gpm": False, "profiling": True,
-                              "derived": True, "stacks": False}
-    assert cfg.enabled == ["gpu", "profiling", "derived"]
+                              "derived": True, "stacks": True}
+    assert cfg.enabled == ["gpu", "profiling", "derived", "stacks"]
 
 
 def test_a_bad_switch_in_the_file_names_the_file_and_the_collector(tmp_path) -> None:
@@ -534,7 +534,7 @@ def test_the_defaults_and_how_help_shows_them() -> None:
     assert default_of("interval") == 1.0
     assert default_of("pids") == []
     assert default_of("collectors") == {"process": True, "gpu": True, "gpm": True,
-                                        "profiling": False, "derived": True, "stacks": False}
+                                        "profiling": False, "derived": True, "stacks": True}
     assert AgentConfig().pids is not AgentConfig().pids
     assert AgentConfig().collectors is not AgentConfig().collectors
     shown = {name: default_text(name) for name in SETTINGS}
@@ -542,7 +542,7 @@ def test_the_defaults_and_how_help_shows_them() -> None:
         "pids": None, "pidfile": None, "process_name": None, "listen": "0.0.0.0:9478",
         "interval": "1", "gpu_backend": "auto", "gpus": "targets",
         "profile_unattributed": "false", "gpm_interval": "1", "stacks_interval": "0.1",
-        "stacks_top_k": "5", "collectors": "process,gpu,gpm,derived",
+        "stacks_top_k": "5", "collectors": "process,gpu,gpm,derived,stacks",
         "idle_util_threshold": "0.05",
         "starvation_cpu_threshold": "0.9",
         "starvation_gpu_threshold": "0.2", "log_level": "info", "web_config_file": None,
@@ -577,7 +577,7 @@ def test_each_flag_says_its_default_and_its_environment_name() -> None:
         "file holding the target PID, re-read every interval; env MRC_AGENT_PIDFILE")
     assert shown["--collector"] == (
         "switch a collector on (repeatable: process, gpu, gpm, profiling, derived, stacks; "
-        "default process,gpu,gpm,derived; env MRC_AGENT_COLLECTORS=profiling,-gpm)")
+        "default process,gpu,gpm,derived,stacks; env MRC_AGENT_COLLECTORS=profiling,-gpm)")
     assert shown["--no-collector"] == (
         "switch a collector off (repeatable; env MRC_AGENT_COLLECTORS)")
     assert "--webhook-token" not in shown

@@ -276,3 +276,25 @@ def test_without_austin_every_target_says_missing() -> None:
                         unavailable=StacksUnavailable("missing", "austin is not installed"))
     assert _run(c, _ctx(1.0, [(1.0, 0.9)], None)) == [
         (AVAILABLE.name, ("7", "python", "missing"), 0.0)]
+
+
+def test_the_collector_is_on_by_default() -> None:
+    from mrc_agent.agent.core.collectors import DEFAULT_ON
+
+    assert DEFAULT_ON["stacks"] is True
+
+
+def test_missing_austin_is_said_once_for_the_agent_and_rights_once_per_target(caplog) -> None:
+    missing = StacksCollector(None, idle_util=0.05,
+                              unavailable=StacksUnavailable("missing", "austin is not installed"))
+    refused = StacksCollector(
+        lambda pid: FakeSampler([], StacksUnavailable("permission", "no ptrace"), alive=False),
+        idle_util=0.05, clock=lambda: 0.0)
+    with caplog.at_level("WARNING", logger="mrc_agent.agent.core.collectors.stacks"):
+        for c in (missing, refused):
+            for second, pid in enumerate((7, 7, 7, 8, 8), start=1):  # the target restarted
+                _run(c, _ctx(float(second), [(float(second), 0.9)], None, pid=pid))
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("austin is not installed" in m for m in said) == 1
+    assert [m for m in said if "no ptrace" in m] == [
+        "no stacks for pid 7: no ptrace", "no stacks for pid 8: no ptrace"]

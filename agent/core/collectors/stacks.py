@@ -16,9 +16,10 @@ Only running time is sampled (austin ``--sleepless``): the time the hottest thre
 no series. Function labels are the first ``top_k`` functions seen per target, plus ``other``: a
 series once exported stays, so the counters never move between labels.
 
-Without austin, without ptrace rights on a target, or for a target that is not Python, the
-target's ``mrc_process_stacks_available`` is 0 with the reason, said once in the log, and the
-rest of the agent runs on.
+The collector is on by default. Without austin, without ptrace rights on a target, or for a
+target that is not Python, the target's ``mrc_process_stacks_available`` is 0 with the reason,
+said once in the log (once for the agent where austin is missing, once per target otherwise),
+and the rest of the agent runs on.
 
 The samples' whole stacks stay with the sampler for a while: :meth:`StacksCollector.history`
 hands them to the on-alert captures (:mod:`mrc_agent.agent.tools.capture`), which then start
@@ -163,6 +164,7 @@ class StacksCollector:
             gone = self._targets.pop(pid)
             if gone.sampler is not None:
                 gone.sampler.stop()
+            self._said = {k for k in self._said if k[0] != pid}
         out: list[Sample] = []
         for pid, process in live.items():
             st = self._targets.get(pid)
@@ -213,9 +215,15 @@ class StacksCollector:
             st.reason = "ok"
 
     def _say(self, pid: int, err: StacksUnavailable) -> None:
+        if self._factory is None:
+            # No austin: the agent's condition, not the target's; said once, for the first.
+            pid = 0
         if (pid, err.reason) not in self._said:
             self._said.add((pid, err.reason))
-            log.warning("no stacks for pid %d: %s", pid, err)
+            if pid:
+                log.warning("no stacks for pid %d: %s", pid, err)
+            else:
+                log.warning("no stacks for any target: %s; the other collectors run on", err)
 
     def _join(self, st: _Target, gpus: list[GPUIdentity]) -> None:
         horizon = min((self._points[g][-1][0] for g in gpus if self._points.get(g)),
@@ -281,6 +289,6 @@ def _build(ctx: BuildContext) -> StacksCollector:
 
 
 DEFINITION = CollectorDef(
-    name=NAME, default_on=False, factory=_build, metrics=METRICS,
+    name=NAME, default_on=True, factory=_build, metrics=METRICS,
     reads=(Processes, GpuReadings, Starvation),
     description="What each target's Python ran, by function and GPU state (austin samples).")
