@@ -15,7 +15,8 @@ from typing import Any
 import pynvml
 import pytest
 
-from mrc_agent.agent.core.collectors.gpm import GPM_SCOPE_INFO, GpmCollector
+from mrc_agent.agent.core.attribution import Attribution
+from mrc_agent.agent.core.collectors.gpm import GPM_SCOPE_INFO, METRICS, GpmCollector
 from mrc_agent.agent.core.hw.nvml import NvmlBackend
 from mrc_agent.agent.core.hw.replay import ReplayBackend, ReplayFormatError, load_trace
 from mrc_agent.agent.core.hw.sources import Sources
@@ -209,8 +210,49 @@ def test_gpm_of_mig_devices_is_labelled_gpu_instance_scoped() -> None:
     assert scope == [("0", MIG_A, name, "gpu_instance", "1"),
                      ("0", MIG_B, name, "gpu_instance", "1")]
     assert GPM_SCOPE_INFO.labels[-2:] == ("scope", "gpu_instance")
-    # The activity series themselves keep their labels.
-    assert ("mrc_gpu_sm_active_ratio", ("0", MIG_A, name), pytest.approx(0.3)) in out
+    # The GPU instance's values once, under its first compute instance: not again under MIG_B.
+    assert [(labels[1], v) for n, labels, v in out if n == "mrc_gpu_sm_active_ratio"] == [
+        (MIG_A, pytest.approx(0.3))]
+
+
+def _gpm_series(samples: list[Any], watched: set[str] | None = None) -> dict[str, list]:
+    """The GPM collector's samples of ``samples`` by family, watching the MIG devices
+    ``watched`` (all of them when None), each as (uuid, value)."""
+
+    class Source:
+        def sample_gpm(self) -> list[Any]:
+            return samples
+
+    gpus = {s.gpu: frozenset({"test"}) for s in samples
+            if watched is None or s.gpu.uuid in watched}
+    view = pass_view(wall=1.7e9, outputs=[Attribution("test", gpus)])
+    out: dict[str, list] = {}
+    for name, labels, value in GpmCollector(Source()).update(view).samples:
+        out.setdefault(name, []).append((labels[1], value))
+    return out
+
+
+def test_gpm_of_a_gpu_instance_is_exported_once_whatever_its_compute_instances() -> None:
+    """Every GPM value of a MIG device is its GPU instance's (nvmlGpmMigSampleGet takes a GPU
+    instance id): a GPU instance with two compute instances gives one series per family, two
+    GPU instances give one each, and a pod given only the second compute instance still sees
+    its GPU instance's values, under that one's uuid."""
+    shared = gpm_windows(two_slices(same_instance=True))
+    fams = _gpm_series(shared)
+    gpm_families = [m.name for m in METRICS if m is not GPM_SCOPE_INFO]
+    for family in gpm_families:
+        assert len(fams.get(family, [])) <= 1, (family, fams.get(family))
+    assert fams["mrc_gpu_sm_active_ratio"] == [(MIG_A, pytest.approx(0.3))]
+    assert sum(v for _, v in fams["mrc_gpu_sm_active_ratio"]) == pytest.approx(0.3)
+    assert [u for u, _ in fams[GPM_SCOPE_INFO.name]] == [MIG_A, MIG_B]
+
+    apart = _gpm_series(gpm_windows(two_slices(same_instance=False)))
+    assert apart["mrc_gpu_sm_active_ratio"] == [(MIG_A, pytest.approx(0.3)),
+                                                (MIG_B, pytest.approx(0.6))]
+
+    only_b = _gpm_series(shared, watched={MIG_B})
+    assert only_b["mrc_gpu_sm_active_ratio"] == [(MIG_B, pytest.approx(0.3))]
+    assert [u for u, _ in only_b[GPM_SCOPE_INFO.name]] == [MIG_B]
 
 
 def test_a_whole_gpu_has_no_scope_series() -> None:

@@ -3,8 +3,13 @@ activity quotient that stands in for the compute-to-memory signal when the profi
 are unavailable (an activity ratio, not an instruction count).
 
 On a MIG device GPM measures the device's whole GPU instance, shared by every compute instance
-in it (``agent.core.hw.nvml.gpm``); :data:`GPM_SCOPE_INFO` says so beside its series. A whole
-GPU has no scope series: its GPM is its own, like every other series of its ``uuid``."""
+in it (``agent.core.hw.nvml.gpm``). Its values are exported once per GPU instance, under the
+first of its compute instances the agent reports (in NVML's enumeration order), so a sum over
+the reported MIG devices counts each GPU instance once; a pod given any one compute instance
+still sees its GPU instance's activity under that one's ``uuid``. :data:`GPM_SCOPE_INFO` is on
+every reported MIG device and names its GPU instance, the join from a compute instance to the
+values. A whole GPU has no scope series: its GPM is its own, like every other series of its
+``uuid``."""
 
 from __future__ import annotations
 
@@ -53,10 +58,11 @@ SM_TO_DRAM_ACTIVITY = gauge(
 
 GPM_SCOPE_INFO = info(
     NAME, "mrc_gpu_gpm_scope_info", GPU + ("scope", "gpu_instance"),
-    "GPM scope of a MIG device (present for MIG devices only): scope gpu_instance means its "
-    "GPM series measure the whole GPU instance gpu_instance, not this compute instance alone "
-    "(NVML samples GPM per GPU instance), so every compute instance of it shows the same "
-    "values; take max by (gpu, gpu_instance), never sum.")
+    "GPM scope of a MIG device (present for MIG devices only): scope gpu_instance means GPM "
+    "measures the whole GPU instance gpu_instance, not this compute instance alone (NVML "
+    "samples GPM per GPU instance), so the GPM series are exported once per GPU instance, "
+    "under the first of its compute instances the agent reports; join on (gpu, "
+    "gpu_instance) to read them for any of its compute instances.")
 
 METRICS = (SM_ACTIVE, SM_OCCUPANCY, TENSOR_ACTIVE, DRAM_BANDWIDTH, PCIE_TX, PCIE_RX, NVLINK_TX,
            NVLINK_RX, SM_TO_DRAM_ACTIVITY, GPM_SCOPE_INFO)
@@ -95,18 +101,25 @@ class GpmCollector:
         out: list[Sample] = []
         samples = require(self._source).sample_gpm()
         att = view.decide_gpus(self._gpus, [s.gpu for s in samples])
+        # (physical GPU index, GPU instance id) of the GPU instances whose values are out.
+        exported: set[tuple[int, int]] = set()
         for s in samples:
             if not att.watches(s.gpu):
                 continue  # not a GPU of this pod's targets (agent.core.attribution)
             labels = s.gpu.labels
-            out.extend(field_samples(s, _GPM_FIELDS, labels))
-            if (s.sm_util is not None and s.dram_bw_util is not None
-                    and s.dram_bw_util >= MIN_DRAM_UTIL_FOR_PROXY):
-                out.append((SM_TO_DRAM_ACTIVITY.name, labels, s.sm_util / s.dram_bw_util))
             if s.gpu_instance is not None or s.gpu.is_mig:
                 # "" where a trace names a MIG device but not its GPU instance.
                 instance = "" if s.gpu_instance is None else str(s.gpu_instance)
                 out.append((GPM_SCOPE_INFO.name, labels + ("gpu_instance", instance), {}))
+                if s.gpu_instance is not None:
+                    key = (s.gpu.index, s.gpu_instance)
+                    if key in exported:
+                        continue  # another compute instance of it carries its values
+                    exported.add(key)
+            out.extend(field_samples(s, _GPM_FIELDS, labels))
+            if (s.sm_util is not None and s.dram_bw_util is not None
+                    and s.dram_bw_util >= MIN_DRAM_UTIL_FOR_PROXY):
+                out.append((SM_TO_DRAM_ACTIVITY.name, labels, s.sm_util / s.dram_bw_util))
         return Update(out, (att, GpmReadings(tuple(s.gpu for s in samples
                                                    if att.watches(s.gpu)))))
 

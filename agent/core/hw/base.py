@@ -129,7 +129,8 @@ class GpmSample:
     nvlink_rx_bytes_per_second: float | None = None
     #: For a MIG device: the GPU instance these numbers were measured over. GPM samples a
     #: whole GPU instance (``nvmlGpmMigSampleGet``), so every MIG device (compute instance) of
-    #: it gets the same values; ``None`` for a whole GPU.
+    #: it gets the same values (the GPM collector exports them once per GPU instance); ``None``
+    #: for a whole GPU.
     gpu_instance: int | None = None
 
 

@@ -21,13 +21,11 @@ In MIG mode GPM is per GPU instance, not per MIG device: ``nvmlGpmMigSampleGet``
 physical GPU and a GPU instance id, nothing narrower, while a MIG device is one compute
 instance of a GPU instance (NVML's ``nvmlDeviceGetMigDeviceHandleByIndex`` enumerates compute
 instances). So the compute instances of one GPU instance are sampled once, on one pair of
-buffers, and each gets that same window's numbers with :attr:`GpmSample.gpu_instance` set;
-the GPM collector says so on ``mrc_gpu_gpm_scope_info`` (``scope="gpu_instance"``) rather than
-leave the numbers looking like each compute instance's own. Keeping them on every MIG device's
-``uuid`` (not once per GPU instance under one chosen device) is the least disruptive honest
-choice: a pod given any of the compute instances still sees its GPU instance's activity, and
-the series keep their labels; summing them over the compute instances double-counts, which
-the scope series is there to prevent.
+buffers, and each gets that same window's numbers with :attr:`GpmSample.gpu_instance` set.
+The GPM collector exports them once per GPU instance, under the first of its compute instances
+the agent reports, and says on ``mrc_gpu_gpm_scope_info`` (``scope="gpu_instance"``) which GPU
+instance every MIG device's GPM is; a pod given any one compute instance still sees its GPU
+instance's activity, under that one's ``uuid``.
 """
 
 from __future__ import annotations
