@@ -156,6 +156,10 @@ class ProxyFlags:
         help="client connections open at once; at the cap the one that has waited longest "
              "for a request head is closed, and when all are being answered a new one gets "
              "503 (each costs two file descriptors)")
+    workers: int = setting(
+        1, parse=whole, commands=(PROXY,), metavar="N",
+        help="processes serving --listen together (SO_REUSEPORT: the kernel spreads the "
+             "connections); --metrics-listen shows their counts merged")
     log_level: str = setting("info", parse=text, commands=(PROXY,), choices=_LEVELS,
                              help="log level")
 
