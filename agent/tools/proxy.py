@@ -41,7 +41,15 @@ What it does to the traffic, and what it does not:
 
 Upstream connections are kept alive and reused while idle for at most ``POOL_IDLE_S``, below
 uvicorn's five-second keep-alive, so a reused connection is not one the upstream is closing.
+
+Both connections are asyncio protocols (:mod:`~mrc_agent.agent.tools.proxy_upstream`): heads
+are read by llhttp and written by hand, bodies pass from one transport to the other in the
+reading protocol's callback, and one task per client connection waits only for heads, the
+upstream connection and the end of each answer: nothing wakes per event. Under uvloop (used
+when installed) that costs about a third of what asyncio streams with h11 on both sides did
+(docs/openai-meter.md#cost).
 """
+
 
 from __future__ import annotations
 
@@ -50,30 +58,34 @@ import contextlib
 import logging
 import ssl
 import time
-from http import HTTPStatus
-
-import h11
+from collections.abc import Coroutine
+from typing import TypeVar, cast
 
 from mrc_agent.agent.tools.proxy_http import (
     HEAD_END,
     LINGER_BYTES,
     LINGER_S,
+    BadHead,
+    MessageHead,
     Upstream,
-    both_lengths,
-    error_body,
+    content_length,
     forward_headers,
+    head_bytes,
+    parse_request,
+    parse_response,
     raw_error,
     split_hostport,  # noqa: F401  (re-exported: the proxy's address rule)
 )
 from mrc_agent.agent.tools.proxy_upstream import (
-    CHUNK,
+    FULL,
     MAX_HEAD,
-    ChunkRelay,
     ClientGone,
+    Relay,
+    Side,
     UpstreamConn,
     UpstreamFailed,
+    settle,
 )
-from mrc_agent.exporters.exposition.http.wire import linger
 from mrc_agent.exporters.instrumentation.meter import METERED_PATHS, Exchange, metered
 from mrc_agent.exporters.instrumentation.metrics import MRCMetrics
 
@@ -87,27 +99,142 @@ POOL_SIZE = 64
 #: 512 per worker, and each proxied connection costs two descriptors (client and upstream).
 MAX_CONNECTIONS = 1024
 _timeout = getattr(asyncio, "timeout", None)
+_LAST_CHUNK = b"0\r\n\r\n"
+T = TypeVar("T")
 
 
-class _Answer:
-    """How far the answer got: whether its status line went to the client."""
+def run_loop(main: Coroutine[object, object, T]) -> T:
+    """``asyncio.run(main)``, on uvloop's event loop where uvloop is installed: its transports
+    cost the relay less per event than asyncio's (docs/openai-meter.md#cost)."""
+    runner = getattr(asyncio, "Runner", None)  # Python 3.11 and later
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    if runner is None:
+        return asyncio.run(main)
+    with runner(loop_factory=uvloop.new_event_loop) as r:
+        return cast(T, r.run(main))
 
-    __slots__ = ("started",)
 
-    def __init__(self) -> None:
-        self.started = False
+class ClientConn(Side):
+    """One client connection: its bytes wait in :attr:`buf` for the next head, or go up
+    through :attr:`relay` while a request body is being forwarded. Leaving while a request is
+    answered cancels the connection's task (:attr:`gone`), which closes the upstream."""
 
+    def __init__(self, proxy: Proxy) -> None:
+        super().__init__()
+        self.proxy = proxy
+        self.buf = bytearray()
+        self.eof = False
+        self.relay: Relay | None = None
+        self.answering = False
+        self.gone = False
+        self.task: asyncio.Task[None] | None = None
+        self.peer = ""
+        self._reading: asyncio.Future[None] | None = None
+        self._drop = -1  # lingering: bytes still to read and drop
+        self._lingered: asyncio.Future[None] | None = None
 
-async def _next(conn: h11.Connection, reader: asyncio.StreamReader | UpstreamConn) -> object:
-    while True:
-        event = conn.next_event()
-        if event is not h11.NEED_DATA:
-            return event
-        if isinstance(reader, UpstreamConn):
-            data = await reader.read()
-        else:
-            data = await reader.read(CHUNK)
-        conn.receive_data(data)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        peer = transport.get_extra_info("peername")
+        self.peer = peer[0] if isinstance(peer, tuple) else ""
+        self.proxy._accept(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self._drop >= 0:
+            self._drop = max(0, self._drop - len(data))
+            if not self._drop:
+                settle(self._lingered)
+            return
+        relay = self.relay
+        if relay is not None:
+            data = relay.feed(data)
+            if not data:
+                return
+        self.buf += data
+        if len(self.buf) > MAX_HEAD + 2:
+            self.hold(FULL)  # until a head is taken from it
+        settle(self._reading)
+        self._reading = None
+
+    def eof_received(self) -> bool:
+        self._ended()
+        return True  # still writable: a refusal can be answered
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._ended()
+        self.resume_writing()
+
+    def _ended(self) -> None:
+        self.eof = True
+        settle(self._reading)
+        self._reading = None
+        settle(self._lingered)
+        if self.relay is not None:
+            self.relay.source_ended()
+        self.leave()
+
+    def leave(self) -> None:
+        """The client left, or broke its request's framing, while it was being answered."""
+        if self.answering and not self.gone and self.task is not None:
+            self.gone = True
+            self.task.cancel()
+
+    def request_done(self, relay: Relay) -> None:
+        """The request body relay ended or failed."""
+        if relay is self.relay:
+            self.relay = None
+        if isinstance(relay.error, ClientGone):
+            self.leave()
+
+    async def next_head(self) -> bytes | None:
+        """The next request head, its blank line included; None when the connection ended
+        between requests; BadHead when it is over :data:`MAX_HEAD` bytes, however it arrives,
+        or cut short."""
+        buf = self.buf
+        while True:
+            if buf[:1] in (b"\r", b"\n"):  # blank lines before a request (RFC 9112 §2.2)
+                blank = len(buf) - len(buf.lstrip(b"\r\n"))
+                del buf[:blank]
+            end = HEAD_END.search(buf, 0, MAX_HEAD + 2)
+            if end is not None and end.end() <= MAX_HEAD:
+                head = bytes(buf[:end.end()])
+                del buf[:end.end()]
+                if len(buf) <= MAX_HEAD + 2:
+                    self.release(FULL)
+                return head
+            if (end.end() if end is not None else len(buf)) > MAX_HEAD:
+                raise BadHead(431, "the request head is over 64 KiB")
+            if self.lost or (self.eof and not buf):
+                return None
+            if self.eof:
+                raise BadHead(400, "the connection ended part-way through a request head")
+            self._reading = asyncio.get_running_loop().create_future()
+            await self._reading
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    async def linger(self, seconds: float, limit: int) -> None:
+        """After an answer that ends the connection: stop writing, then read and drop what
+        the client still sends, for at most ``seconds`` and ``limit`` bytes, so that it reads
+        the answer instead of a reset (nginx's ``lingering_close``)."""
+        transport = self.transport
+        if transport is None or transport.is_closing() or self.eof:
+            return
+        with contextlib.suppress(OSError, RuntimeError, NotImplementedError):
+            if transport.can_write_eof():
+                transport.write_eof()
+        self._drop = max(1, limit - len(self.buf))
+        self.buf.clear()
+        self.release(FULL)
+        self._lingered = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+            await asyncio.wait_for(self._lingered, seconds)
 
 
 class Proxy:
@@ -125,23 +252,24 @@ class Proxy:
         self._tls = tls if tls is not None else (ssl.create_default_context()
                                                  if upstream.scheme == "https" else None)
         self._pool: list[UpstreamConn] = []
-        self._server: asyncio.Server | None = None
+        self._server: asyncio.AbstractServer | None = None
         self.max_connections = max_connections
         self._clients: set[asyncio.Task[None]] = set()
         #: The client connections with a request being answered now.
         self._busy: set[asyncio.Task[None]] = set()
-        #: The client connections waiting for a request head, the longest waiting first, and
-        #: their writers (closing one is how the cap evicts it).
-        self._waiting: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        #: The client connections waiting for a request head, the longest waiting first
+        #: (closing one is how the cap evicts it).
+        self._waiting: dict[asyncio.Task[None], ClientConn] = {}
         self._draining = False
 
     async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
         """Listen on ``host:port`` (0: a free port); returns the port. ``reuse_port``: with
         ``SO_REUSEPORT``, so several processes listen on one port and the kernel spreads the
         connections among them."""
-        self._server = await asyncio.start_server(self._client, host.strip("[]"), port,
-                                                  limit=CHUNK, backlog=1024,
-                                                  reuse_port=reuse_port or None)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: ClientConn(self), host.strip("[]"),
+                                                port, backlog=1024,
+                                                reuse_port=reuse_port or None)
         return int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self, drain: float = 0.0) -> None:
@@ -181,20 +309,8 @@ class Proxy:
             self.connect_timeout)
         return conn
 
-    def _release(self, c: UpstreamConn) -> None:
-        """Back to the pool when the answer ended exactly at a message boundary, with no
-        byte left in h11's buffer or the connection's; closed otherwise (bytes past an answer
-        would be read as the next client's answer)."""
-        conn = c.h11
-        if (conn.our_state is h11.DONE and conn.their_state is h11.DONE
-                and not conn.trailing_data[0] and c.usable()):
-            conn.start_next_cycle()
-            self._pool_add(c)
-        else:
-            c.close()
-
     def _pool_add(self, c: UpstreamConn) -> None:
-        if len(self._pool) < POOL_SIZE and not self._draining:
+        if len(self._pool) < POOL_SIZE and not self._draining and c.usable():
             c.idle_since = time.monotonic()
             c.pooled = True
             self._pool.append(c)
@@ -203,411 +319,263 @@ class Proxy:
 
     # --- one client connection --------------------------------------------------------------
 
-    def _admit(self, task: asyncio.Task[None]) -> bool:
-        """Make room for a new client connection at the cap: close the one that has waited
-        longest for its next request head (idle between requests, or part-way through a
-        head); one being answered is never closed. False when all are being answered."""
+    def _accept(self, client: ClientConn) -> None:
+        """Start serving a new client connection. At the cap, make room first: close the one
+        that has waited longest for its next request head (idle between requests, or part-way
+        through a head); one being answered is never closed, and when all are, the new one
+        gets 503."""
         if len(self._clients) >= self.max_connections and self._waiting:
-            oldest, oldest_writer = next(iter(self._waiting.items()))
+            oldest, oldest_client = next(iter(self._waiting.items()))
             self._forget(oldest)
-            oldest_writer.close()  # its read sees the end and its task returns
+            oldest_client.close()  # its wait for a head sees the end and its task returns
         if len(self._clients) >= self.max_connections:
-            return False
+            log.warning("%d client connections, all being answered: refusing one",
+                        len(self._clients))
+            client.write(raw_error(503, "the proxy is at its connection limit"))
+            client.close()
+            return
+        task = asyncio.get_running_loop().create_task(self._serve(client))
+        client.task = task
         self._clients.add(task)
-        return True
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         self._clients.discard(task)
         self._waiting.pop(task, None)
         self._busy.discard(task)
 
-    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
+    async def _serve(self, client: ClientConn) -> None:
+        task = client.task
         assert task is not None
-        if not self._admit(task):
-            log.warning("%d client connections, all being answered: refusing one",
-                        len(self._clients))
-            with contextlib.suppress(Exception):
-                writer.write(raw_error(503, "the proxy is at its connection limit"))
-                writer.close()
-            return
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
-        peer = writer.get_extra_info("peername")
-        client_ip = peer[0] if isinstance(peer, tuple) else ""
         try:
             while True:
-                self._waiting[task] = writer  # the newest waiter last: evicted after the rest
+                self._waiting[task] = client  # the newest waiter last: evicted after the rest
+                raw = None
                 try:
-                    event = await self._read_head(conn, reader)
-                except (TimeoutError, ConnectionError):
+                    raw = await self._read_head(client)
+                    if raw is None:
+                        return
+                    head = parse_request(raw)
+                except (TimeoutError, asyncio.TimeoutError):
                     return
-                except h11.RemoteProtocolError as e:
-                    await self._refuse(conn, writer, e.error_status_hint, str(e))
-                    await linger(reader, writer, LINGER_S, LINGER_BYTES)
+                except BadHead as e:
+                    self._meter_refusal(raw, e.status)
+                    client.write(raw_error(e.status, e.message))
+                    await client.linger(LINGER_S, LINGER_BYTES)
                     return
                 finally:
                     self._waiting.pop(task, None)
-                if not isinstance(event, h11.Request):
-                    return  # ConnectionClosed or PAUSED: nothing more to serve
                 self._busy.add(task)
                 try:
-                    keep = await self._exchange(conn, reader, writer, event, client_ip)
+                    keep = await self._exchange(client, head)
                 finally:
                     self._busy.discard(task)
-                if not keep or self._draining or conn.our_state is not h11.DONE \
-                        or conn.their_state is not h11.DONE:
+                if not keep or self._draining:
                     return
-                conn.start_next_cycle()
         except asyncio.CancelledError:
             # The proxy stops. Ending quietly: asyncio (3.11) logs a connection task that
             # ends cancelled as an unhandled exception.
             return
         finally:
-            with contextlib.suppress(Exception):
-                writer.close()
+            client.close()
             self._forget(task)
 
-    async def _read_head(self, conn: h11.Connection, reader: asyncio.StreamReader) -> object:
-        """The next request's head, or what ends the connection: whole within
-        ``head_timeout`` (not each read: a head trickled a byte at a time is cut as soon as
-        one sent at once would be) and at most :data:`MAX_HEAD` bytes, its blank line
-        included, however it arrives."""
+    async def _read_head(self, client: ClientConn) -> bytes | None:
+        """The next request's head, whole within ``head_timeout`` (not each read: a head
+        trickled a byte at a time is cut as soon as one sent at once would be)."""
         if _timeout is None:  # Python 3.10
-            return await asyncio.wait_for(self._head_bytes(conn, reader), self.head_timeout)
+            return await asyncio.wait_for(client.next_head(), self.head_timeout)
         async with _timeout(self.head_timeout):
-            return await self._head_bytes(conn, reader)
+            return await client.next_head()
 
-    @staticmethod
-    async def _head_bytes(conn: h11.Connection, reader: asyncio.StreamReader) -> object:
-        data = b""
-        while True:
-            # h11 bounds a head only while it is incomplete: one that arrives whole in a
-            # read is measured here, with the bytes h11 holds already (a pipelined head).
-            pending = conn.trailing_data[0] + data if data else conn.trailing_data[0]
-            end = HEAD_END.search(pending, 0, MAX_HEAD + 2)
-            if (end.end() if end is not None else len(pending)) > MAX_HEAD:
-                raise h11.RemoteProtocolError("the request head is over 64 KiB",
-                                              error_status_hint=431)
-            if data:
-                conn.receive_data(data)
-            event = conn.next_event()
-            if event is not h11.NEED_DATA:
-                return event
-            data = await reader.read(CHUNK)
-            if not data:
-                conn.receive_data(b"")  # the end: h11 gives ConnectionClosed or an error
-
-    async def _refuse(self, conn: h11.Connection, writer: asyncio.StreamWriter, status: int,
-                      message: str) -> None:
-        if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+    def _meter_refusal(self, raw: bytes | None, status: int) -> None:
+        """Count a refused head whose request line names a metered path."""
+        if raw is None:
             return
-        body = error_body(status, message)
-        with contextlib.suppress(Exception):
-            writer.write(conn.send(h11.Response(
-                status_code=status, reason=HTTPStatus(status).phrase.encode(),
-                headers=[(b"content-type", b"application/json"),
-                         (b"content-length", str(len(body)).encode()),
-                         (b"connection", b"close")])))
-            writer.write(conn.send(h11.Data(data=body)))
-            writer.write(conn.send(h11.EndOfMessage()))
-            await writer.drain()
+        parts = raw.split(b"\r\n", 1)[0].split(b" ")
+        if len(parts) == 3:
+            path = parts[1].split(b"?", 1)[0].decode("latin-1")
+            if metered(parts[0].decode("latin-1"), path, self.paths):
+                exchange = Exchange(self.metrics)
+                exchange.response_start(status, "application/json")
+                exchange.response_body(b"", False)
+                exchange.finish(client_left=False)
 
-    async def _exchange(self, conn: h11.Connection, reader: asyncio.StreamReader,
-                        writer: asyncio.StreamWriter, request: h11.Request,
-                        client_ip: str) -> bool:
+    async def _exchange(self, client: ClientConn, head: MessageHead) -> bool:
         """Forward one request and its answer; False when the client connection must close."""
-        path = request.target.split(b"?", 1)[0].decode("latin-1")
+        path = head.target.split(b"?", 1)[0].decode("latin-1")
         exchange = (Exchange(self.metrics)
-                    if metered(request.method.decode("latin-1"), path, self.paths) else None)
+                    if metered(head.method.decode("latin-1"), path, self.paths) else None)
         client_left = False
+        client.answering = True
+        up: UpstreamConn | None = None
         try:
-            if both_lengths(list(request.headers)):
-                # nginx (since 1.21.1) and Envoy (unless allow_chunked_length) refuse it with
-                # 400 and close: which length a server behind would read is the smuggler's bet.
-                if exchange is not None:
-                    exchange.response_start(400, "application/json")
-                    exchange.response_body(b"", False)
-                await self._refuse(conn, writer, 400, "the request has both Content-Length "
-                                   "and Transfer-Encoding")
-                await linger(reader, writer, LINGER_S, LINGER_BYTES)
-                return False
             try:
                 up = await self._connect()
-            except (OSError, TimeoutError) as e:
+            except (OSError, TimeoutError, asyncio.TimeoutError) as e:
                 log.warning("upstream %s:%d unreachable: %s", self.upstream.host,
                             self.upstream.port, e or type(e).__name__)
                 if exchange is not None:
                     exchange.response_start(502, "application/json")
-                await self._refuse(conn, writer, 502, "the upstream server is unreachable")
+                client.write(raw_error(502, "the upstream server is unreachable"))
                 return False
-            try:
-                return await self._relay(conn, reader, writer, request, client_ip, up,
-                                         exchange)
-            except ClientGone:
-                client_left = True
-                up.close()
-                return False
-            except UpstreamFailed:
-                up.close()
-                return False
-            except BaseException:  # cancelled (the proxy stops): the upstream stops too
-                up.close()
-                raise
+            return await self._relay(client, head, up, exchange)
+        except ClientGone:
+            client_left = True
+            return False
+        except UpstreamFailed:
+            return False
+        except asyncio.CancelledError:
+            if not client.gone:
+                raise  # the proxy stops
+            task = asyncio.current_task()
+            if task is not None and hasattr(task, "uncancel"):
+                task.uncancel()
+            client_left = True
+            return False
         finally:
+            client.answering = False
+            client.relay = None
+            if up is not None and not up.pooled:
+                # Failed, cut or answered early: the upstream's side of this exchange is
+                # not at a message boundary (a server behind takes the close as an abort).
+                up.relay = None
+                up.close()
             if exchange is not None:
                 exchange.finish(client_left=client_left)
 
-    async def _relay(self, conn: h11.Connection, reader: asyncio.StreamReader,
-                     writer: asyncio.StreamWriter, request: h11.Request, client_ip: str,
-                     up: UpstreamConn, exchange: Exchange | None) -> bool:
+    def _upstream_head(self, client: ClientConn, head: MessageHead) -> bytes:
         # Connection-named headers go first, so nothing below is rebuilt from one of them.
-        kept = forward_headers(list(request.headers))
-        headers = [(n, v) for n, v in kept
-                   if n not in (b"host", b"x-forwarded-for", b"x-forwarded-host",
-                                b"x-forwarded-proto")]
-        forwarded = [v for n, v in kept if n == b"x-forwarded-for"]
-        host = next((v for n, v in kept if n == b"host"), b"")
+        kept = forward_headers(head.headers)
+        headers = [(b"host", self.upstream.authority)]
+        forwarded: list[bytes] = []
+        host = b""
+        for n, v in kept:
+            if n == b"x-forwarded-for":
+                forwarded.append(v)
+            elif n == b"host":
+                host = v
+            elif n not in (b"x-forwarded-host", b"x-forwarded-proto"):
+                headers.append((n, v))
         # X-Forwarded-For is appended to; -Host and -Proto are this proxy's view, replacing
         # the client's own (nginx's proxy_set_header), so the server never reads a value the
         # client chose for them.
-        chain = b", ".join([*forwarded, client_ip.encode()]) if client_ip else b""
-        headers = [(b"host", self.upstream.authority), *headers]
-        if chain:
-            headers.append((b"x-forwarded-for", chain))
+        if client.peer:
+            headers.append((b"x-forwarded-for", b", ".join([*forwarded, client.peer.encode()])))
         if host:
             headers.append((b"x-forwarded-host", host))
         headers.append((b"x-forwarded-proto", b"http"))
-        if any(n == b"transfer-encoding" for n, _ in request.headers):
+        if head.get(b"transfer-encoding") is not None:
             headers.append((b"transfer-encoding", b"chunked"))
-        try:
-            head = up.h11.send(h11.Request(method=request.method, target=request.target,
-                                           headers=headers, http_version=b"1.1"))
-        except h11.LocalProtocolError as e:
-            await self._refuse(conn, writer, 400, f"cannot forward this request: {e}")
-            raise UpstreamFailed from e
+        return head_bytes(head.method + b" " + head.target + b" HTTP/1.1", headers)
 
-        # The request body goes up in a task of its own, which then watches for the client
-        # leaving; the answer comes down here. When the body task fails (the client left, the
-        # upstream stopped reading) it cancels this one: no task and no wait per event.
-        body = asyncio.ensure_future(self._pump_request(conn, reader, up, exchange, head))
-        main = asyncio.current_task()
-        failed: list[BaseException] = []
-        state = _Answer()
+    async def _relay(self, client: ClientConn, head: MessageHead, up: UpstreamConn,
+                     exchange: Exchange | None) -> bool:
+        up_head = self._upstream_head(client, head)
+        chunked = head.get(b"transfer-encoding") is not None
+        length = 0 if chunked else content_length(head)
+        if chunked or length:
+            # The body goes up from the client protocol's callback as it arrives, while this
+            # task waits for the answer, which may come before the body has ended.
+            assert up.transport is not None
+            body = Relay(Relay.CHUNKED if chunked else Relay.LENGTH, length, up.transport,
+                         up_head, _LAST_CHUNK if chunked else b"",
+                         None if exchange is None else
+                         lambda piece: exchange.request_body(piece, True),
+                         None, UpstreamFailed, ClientGone)
 
-        def body_ended(task: asyncio.Future[None]) -> None:
-            if not task.cancelled() and task.exception() is not None and main is not None:
-                failed.append(task.exception())  # type: ignore[arg-type]
-                main.cancel()
+            def body_done(relay: Relay) -> None:
+                client.request_done(relay)
+                if relay.ended and exchange is not None:
+                    exchange.request_body(b"", False)
 
-        body.add_done_callback(body_ended)
-        try:
-            return await self._pump_response(conn, writer, up, exchange, state,
-                                             request.method == b"HEAD")
-        except asyncio.CancelledError:
-            if not failed:
-                raise
-            if main is not None and hasattr(main, "uncancel"):
-                main.uncancel()
-            exc = failed[0]
-            if isinstance(exc, ClientGone):
-                raise exc from None
-            if not state.started:
-                await self._refuse(conn, writer, 502, "the upstream server failed")
-            raise UpstreamFailed from exc
-        finally:
-            body.remove_done_callback(body_ended)
-            if not body.done():
-                body.cancel()
-            with contextlib.suppress(BaseException):
-                await body  # retrieves its exception, whichever way it ended
-
-    async def _pump_request(self, conn: h11.Connection, reader: asyncio.StreamReader,
-                            up: UpstreamConn, exchange: Exchange | None, head: bytes) -> None:
-        """The request's head and the client's body to the upstream, whatever of it has
-        arrived in one write; then watch for the client leaving."""
-        pending = [head]
-        body: list[bytes] = []  # metered once forwarded: the meter is off the hot path
-        while True:
-            try:
-                event: object = conn.next_event()
-                if event is h11.NEED_DATA:
-                    await self._up_write(up, pending, exchange, body, False)
-                    pending, body = [], []
-                    event = await _next(conn, reader)
-            except (ConnectionError, h11.RemoteProtocolError) as e:
-                raise ClientGone from e
-            if isinstance(event, h11.Data):
-                body.append(bytes(event.data))
-                pending.append(self._up_frame(up, h11.Data(data=event.data)))
-            elif isinstance(event, h11.EndOfMessage):
-                pending.append(self._up_frame(up, h11.EndOfMessage()))
-                await self._up_write(up, pending, exchange, body, True)
-                break
-            else:  # ConnectionClosed before the body ended
-                raise ClientGone
-        # The request is whole. Until the answer ends, a read that returns nothing means the
-        # client left; bytes mean a pipelined request, which h11 keeps for the next cycle.
-        try:
-            data = await reader.read(CHUNK)
-        except ConnectionError as e:  # a reset: it left with bytes unread
-            raise ClientGone from e
-        if not data:
-            raise ClientGone
-        conn.receive_data(data)
-        await asyncio.Event().wait()  # one pipelined chunk is enough: stop watching
-
-    @staticmethod
-    def _up_frame(up: UpstreamConn, event: h11.Data | h11.EndOfMessage) -> bytes:
-        try:
-            return up.h11.send(event) or b""
-        except h11.LocalProtocolError as e:
-            raise UpstreamFailed from e
-
-    @staticmethod
-    async def _up_write(up: UpstreamConn, pending: list[bytes], exchange: Exchange | None,
-                        body: list[bytes], ended: bool) -> None:
-        """Write ``pending`` upstream, then hand the body chunks it carried to the meter."""
-        try:
-            up.write(b"".join(pending))
-        except ConnectionError as e:
-            raise UpstreamFailed from e
-        if exchange is not None:
-            for chunk in body:
-                exchange.request_body(chunk, True)
-            if ended:
+            body.done = body_done
+            up.feed_from(client)
+            client.relay = body
+            pending = bytes(client.buf)
+            client.buf.clear()
+            client.buf += body.feed(pending)
+            client.release(FULL)
+        else:
+            up.write(up_head)
+            if exchange is not None:
                 exchange.request_body(b"", False)
-        try:
-            await up.drain()
-        except ConnectionError as e:
-            raise UpstreamFailed from e
+        answer = await self._answer_head(client, up)
+        return await self._relay_answer(client, head, up, exchange, answer)
 
-    async def _pump_response(self, conn: h11.Connection, writer: asyncio.StreamWriter,
-                             up: UpstreamConn, exchange: Exchange | None,
-                             state: _Answer, head_request: bool) -> bool:
+    async def _answer_head(self, client: ClientConn, up: UpstreamConn) -> MessageHead:
+        """The answer's head; informational answers (100 Continue, 103 Early Hints) are
+        passed on on the way (no upgrades: ``Upgrade`` never reaches the upstream)."""
         while True:
             try:
-                event = await _next(up.h11, up)
-            except (ConnectionError, h11.RemoteProtocolError, OSError) as e:
-                if not state.started:
-                    await self._refuse(conn, writer, 502, "the upstream server failed")
+                raw = await up.next_head()
+            except UpstreamFailed:
+                client.write(raw_error(502, "the upstream server failed"))
+                raise
+            try:
+                answer = parse_response(raw)
+            except BadHead as e:
+                client.write(raw_error(502, e.message))
                 raise UpstreamFailed from e
-            if isinstance(event, h11.InformationalResponse):
-                if event.status_code != 101:  # 100 Continue, 103 Early Hints; no upgrades
-                    await self._send(conn, writer, h11.InformationalResponse(
-                        status_code=event.status_code, headers=forward_headers(
-                            list(event.headers)), reason=event.reason))
-                continue
-            if isinstance(event, h11.Response):
-                if both_lengths(list(event.headers)):
-                    # Which length frames it is anyone's guess: the client would get a
-                    # Content-Length head over chunk framing. 502, never passed on.
-                    await self._refuse(conn, writer, 502, "the upstream server's answer has "
-                                       "both Content-Length and Transfer-Encoding")
-                    raise UpstreamFailed
-                state.started = True
-                headers = forward_headers(list(event.headers))
-                media = next((v for n, v in event.headers if n == b"content-type"), b"")
-                start = (event.status_code, media.decode("latin-1"))
-                answer = h11.Response(status_code=event.status_code, headers=headers,
-                                      reason=event.reason)
-                # An answer to HEAD, a 204 or a 304 has no body whatever its headers say
-                # (RFC 9112 §6.3): h11 frames it so; only a body can be chunked.
-                chunked = (not head_request and event.status_code not in (204, 304)
-                           and any(n == b"transfer-encoding" and b"chunked" in v.lower()
-                                   for n, v in event.headers))
-                if chunked and conn.their_http_version == b"1.1":
-                    # A chunked answer to a chunked client: its chunks pass as they are, the
-                    # head with the first of them.
-                    try:
-                        head = conn.send(answer) or b""
-                    except h11.LocalProtocolError as e:
-                        raise ClientGone from e
-                    return await self._relay_chunks(conn, writer, up, exchange, head, start)
-                await self._send(conn, writer, answer)
-                if exchange is not None:  # metered once forwarded, as everything here
-                    exchange.response_start(*start)
-            elif isinstance(event, h11.Data):
-                if exchange is not None:
-                    exchange.response_body(bytes(event.data), True)
-                await self._send(conn, writer, h11.Data(data=event.data))
-            elif isinstance(event, h11.EndOfMessage):
-                if exchange is not None:
-                    exchange.response_body(b"", False)
-                if conn.their_state is not h11.DONE:
-                    # Answered before the whole body arrived: this client connection ends.
-                    await self._send(conn, writer, h11.EndOfMessage())
-                    up.close()
-                    return False
-                await self._send(conn, writer, h11.EndOfMessage())
-                self._release(up)
-                return True
-            else:  # ConnectionClosed before the answer ended
-                if not state.started:
-                    await self._refuse(conn, writer, 502, "the upstream server closed early")
-                raise UpstreamFailed
+            if answer.status >= 200:
+                return answer
+            if answer.status != 101:
+                client.write(head_bytes(b"HTTP/1.1 %d %s" % (answer.status, answer.reason),
+                                        forward_headers(answer.headers)))
 
-    async def _relay_chunks(self, conn: h11.Connection, writer: asyncio.StreamWriter,
-                            up: UpstreamConn, exchange: Exchange | None, head: bytes,
-                            start: tuple[int, str]) -> bool:
-        """The body of a chunked answer, relayed by a :class:`ChunkRelay` in the upstream
-        connection's protocol; this task only waits for its end and drains the client's side
-        when the relay says it is full. Against reading each event in a task and framing it
-        through h11 twice: 12 % less CPU per stream at 64 streams, as much at 1 and 16
-        (docs/openai-meter.md#cost)."""
-        data, closed = up.h11.trailing_data
-        relay = ChunkRelay(up, conn, writer.transport, exchange, head, start)
+    async def _relay_answer(self, client: ClientConn, head: MessageHead, up: UpstreamConn,
+                            exchange: Exchange | None, answer: MessageHead) -> bool:
+        # An answer to HEAD, a 204 or a 304 has no body whatever its headers say
+        # (RFC 9112 §6.3); only a body can be chunked.
+        if head.method == b"HEAD" or answer.status in (204, 304):
+            mode, length = Relay.LENGTH, 0
+        elif answer.get(b"transfer-encoding") is not None:
+            mode, length = (Relay.CHUNKED if head.version == b"1.1" else Relay.DECHUNK), 0
+        elif answer.get(b"content-length") is not None:
+            mode, length = Relay.LENGTH, content_length(answer)
+        else:
+            mode, length = Relay.CLOSE, 0  # delimited by the upstream closing
+        keep = (head.version == b"1.1" and mode != Relay.CLOSE and not self._draining
+                and b"close" not in head.tokens(b"connection"))
+        headers = forward_headers(answer.headers)
+        if mode == Relay.CHUNKED:
+            headers.append((b"transfer-encoding", b"chunked"))
+        if not keep:
+            headers.append((b"connection", b"close"))
+        start = payload = None
+        if exchange is not None:
+            media = (answer.get(b"content-type") or b"").decode("latin-1")
+            status = answer.status
+
+            def start() -> None:
+                exchange.response_start(status, media)
+
+            def payload(piece: bytes) -> None:
+                exchange.response_body(piece, True)
+
+        assert client.transport is not None
+        relay = Relay(mode, length, client.transport,
+                      head_bytes(b"HTTP/1.1 %d %s" % (answer.status, answer.reason), headers),
+                      _LAST_CHUNK if mode == Relay.CHUNKED else b"", payload, start,
+                      ClientGone, UpstreamFailed)
+        client.feed_from(up)
         up.relay = relay
-        loop = asyncio.get_running_loop()
         try:
-            relay.feed(data + up.take())
-            if closed or up.at_eof():
-                relay.fail(UpstreamFailed())
-            while not relay.ended:
-                if relay.error is not None:
-                    raise relay.error
-                if relay.blocked:
-                    await self._drain(writer)
-                    relay.blocked = False
-                    if up.transport is not None:
-                        up.transport.resume_reading()
-                    continue
-                relay.waiter = loop.create_future()
-                await relay.waiter
+            relay.feed(up.take())
+            if up.at_eof:
+                relay.source_ended()
+            await relay.wait()
         except UpstreamFailed:
             if not relay.head_sent:  # a broken first chunk: the client can still get a 502
-                with contextlib.suppress(ConnectionError):
-                    writer.write(raw_error(502, "the upstream server's answer is malformed"))
-                    await writer.drain()
+                client.write(raw_error(502, "the upstream server's answer is malformed"))
             raise
         finally:
             up.relay = None
+            client.feed_from(None)
         if exchange is not None:
             exchange.response_body(b"", False)
-        await self._drain(writer)  # the last chunk went with the relay's last write
-        if conn.their_state is not h11.DONE or relay.leftover or not up.usable():
-            up.close()  # answered early, or bytes past the answer: neither side is reusable
-            return conn.their_state is h11.DONE
-        up.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
-        if up.transport is not None:
-            up.transport.resume_reading()
-        self._pool_add(up)
-        return True
-
-    @staticmethod
-    async def _drain(writer: asyncio.StreamWriter) -> None:
-        try:
-            await writer.drain()
-        except ConnectionError as e:
-            raise ClientGone from e
-
-    @staticmethod
-    async def _send(conn: h11.Connection, writer: asyncio.StreamWriter,
-                    event: h11.Response | h11.InformationalResponse | h11.Data
-                    | h11.EndOfMessage) -> None:
-        try:
-            data = conn.send(event)
-            if data:
-                writer.write(data)
-                await writer.drain()
-        except (ConnectionError, h11.LocalProtocolError) as e:
-            raise ClientGone from e
+        if client.relay is not None or client.eof:
+            return False  # answered before the whole request arrived: both sides end
+        if mode != Relay.CLOSE and not relay.leftover:  # bytes past the answer: closed
+            up.feed_from(None)
+            self._pool_add(up)
+        return keep

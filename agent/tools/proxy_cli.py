@@ -55,7 +55,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from mrc_agent.agent.tools.proxy import MAX_CONNECTIONS, POOL_SIZE, Proxy
+from mrc_agent.agent.tools.proxy import MAX_CONNECTIONS, POOL_SIZE, Proxy, run_loop
 from mrc_agent.agent.tools.proxy_http import (
     ProxyError,
     Upstream,
@@ -104,7 +104,7 @@ def run_proxy(listen: str, upstream: str, metrics_listen: str,
 
     exposition.start()
     try:
-        asyncio.run(_serve(proxy, listen, drain_timeout, started, reuse_port=False))
+        run_loop(_serve(proxy, listen, drain_timeout, started, reuse_port=False))
     finally:
         exposition.stop()
     return 0
@@ -165,7 +165,7 @@ def _work(listen: str, upstream: str, connect_timeout: float, drain_timeout: flo
         os.close(ready_fd)
 
     try:
-        asyncio.run(_serve(proxy, listen, drain_timeout, started, reuse_port=True))
+        run_loop(_serve(proxy, listen, drain_timeout, started, reuse_port=True))
     finally:
         mark_process_dead()
     return 0
@@ -201,7 +201,7 @@ def _supervise(listen: str, upstream: str, metrics_listen: str, connect_timeout:
                  up.scheme, up.host, up.port, workers, m_host, exposition.port)
         exposition.start()
         try:
-            return asyncio.run(_Workers(argv, env, path, drain_timeout).run(workers))
+            return run_loop(_Workers(argv, env, path, drain_timeout).run(workers))
         finally:
             exposition.stop()
     finally:

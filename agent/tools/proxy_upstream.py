@@ -1,27 +1,26 @@
-"""The upstream side of ``mrc-agent proxy``: one connection to the upstream as an asyncio
-protocol, and the relay that carries a chunked answer's body from it to the client.
+"""The transport side of ``mrc-agent proxy``: its two connections as asyncio protocols, and the
+relay that carries a message body from one to the other.
 
 A streamed answer is a few hundred events a second per stream; each one is parsed, written to
-the client and handed to the meter inside the protocol's ``data_received``, with no task woken
-and no future made per event, and the meter reads each piece after it was written, so that its
-work is not on the way to the client.
+the client and handed to the meter inside the upstream protocol's ``data_received``, with no
+task woken and no future made per event; a request body goes up the same way from the client
+protocol's. Back-pressure is the transports' own flow control: when the side written to calls
+``pause_writing``, the side read from stops reading until ``resume_writing``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable
 from typing import cast
 
-import h11
+from mrc_agent.agent.tools.proxy_http import HEAD_END
 
-from mrc_agent.exporters.instrumentation.meter import Exchange
-
-#: Bytes read from a socket at a time, and the client write buffer above which the upstream
-#: is not read until the client has drained it.
-CHUNK = 64 * 1024
 #: The largest request or response head accepted, and the longest chunk size line.
 MAX_HEAD = 64 * 1024
+#: Why a connection's reading is paused (several may hold at once).
+BACKPRESSURE, FULL = 1, 2
 
 
 class ClientGone(Exception):
@@ -32,7 +31,7 @@ class UpstreamFailed(Exception):
     """The upstream closed, failed or broke the framing of its answer."""
 
 
-def _settle(waiter: asyncio.Future[None] | None) -> None:
+def settle(waiter: asyncio.Future[None] | None) -> None:
     """Wake the task waiting on ``waiter``, if one is."""
     if waiter is not None and not waiter.done():
         waiter.set_result(None)
@@ -40,202 +39,182 @@ def _settle(waiter: asyncio.Future[None] | None) -> None:
 
 #: A chunk's size line (RFC 9112 §7.1): at most 16 hex digits (a size below 2**64), then
 #: optional whitespace and extensions made of visible characters, spaces and tabs alone: no
-#: ``0x``, no sign, no bare CR or LF, no control byte for a lax parser behind the client to
-#: read otherwise.
+#: ``0x``, no sign, no bare CR or LF, no control byte for a lax parser behind to read otherwise.
 _CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[\x20-\x7e\t\x80-\xff]*)?")
 
 
 def chunk_size(buf: bytearray, pos: int, end: int) -> int:
-    """The size of a chunk from its size line ``buf[pos:end]`` (extensions ignored);
-    UpstreamFailed when the line is not one a strict HTTP/1.1 parser reads."""
+    """The size of a chunk from its size line ``buf[pos:end]`` (extensions ignored); ValueError
+    when the line is not one a strict HTTP/1.1 parser reads."""
     m = _CHUNK_LINE.fullmatch(buf, pos, end)
     if m is None:
-        raise UpstreamFailed
+        raise ValueError("malformed chunk size line")
     return int(m.group(1), 16)
 
 
-class UpstreamConn(asyncio.Protocol):
-    """One connection to the upstream, as an asyncio protocol: h11 reads its answers' heads
-    through :meth:`read`; a chunked answer's body goes straight from :meth:`data_received` to
-    the client through a :class:`ChunkRelay`, with no task woken per event."""
+class Side(asyncio.Protocol):
+    """One of the proxy's connections: holds on its reading, each for a reason, and the side
+    that writes into it (:attr:`feeder`), held while this side's write buffer is full."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
-        self.idle_since = 0.0
-        #: In the pool, owing no answer: any byte received now closes it.
-        self.pooled = False
-        self.relay: ChunkRelay | None = None
-        self._buf = bytearray()
-        self._eof = False
-        self._lost: Exception | None = None
-        self._reading: asyncio.Future[None] | None = None
-        self._writable: asyncio.Future[None] | None = None
-        self._paused = False
+        self.feeder: Side | None = None
+        self.writing_paused = False
+        self.lost = False
+        self._holds = 0
 
-    # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
-    def data_received(self, data: bytes) -> None:
-        if self.relay is not None:
-            self.relay.feed(data)
-            return
-        if self.pooled:
-            # Bytes from an upstream that owes no answer: past the end of the last one. The
-            # next request must not read them as its own answer.
-            self._eof = True
-            self.close()
-            return
-        self._buf += data
-        if len(self._buf) > CHUNK and self.transport is not None:
-            self.transport.pause_reading()  # until read() takes it
-        self._wake_reader()
+    def hold(self, reason: int) -> None:
+        if not self._holds and self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+        self._holds |= reason
 
-    def eof_received(self) -> bool:
-        self._eof = True
-        self._wake_reader()
-        if self.relay is not None:
-            self.relay.fail(UpstreamFailed())
-        return False
+    def release(self, reason: int) -> None:
+        if self._holds & reason:
+            self._holds &= ~reason
+            if not self._holds and self.transport is not None \
+                    and not self.transport.is_closing():
+                self.transport.resume_reading()
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._eof = True
-        self._lost = exc or ConnectionResetError("the upstream closed the connection")
-        self._wake_reader()
-        if self.relay is not None:
-            self.relay.fail(UpstreamFailed())
-        self.resume_writing()
+    def feed_from(self, side: Side | None) -> None:
+        """``side`` writes into this one now; it is held while this one's buffer is full."""
+        old = self.feeder
+        if old is not None:
+            old.release(BACKPRESSURE)
+        self.feeder = side
+        if side is not None and self.writing_paused:
+            side.hold(BACKPRESSURE)
 
     def pause_writing(self) -> None:
-        self._paused = True
+        self.writing_paused = True
+        if self.feeder is not None:
+            self.feeder.hold(BACKPRESSURE)
 
     def resume_writing(self) -> None:
-        self._paused = False
-        _settle(self._writable)
-        self._writable = None
-
-    def _wake_reader(self) -> None:
-        _settle(self._reading)
-        self._reading = None
-
-    # what the proxy calls
-    async def read(self) -> bytes:
-        """The bytes received so far (waiting for some); b"" at the end."""
-        while not self._buf and not self._eof:
-            self._reading = asyncio.get_running_loop().create_future()
-            await self._reading
-        return self.take()
-
-    def at_eof(self) -> bool:
-        return self._eof and not self._buf
-
-    def take(self) -> bytes:
-        """The bytes received and not yet read, without waiting."""
-        data = bytes(self._buf)
-        self._buf.clear()
-        if self.transport is not None and not self._eof:
-            self.transport.resume_reading()
-        return data
-
-    def write(self, data: bytes) -> None:
-        if self._lost is not None or self.transport is None:
-            raise ConnectionResetError("the upstream connection is closed")
-        if data:
-            self.transport.write(data)
-
-    async def drain(self) -> None:
-        while self._paused:
-            if self._lost is not None:
-                raise ConnectionResetError("the upstream connection is closed")
-            self._writable = asyncio.get_running_loop().create_future()
-            await self._writable
-        if self._lost is not None:
-            raise ConnectionResetError("the upstream connection is closed")
-
-    def usable(self) -> bool:
-        return (not self._eof and not self._buf and self.transport is not None
-                and not self.transport.is_closing())
+        self.writing_paused = False
+        if self.feeder is not None:
+            self.feeder.release(BACKPRESSURE)
 
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
 
 
-class ChunkRelay:
-    """The body of a chunked answer, parsed where it arrives (the upstream protocol's
-    ``data_received``), so no task wakes per event: the chunks the upstream wrote (size line,
-    payload, CRLF) go to the client as they are, everything forwardable in one read in one
-    write, each payload handed to the meter as it comes; a chunk is forwarded piece by piece,
-    never waited for whole. The last chunk and any trailers are not forwarded: the client
-    side's h11 ``EndOfMessage`` ends the client's answer, written with the bytes before it
-    (trailers are dropped, as h11 drops them). The meter reads each piece after it was
-    written, so its work is not on the way to the client.
+class Relay:
+    """A message body from the side that reads it to the side that writes it, parsed where it
+    arrives (the reading protocol's ``data_received``), so no task wakes per piece:
 
-    The task that started it waits on :attr:`waiter`, resolved when the answer has ended
-    (:attr:`ended`), when it failed (:attr:`error`: UpstreamFailed or ClientGone) or when
-    the client's write buffer is full (:attr:`blocked`): upstream reading is then paused until
-    that task has drained the client's side."""
+    * ``CHUNKED``: chunks (size line, payload, CRLF) pass as they are, everything forwardable
+      in one read in one write; the last chunk and trailers are replaced by ``end`` (trailers
+      are dropped, as h11 and uvicorn drop them);
+    * ``DECHUNK``: the payloads only, for an HTTP/1.0 client;
+    * ``LENGTH``: ``length`` bytes;
+    * ``CLOSE``: everything until the reading side ends.
 
+    A payload is forwarded piece by piece, never waited for whole, and handed to ``payload``
+    after it was written, so the meter's work is not on the way. ``head`` goes with the first
+    write. :meth:`feed` returns the bytes past the body's end (a pipelined request). ``done`` is
+    called once, when the body ended or the relay failed (:attr:`error`: ``source_error`` for
+    broken framing, ClientGone or UpstreamFailed for the side written to)."""
+
+    CHUNKED, DECHUNK, LENGTH, CLOSE = range(4)
     _SIZE, _DATA, _CRLF, _TRAILERS = range(4)
 
-    __slots__ = ("_up", "_conn", "_client", "_exchange", "_buf", "_state", "_left", "_head",
-                 "_start", "ended", "leftover", "error", "blocked", "waiter")
+    __slots__ = ("_mode", "_sink", "_sink_error", "_source_error", "_payload", "_start",
+                 "_buf", "_state", "_left", "_head", "_end", "done", "ended", "leftover",
+                 "error", "waiter")
 
-    def __init__(self, up: UpstreamConn, conn: h11.Connection, client: asyncio.WriteTransport,
-                 exchange: Exchange | None, head: bytes, start: tuple[int, str]) -> None:
-        self._up, self._conn, self._client, self._exchange = up, conn, client, exchange
+    def __init__(self, mode: int, length: int, sink: asyncio.WriteTransport, head: bytes,
+                 end: bytes, payload: Callable[[bytes], None] | None,
+                 start: Callable[[], None] | None, sink_error: type[Exception],
+                 source_error: type[Exception]) -> None:
+        self._mode, self._sink, self._head, self._end = mode, sink, head, end
+        self._payload, self._start = payload, start
+        self._sink_error, self._source_error = sink_error, source_error
         self._buf = bytearray()
         self._state = self._SIZE
-        self._left = 0
-        self._head = head  # the client's response head, sent with the first bytes
-        self._start: tuple[int, str] | None = start  # the meter's response_start, once sent
+        self._left = length
+        self.done: Callable[[Relay], None] | None = None
         self.ended = False
-        self.leftover = False  # bytes came after the answer's end
+        self.leftover = False  # bytes came after the body's end
         self.error: Exception | None = None
-        self.blocked = False
         self.waiter: asyncio.Future[None] | None = None
-
-    def _signal(self) -> None:
-        _settle(self.waiter)
-        self.waiter = None
 
     @property
     def head_sent(self) -> bool:
-        """Whether the client's response head has been written (a failure before it can still
-        be answered 502)."""
+        """Whether ``head`` has been written (a failure before it can still be answered)."""
         return not self._head
 
     def fail(self, exc: Exception) -> None:
         if not self.ended and self.error is None:
             self.error = exc
-            if self._up.transport is not None:
-                self._up.transport.pause_reading()
-            self._signal()
+            self._finish()
 
-    def feed(self, data: bytes) -> None:
+    def source_ended(self) -> None:
+        """The reading side closed: the end of a ``CLOSE`` body, a failure of any other."""
+        if self._mode == self.CLOSE and not self.ended and self.error is None:
+            self._out(b"", True, [])
+        else:
+            self.fail(self._source_error())
+
+    async def wait(self) -> None:
+        """Until the body has ended; raises :attr:`error` when the relay failed."""
+        while not self.ended and self.error is None:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        if self.error is not None:
+            raise self.error
+
+    def _finish(self) -> None:
+        settle(self.waiter)
+        self.waiter = None
+        done, self.done = self.done, None
+        if done is not None:
+            done(self)
+
+    def feed(self, data: bytes) -> bytes:
         if self.ended or self.error is not None:
             self.leftover = self.leftover or bool(data)
-            return
+            return data
         try:
-            self._feed(data)
-        except (UpstreamFailed, ClientGone) as e:
+            if self._mode == self.LENGTH:
+                return self._feed_length(data)
+            if self._mode == self.CLOSE:
+                self._out(data, False, [data] if data else [])
+                return b""
+            return self._feed_chunks(data)
+        except ValueError:
+            self.fail(self._source_error())
+        except (ClientGone, UpstreamFailed) as e:
             self.fail(e)
+        return b""
 
-    def _feed(self, data: bytes) -> None:
+    def _feed_length(self, data: bytes) -> bytes:
+        n = min(self._left, len(data))
+        piece = data[:n] if n < len(data) else data
+        self._left -= n
+        self._out(piece, not self._left, [piece] if piece else [])
+        if n < len(data):
+            self.leftover = True
+            return data[n:]
+        return b""
+
+    def _feed_chunks(self, data: bytes) -> bytes:
         buf = self._buf
         buf += data
         pos = 0
-        forward = 0  # buf[:forward] goes to the client
+        forward = 0  # buf[:forward] goes on (CHUNKED)
         ended = False
-        payloads: list[bytes] = []  # metered once forwarded: the meter is off the hot path
+        payloads: list[bytes] = []
         while True:
             state = self._state
             if state == self._SIZE:
                 end = buf.find(b"\r\n", pos)
                 if end < 0:
                     if len(buf) - pos > MAX_HEAD:
-                        raise UpstreamFailed  # no size line in 64 KiB
+                        raise ValueError("no chunk size line in 64 KiB")
                     break
                 size = chunk_size(buf, pos, end)
                 pos = end + 2
@@ -259,7 +238,7 @@ class ChunkRelay:
                 if len(buf) - pos < 2:
                     break
                 if buf[pos:pos + 2] != b"\r\n":
-                    raise UpstreamFailed
+                    raise ValueError("no CRLF after a chunk")
                 pos += 2
                 forward = pos
                 self._state = self._SIZE
@@ -267,46 +246,144 @@ class ChunkRelay:
                 end = buf.find(b"\r\n", pos)
                 if end < 0:
                     if len(buf) - pos > MAX_HEAD:
-                        raise UpstreamFailed
+                        raise ValueError("trailers over 64 KiB")
                     break
                 empty = end == pos
                 pos = end + 2
                 if empty:
                     ended = True
                     break
-        out = bytes(buf[:forward]) if forward else b""
-        if ended:  # the client's last chunk goes with the bytes before it
-            try:
-                out += self._conn.send(h11.EndOfMessage()) or b""
-            except h11.LocalProtocolError as e:
-                raise ClientGone from e
-        if out or self._head:
-            self._write(out)
+        if self._mode == self.CHUNKED:
+            out = bytes(buf[:forward]) if forward else b""
+        else:
+            out = b"".join(payloads)
+        rest = bytes(buf[pos:]) if ended else b""
+        self.leftover = bool(rest)
         del buf[:pos]
-        meter = self._exchange
-        if meter is not None:
-            if self._start is not None:
-                meter.response_start(*self._start)
-                self._start = None
-            for payload in payloads:
-                meter.response_body(payload, True)
         if ended:
-            self.ended = True
-            self.leftover = bool(buf)
-            if self._up.transport is not None:
-                self._up.transport.pause_reading()
-            self._signal()
+            buf.clear()
+        self._out(out, ended, payloads)
+        return rest
 
-    def _write(self, data: bytes) -> None:
-        client = self._client
-        if client.is_closing():
-            raise ClientGone
+    def _out(self, data: bytes, ended: bool, payloads: list[bytes]) -> None:
+        """Write ``data`` (with the head before it and ``end`` after it when the body ended),
+        then meter the payloads it carried."""
         if self._head:
             data, self._head = self._head + data, b""
-        client.write(data)
-        if client.get_write_buffer_size() > CHUNK and not self.blocked:
-            # The client reads slower than the upstream writes: stop reading until it drains.
-            self.blocked = True
-            if self._up.transport is not None:
-                self._up.transport.pause_reading()
-            self._signal()
+        if ended:
+            data += self._end
+        if data:
+            sink = self._sink
+            if sink.is_closing():
+                raise self._sink_error()
+            sink.write(data)
+        if self._start is not None:
+            start, self._start = self._start, None
+            start()
+        if self._payload is not None:
+            for payload in payloads:
+                self._payload(payload)
+        if ended:
+            self.ended = True
+            self._finish()
+
+
+class UpstreamConn(Side):
+    """One connection to the upstream: a head is read with :meth:`next_head`; a body goes
+    straight from :meth:`data_received` to the client through a :class:`Relay`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.idle_since = 0.0
+        #: In the pool, owing no answer: any byte received now closes it.
+        self.pooled = False
+        self.relay: Relay | None = None
+        self._buf = bytearray()
+        self._eof = False
+        self._reading: asyncio.Future[None] | None = None
+        self._writable: asyncio.Future[None] | None = None
+
+    # asyncio.Protocol
+    def data_received(self, data: bytes) -> None:
+        relay = self.relay
+        if relay is not None:
+            relay.feed(data)
+            return
+        if self.pooled:
+            # Bytes from an upstream that owes no answer: past the end of the last one. The
+            # next request must not read them as its own answer.
+            self._eof = True
+            self.close()
+            return
+        self._buf += data
+        if len(self._buf) > MAX_HEAD + 2:
+            self.hold(FULL)  # until next_head takes it
+        settle(self._reading)
+        self._reading = None
+
+    def eof_received(self) -> bool:
+        self._ended()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._ended()
+        self.resume_writing()
+        settle(self._writable)
+        self._writable = None
+
+    def _ended(self) -> None:
+        self._eof = True
+        settle(self._reading)
+        self._reading = None
+        if self.relay is not None:
+            self.relay.source_ended()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        settle(self._writable)
+        self._writable = None
+
+    # what the proxy calls
+    async def next_head(self) -> bytes:
+        """The next answer head, its blank line included; UpstreamFailed when the connection
+        ends first or the head is over :data:`MAX_HEAD`."""
+        buf = self._buf
+        while True:
+            end = HEAD_END.search(buf, 0, MAX_HEAD + 2)
+            if end is not None and end.end() <= MAX_HEAD:
+                head = bytes(buf[:end.end()])
+                del buf[:end.end()]
+                self.release(FULL)
+                return head
+            if end is not None or len(buf) > MAX_HEAD or self._eof:
+                raise UpstreamFailed
+            self._reading = asyncio.get_running_loop().create_future()
+            await self._reading
+
+    def take(self) -> bytes:
+        """The bytes received past the last head, and not yet read."""
+        data = bytes(self._buf)
+        self._buf.clear()
+        self.release(FULL)
+        return data
+
+    @property
+    def at_eof(self) -> bool:
+        return self._eof
+
+    def write(self, data: bytes) -> None:
+        if self.lost or self.transport is None or self.transport.is_closing():
+            raise UpstreamFailed
+        self.transport.write(data)
+
+    async def drain(self) -> None:
+        while self.writing_paused and not self.lost:
+            self._writable = asyncio.get_running_loop().create_future()
+            await self._writable
+        if self.lost:
+            raise UpstreamFailed
+
+    def usable(self) -> bool:
+        return (not self._eof and not self._buf and self.transport is not None
+                and not self.transport.is_closing())
