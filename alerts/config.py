@@ -56,6 +56,17 @@ class Thresholds:
     stale_intervals: float = 5.0
     stale_min_seconds: float = 60.0
     stale_for: str = "1m"
+    #: PCIe byte-count intervals the agent could not count (mrc_gpu_pcie_dropped_intervals_total,
+    #: per GPU and reason; TX and RX are read together, so the larger direction is one count per
+    #: event). A drop leaves its interval out of mrc_gpu_pcie_*_bytes_total and blanks the
+    #: bandwidth gauge for that sampling interval: the PCIe panels read low. One drop now and
+    #: then (a stop-the-world pause, a node under load for a second) costs a few milliseconds
+    #: of bytes; more than 5 in every 10 minutes, held 10 minutes more, is a cause that stays
+    #: (a throttled sidecar, a link bound NVML under-reports) and the readings are not to be
+    #: trusted until it is fixed (MRCAgentPCIeBytesUnderCounted).
+    pcie_dropped_intervals: float = 5.0
+    pcie_dropped_window: str = "10m"
+    pcie_dropped_for: str = "10m"
 
     # --- Windows (added with the alert rules; see alerts/README.md "Windows") -----------------
     #: rate() window of the GPU counters (NVLink bytes, SM instructions, DRAM bytes) and the

@@ -418,6 +418,14 @@ class RuleQueries:
         return (f"{self.m('mrc_agent_collector_success')} == 0\n"
                 f"and {self.m('mrc_agent_collector_available')} == 1")
 
+    def pcie_dropped_expr(self) -> str:
+        """PCIe byte-count intervals dropped per GPU and reason over the window, above the line.
+        TX and RX are read in one call, so one late read drops both: ``max`` counts events."""
+        w = self._t.pcie_dropped_window
+        dropped = self.m("mrc_gpu_pcie_dropped_intervals_total")
+        return (f"max without (direction) (increase({dropped}[{w}]))\n"
+                f"> {num(self._t.pcie_dropped_intervals)}")
+
     def targets_absent_expr(self) -> str:
         return f"{self.m('mrc_agent_targets')} == 0"
 

@@ -242,6 +242,19 @@ def agent_health(cfg: Config) -> Group:
             "pod. Its /readyz says which collector is stuck or why the pass fails.",
         ),
         alert(
+            cfg, "MRCAgentPCIeBytesUnderCounted", q.pcie_dropped_expr(), t.pcie_dropped_for,
+            TICKET,
+            "An mrc-agent keeps dropping PCIe byte-count intervals: PCIe bandwidth reads low.",
+            f"{_GPU} dropped {{{{ $value | humanize }}}} PCIe byte-count intervals with reason "
+            f"{{{{ $labels.reason }}}} over the last {t.pcie_dropped_window} (line "
+            f"{num(t.pcie_dropped_intervals)}), for {t.pcie_dropped_for}: "
+            "mrc_gpu_pcie_tx/rx_bytes_total and the PCIe bandwidth panels under-read. Reason "
+            "gap: the agent read a 32-bit counter too late to rule out a wrap; check the "
+            "sidecar's CPU limit and throttling (container_cpu_cfs_throttled_periods_total). "
+            "Reason impossible: an increase beyond the link's bound; check the PCIe generation "
+            "and width NVML reports (nvidia-smi -q -d PCIE).",
+        ),
+        alert(
             cfg, "MRCAgentTargetAbsent", q.targets_absent_expr(), t.absent_for, TICKET,
             "An mrc-agent watches no target process.",
             "The mrc-agent at {{ $labels.instance }} has watched {{ $value | humanize }} target "

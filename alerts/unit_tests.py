@@ -363,6 +363,21 @@ CASES: dict[str, AlertTest] = {
             s("mrc_agent_interval_seconds", AGENT): "30x30",
         }, [At("10m", []), At("25m", [])]),
     ]),
+    "MRCAgentPCIeBytesUnderCounted": AlertTest("1m", [
+        Scenario("a throttled reader drops an interval a minute from 5 minutes on", "1m", {
+            **{s("mrc_gpu_pcie_dropped_intervals_total", gpu(0), direction=d, reason="gap"):
+               "0x5 1+1x30" for d in ("tx", "rx")},
+            **{s("mrc_gpu_pcie_dropped_intervals_total", gpu(0), direction=d,
+                 reason="impossible"): "0x36" for d in ("tx", "rx")},
+        }, [At("20m", []), At("21m", [Fire({**gpu(0), "reason": "gap"}, 10)]),
+            At("30m", [Fire({**gpu(0), "reason": "gap"}, 10)])]),
+        Scenario("a drop every 5 minutes; a one-off burst of 20 that stops", "1m", {
+            s("mrc_gpu_pcie_dropped_intervals_total", gpu(1), direction="tx", reason="gap"):
+                "0x4 1x5 2x5 3x5 4x5 5x5 6x5",
+            s("mrc_gpu_pcie_dropped_intervals_total", gpu(2), direction="rx",
+              reason="impossible"): "0x4 20x30",
+        }, [At("14m", []), At("15m", []), At("25m", [])]),
+    ]),
     "MRCAgentTargetAbsent": AlertTest("1m", [
         Scenario("the target process goes away at 6 minutes", "1m", {
             s("mrc_agent_targets", AGENT): "1x5 0x30",

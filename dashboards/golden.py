@@ -48,10 +48,23 @@ def build(cfg: Config) -> dict[str, Any]:
     ])
     transfers = Section("Transfers: PCIe and NVLink", [
         timeseries(
-            "PCIe TX/RX bandwidth", [q.pcie_tx, q.pcie_rx], "Bps", min_value=0,
+            "PCIe TX/RX bandwidth", [q.pcie_tx, q.pcie_rx], "Bps", min_value=0, w=8,
             description=(
                 "PCIe throughput per GPU as NVML measures it (gauges). Host-to-device (RX) "
-                "carries the decoded images and inputs; no alert fires on PCIe, so no line.")),
+                "carries the decoded images and inputs; no alert fires on the bandwidth, so no "
+                "line. It reads low, and has gaps, while the panel beside it shows dropped "
+                "intervals.")),
+        timeseries(
+            "PCIe intervals dropped", [q.pcie_dropped], "short", min_value=0, w=4,
+            description=(
+                "Byte-count intervals the agent could not count, per GPU and reason, over the "
+                f"last {t.pcie_dropped_window}: each is left out of the PCIe totals and blanks "
+                "the bandwidth beside it for one sampling interval. Reason gap: a 32-bit "
+                "counter read too late to rule out a wrap (the sidecar starved of CPU); "
+                "impossible: more than the link carries. Above the dashed line at "
+                f"{t.pcie_dropped_intervals:g} for {t.pcie_dropped_for} the alert fires."),
+            thresholds=above(t.pcie_dropped_intervals),
+            links=runbook(cfg, Alerts.PCIE_UNDER_COUNTED)),
         timeseries(
             "NVLink TX/RX bandwidth", [q.nvlink_tx, q.nvlink_rx, q.nvlink_total], "Bps",
             min_value=0,

@@ -72,6 +72,7 @@ class Alerts:
     LATENCY = "MRCRequestLatencyP99High"
     ERRORS = "MRCRequestErrorRateHigh"
     CHAIN_BREAKS = "MRCChainBreakRateHigh"
+    PCIE_UNDER_COUNTED = "MRCAgentPCIeBytesUnderCounted"
 
 
 # -- fields grafanalib writes that current Grafana does not have --------------------------

@@ -139,6 +139,16 @@ class PanelQueries:
                      "{{pod}} GPU {{gpu}} PCIe RX (host to device)")
 
     @property
+    def pcie_dropped(self) -> Query:
+        """PCIe byte-count intervals the agent dropped over the alert's window, per GPU and
+        reason: what MRCAgentPCIeBytesUnderCounted compares with its line. TX and RX are read in
+        one call, so ``max`` counts a late read once."""
+        w = self.cfg.thresholds.pcie_dropped_window
+        return Query(f"max without (direction) (increase(mrc_gpu_pcie_dropped_intervals_total"
+                     f"{self.gpu()}[{w}]))",
+                     "{{pod}} GPU {{gpu}} {{reason}}")
+
+    @property
     def nvlink_tx(self) -> Query:
         return Query(f"rate(mrc_gpu_nvlink_tx_bytes_total{self.gpu()}[{RATE}])",
                      "{{pod}} GPU {{gpu}} NVLink TX")

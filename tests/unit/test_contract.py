@@ -51,6 +51,8 @@ ALERTS: dict[str, tuple[str, str, str]] = {
     "MRCAgentSamplingStale": ("1m", "critical", "time() - mrc_agent_last_sample_timestamp_seconds "
                               "> clamp_min(5 * mrc_agent_interval_seconds, 60)"),
     "MRCAgentTargetAbsent": ("5m", "warning", "mrc_agent_targets == 0"),
+    "MRCAgentPCIeBytesUnderCounted": ("10m", "warning", "max without (direction) (increase("
+                                      "mrc_gpu_pcie_dropped_intervals_total[10m])) > 5"),
 }
 
 

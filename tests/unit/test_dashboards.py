@@ -246,6 +246,7 @@ EXPECTED_LINES = {
     "SM instructions per DRAM byte (profiling counters)": T.instructions_per_dram_byte,
     "GPM activity ratio (SM activity / DRAM bandwidth utilisation)": T.gpm_sm_to_dram_activity,
     "GPU starvation signal": T.starved_fraction,
+    "PCIe intervals dropped": T.pcie_dropped_intervals,
     "Request latency P50/P90/P99": T.latency_p99_seconds,
     "Time to first token P50/P90/P99": T.ttft_seconds,
     "Requests with first token within 500 ms": T.ttft_objective,
