@@ -167,7 +167,8 @@ def test_the_agent_defaults_are_the_documented_ones(monkeypatch: pytest.MonkeyPa
     assert cfg.interval == 1.0
     assert (cfg.idle_util_threshold, cfg.starvation_cpu_threshold,
             cfg.starvation_gpu_threshold) == (0.05, 0.9, 0.2)
-    assert {k for k, on in cfg.collectors.items() if on} == {"process", "gpu", "gpm", "derived"}
+    assert {k for k, on in cfg.collectors.items() if on} == {"process", "gpu", "gpm", "derived",
+                                                             "stacks"}
     assert STALE_INTERVALS == 2.0  # /readyz: 503 when no pass completed within two intervals
 
 
