@@ -204,6 +204,53 @@ def test_an_unknown_value_type_is_no_attribute_error_on_either_library() -> None
         union_value(old, 6, old.c_nvmlValue_t())
 
 
+@pytest.mark.parametrize(("member", "value_type", "stored", "want"), [
+    ("uiVal", "NVML_VALUE_TYPE_UNSIGNED_INT", 2**32 - 1, 2**32 - 1),
+    ("ullVal", "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", 2**40, 2**40),
+    ("siVal", "NVML_VALUE_TYPE_SIGNED_INT", -1, 2**32 - 1),
+    ("sllVal", "NVML_VALUE_TYPE_SIGNED_LONG_LONG", -1, 2**32 - 1),  # an int sign-extended
+    ("sllVal", "NVML_VALUE_TYPE_SIGNED_LONG_LONG", -(2**40), 2**64 - 2**40),
+    ("dVal", "NVML_VALUE_TYPE_DOUBLE", 5, 5),
+])
+def test_the_vocabulary_reads_each_value_type_as_looking_it_up_each_time_did(
+        member: str, value_type: str, stored: int, want: int) -> None:
+    # The thread reads from a table made once per library; it must say what union_value and
+    # the sign rules said when they asked the library on every read.
+    from mrc_agent.agent.core.hw.base import HardwareError
+    from mrc_agent.agent.core.hw.nvml.pcie_counters import Vocabulary, counter_raw
+    from mrc_agent.agent.core.hw.nvml.session import union_value
+
+    vocabulary = Vocabulary.of(pynvml)
+    assert vocabulary.fields == (pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES,
+                                 pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES)
+    value = pynvml.c_nvmlValue_t()
+    setattr(value, member, stored)
+    code = getattr(pynvml, value_type)
+    assert vocabulary.raw(code, value) == counter_raw(pynvml, code, value) == float(want)
+    if stored >= 0:
+        assert vocabulary.raw(code, value) == union_value(pynvml, code, value)
+    with pytest.raises(HardwareError, match="unknown value type 99"):
+        vocabulary.raw(99, value)
+
+
+def test_totals_stay_right_when_the_thread_and_the_sampler_take_turns() -> None:
+    # The thread updates a counter in place; the sampler reads what both reads added.
+    clock = Clock()
+    fake = FakeNvml([gpu(pcie_count=counted(0, 0, U32))])
+    b = backend(fake, clock=clock)
+    b.sample_devices()
+    lib, [g] = b._session.snapshot() or (None, [])
+    clock.now += 0.02
+    fake.gpus[0]["pcie_count"] = counted(1000, 500, U32)
+    first = b._pcie_counters.read(lib, g)
+    clock.now += 0.02
+    fake.gpus[0]["pcie_count"] = counted(3000, 1500, U32)
+    b._narrow.run_round()
+    assert first is not None and first[:2] == (1000, 500)
+    second = b._pcie_counters.read(lib, g)
+    assert second is not None and second[:2] == (3000, 1500)
+
+
 def _narrow_run(value_type: str, cast: int = 0) -> tuple[float, float, float]:
     """A second of host->device copies at :data:`RATE` on a counter the driver keeps in 32
     bits that NVML hands back as ``value_type``, read every 20 ms by the narrow thread's

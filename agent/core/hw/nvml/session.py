@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: nvmlValue_t union member for each NVML_VALUE_TYPE_* constant.
-_VALUE_MEMBERS = (
+#: The NVML_VALUE_TYPE_* constants and the nvmlValue_t member each is read from.
+VALUE_MEMBERS = (
     ("NVML_VALUE_TYPE_DOUBLE", "dVal"),
     ("NVML_VALUE_TYPE_UNSIGNED_INT", "uiVal"),
     ("NVML_VALUE_TYPE_UNSIGNED_LONG", "ulVal"),
@@ -99,7 +99,7 @@ def union_value(lib: Any, value_type: int, value: Any) -> float:
     """Read an nvmlValue_t union according to its NVML_VALUE_TYPE_*."""
     # getattr with a default: nvidia-ml-py 12.535 has no NVML_VALUE_TYPE_UNSIGNED_SHORT, and a
     # type it does not know must be the HardwareError below, not an AttributeError.
-    for const, member in _VALUE_MEMBERS:
+    for const, member in VALUE_MEMBERS:
         if value_type == getattr(lib, const, None):
             return float(getattr(value, member))
     raise HardwareError(f"NVML returned an unknown value type {value_type}")
