@@ -46,6 +46,7 @@ import binascii
 import json
 import logging
 import re
+import struct
 from collections.abc import Iterable
 from time import monotonic, perf_counter
 from typing import Any
@@ -88,6 +89,8 @@ _B64_FIRST_CHARS = 1024
 _DATA_URL_HEADER = 512
 _WHITESPACE = b" \t\r\n"
 _URLSAFE = bytes.maketrans(b"-_", b"+/")
+_PNG_IHDR = b"\x89PNG\r\n\x1a\n"
+_PNG_SIZE = struct.Struct(">II")
 
 
 class _Found(Exception):
@@ -112,6 +115,16 @@ def image_size(url: bytes) -> tuple[int, int] | None:
         if comma < 0 or b";base64" not in url[:comma].lower():
             return None
         begin = comma + 1
+    # A PNG's size is in its first 24 bytes (signature, IHDR): 32 characters, read without the
+    # walk, which would stop there with the same size (an eighth of the cost).
+    text = url[begin:begin + 96].translate(_URLSAFE, _WHITESPACE)[:32]
+    if len(text) == 32 and b"=" not in text:
+        try:
+            data = binascii.a2b_base64(text)
+        except (binascii.Error, ValueError):
+            return None
+        if len(data) == 24 and data.startswith(_PNG_IHDR) and data[12:16] == b"IHDR":
+            return _believable(_PNG_SIZE.unpack_from(data, 16))
     # Most headers (PNG, GIF, WebP, BMP, a JPEG without a large EXIF) tell the size within the
     # first 768 bytes: decode those first, the whole head only when they do not.
     for chars in (_B64_FIRST_CHARS, _B64_HEAD_CHARS):

@@ -6,12 +6,14 @@ from __future__ import annotations
 import base64
 import io
 import json
+import struct
 from typing import Any
 
 import pytest
 from PIL import Image
 from prometheus_client import CollectorRegistry, generate_latest
 
+from mrc_agent.exporters.imagewalk import walk
 from mrc_agent.exporters.instrumentation import MRCMetrics
 from mrc_agent.exporters.instrumentation.jsonscan import (
     CAPTURE,
@@ -23,6 +25,7 @@ from mrc_agent.exporters.instrumentation.jsonscan import (
 )
 from mrc_agent.exporters.instrumentation.meter import (
     IMAGE_HEAD_BYTES,
+    MAX_SIDE,
     ChatRequestScan,
     Exchange,
     image_size,
@@ -125,6 +128,23 @@ def test_the_size_comes_from_the_head_of_a_data_url(fmt: str) -> None:
     bare = url.split(b",", 1)[1]
     assert image_size(bare) == (1234, 567)
     assert image_size(bare.replace(b"+", b"-").replace(b"/", b"_")) == (1234, 567)
+
+
+@pytest.mark.parametrize(("width", "height"), [(1, 1), (640, 480), (65535, 3), (MAX_SIDE, 7)])
+def test_a_png_size_read_from_its_first_bytes_is_the_walks(width: int, height: int) -> None:
+    # The first 24 bytes (signature and IHDR) are read without the walk: its size, and its
+    # refusal of an unbelievable one, must be the walk's on the same bytes.
+    head = b"\x89PNG\r\n\x1a\n" + struct.pack(">I4sII", 13, b"IHDR", width, height)
+    rest = b"\x08\x02\x00\x00\x00" + b"\x00" * 800
+    url = base64.b64encode(head + rest)
+    layout = walk(base64.b64decode(url))
+    assert layout is not None and layout.size == (width, height)
+    assert image_size(url) == (width, height)
+    spaced = b"\n".join(url[i:i + 7] for i in range(0, len(url), 7))  # wrapped, as MIME does
+    assert image_size(spaced) == (width, height)
+    zero = base64.b64encode(head[:16] + struct.pack(">II", 0, height) + rest)
+    assert image_size(zero) is None  # a side of 0 is not believable, as through the walk
+    assert image_size(url[:31]) is None  # fewer than 24 bytes: no size
 
 
 def test_a_jpeg_whose_frame_header_follows_a_large_exif_is_read() -> None:
