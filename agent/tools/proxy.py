@@ -391,7 +391,7 @@ class Proxy:
         """Count a refused head whose request line names a metered path."""
         if raw is None:
             return
-        parts = raw.split(b"\r\n", 1)[0].split(b" ")
+        parts = raw.split(b"\n", 1)[0].rstrip(b"\r").split(b" ")  # a bare LF ends it too
         if len(parts) == 3:
             path = parts[1].split(b"?", 1)[0].decode("latin-1")
             if metered(parts[0].decode("latin-1"), path, self.paths):
