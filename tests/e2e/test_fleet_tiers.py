@@ -33,8 +33,9 @@ FLEET = REPO / "deploy" / "fleet"
 RULES = REPO / "alerts" / "generated" / "mrc-rules.yaml"
 CLUSTERS = ("gpu-east-1", "gpu-west-2")
 POD = {"namespace": "inference", "pod": "mrc-0"}
-#: As in test_e2e: the service measures peak GPU memory only on CUDA.
-NO_DATA_HERE = {"Peak GPU memory per request"}
+#: As in test_e2e: the service measures peak GPU memory only on CUDA, and a replayed trace has
+#: no NVML byte counters to drop intervals of.
+NO_DATA_HERE = {"Peak GPU memory per request", "PCIe intervals dropped"}
 #: Queries of an inference engine's own metrics (the mrc:engine_* rules): no engine runs here,
 #: tests/integration/test_engine_dashboard.py runs them on expositions written from the
 #: engines' sources.
