@@ -28,6 +28,10 @@ stream puts on the wire. ``--pin`` runs the proxies on CPU 1 and the clients and
 on CPU 0 (``taskset``), so a proxy's latency is not its neighbours' CPU (and two workers share
 that one core: only an unpinned run can show them scale).
 
+With ``--litellm EXE`` LiteLLM's proxy (``litellm[proxy]`` in an environment of its own, one
+worker, no database, the bench's model as an ``openai/`` deployment on the same upstream) is a
+fifth way: what users would pick instead.
+
 **Memory.** Each proxy carries 64 concurrent uploads of a 12 MP photo as a data URL; its RSS
 (every process's ``VmRSS``) is sampled every 10 ms, and the peak is reported over the idle
 figure.
@@ -70,7 +74,8 @@ REPO = Path(__file__).resolve().parents[1]
 EVENTS = 16
 #: Content events of the long stream the middleware's per-event cost is measured with.
 LONG_EVENTS = 64
-_MAX_TOKENS = re.compile(rb'"max_tokens": (\d+)')
+_MAX_TOKENS = re.compile(rb'"max_tokens": ?(\d+)')
+_STREAM = re.compile(rb'"stream": ?true')
 EVENT_GAP_S = 0.002
 #: The proxy's goals: added p50 at 1 and 64 streams, added p99 at 64, CPU per stream against
 #: nginx's, throughput lost at 64 streams, RSS over idle during the upload test.
@@ -110,7 +115,7 @@ def upstream_app(gap: float) -> Any:
 
     async def chat(request: Request) -> Response:
         body = await request.body()
-        if b'"stream": true' not in body:
+        if not _STREAM.search(body):  # with or without a blank (LiteLLM sends none)
             return Response(answer, media_type="application/json")
         # As many content events as max_tokens asks, up to LONG_EVENTS.
         wanted = _MAX_TOKENS.search(body)
@@ -140,8 +145,9 @@ def serve_upstream(port: int) -> None:
 # --- processes ----------------------------------------------------------------------------------
 
 
-def wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
-    deadline = time.monotonic() + 60
+def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 60
+              ) -> None:
+    deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
             raise SystemExit(f"{what} exited with {proc.returncode}")
@@ -150,7 +156,8 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
             return
         except OSError:
             if time.monotonic() > deadline:
-                raise SystemExit(f"{what} did not listen on {port} within 60 s") from None
+                raise SystemExit(f"{what} did not listen on {port} within {timeout:g} s"
+                                 ) from None
             time.sleep(0.05)
 
 
@@ -223,6 +230,7 @@ def chat_body(url: str, stream: bool = True, events: int = EVENTS) -> bytes:
 
 def request_bytes(port: int, body: bytes) -> bytes:
     return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Authorization: Bearer {LITELLM_KEY}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
             ).encode() + body
 
@@ -394,7 +402,33 @@ def bench_uploads(rounds: int) -> list[str]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def bench_proxy(rounds: int, per_client: int, pin: bool) -> list[str]:
+LITELLM_CONF = """
+model_list:
+  - model_name: m
+    litellm_params: {{model: openai/m, api_base: "http://127.0.0.1:{up}/v1", api_key: none}}
+litellm_settings: {{drop_params: true}}
+"""
+#: The master key LiteLLM's proxy refuses to start without; every way gets it in the header.
+LITELLM_KEY = "sk-bench-0123456789abcdef"
+
+
+def start_litellm(exe: str, tmp: Path, up: int, port: int, prefix: list[str]
+                  ) -> subprocess.Popen[bytes]:
+    """LiteLLM's proxy (``litellm[proxy]``, one worker) in front of the upstream, with no
+    database, no telemetry and its model cost map from its own package (no download)."""
+    conf = tmp / "litellm.yaml"
+    conf.write_text(LITELLM_CONF.format(up=up))
+    env = dict(os.environ, LITELLM_MASTER_KEY=LITELLM_KEY, LITELLM_LOCAL_MODEL_COST_MAP="True",
+               LITELLM_TELEMETRY="False", LITELLM_LOG="ERROR")
+    proc = subprocess.Popen([*prefix, exe, "--config", str(conf), "--host", "127.0.0.1",
+                             "--port", str(port), "--num_workers", "1"], env=env, cwd=tmp,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_port(port, proc, "LiteLLM's proxy", timeout=180)
+    return proc
+
+
+def bench_proxy(rounds: int, per_client: int, pin: bool, litellm: str | None = None
+                ) -> list[str]:
     """The latency table, and CPU per stream of each proxy's own processes. With ``pin`` the
     proxies run on CPU 1 and this process (the clients) and the upstream on CPU 0."""
     tmp = Path(tempfile.mkdtemp(prefix="bench-meter-"))
@@ -417,6 +451,11 @@ def bench_proxy(rounds: int, per_client: int, pin: bool) -> list[str]:
         pids = {"direct": [procs[0].pid], "mrc-agent proxy": [procs[1].pid],
                 "mrc-agent proxy, 2 workers": family(procs[2].pid),
                 "nginx": family(procs[3].pid)}
+        if litellm:
+            ll = free_port()
+            procs.append(start_litellm(litellm, tmp, up, ll, own))
+            ways["LiteLLM proxy"] = ll
+            pids["LiteLLM proxy"] = family(procs[-1].pid)
         body = chat_body(png_data_url(640, 480))
         rows = ["| concurrent streams | way | latency p50 (ms) | p99 (ms) | TTFT p50 (ms) | "
                 "streams/s | added p50 (ms) | added p99 (ms) | CPU per stream (us) | "
@@ -427,7 +466,8 @@ def bench_proxy(rounds: int, per_client: int, pin: bool) -> list[str]:
             stats: dict[str, list[tuple[float, float, float, float]]] = {w: [] for w in ways}
             cpu = {w: 0.0 for w in ways}
             streams = {w: 0 for w in ways}
-            asyncio.run(load(up, body, conc, 2))  # warm every connection pool
+            for port in ways.values():  # warm every connection pool
+                asyncio.run(load(port, body, conc, 2))
             for r in range(rounds):
                 order = list(ways)[r % len(ways):] + list(ways)[:r % len(ways)]
                 for way in order:
@@ -558,6 +598,9 @@ def main() -> int:
     ap = parser(__doc__, "fewer rounds (~1 min)")
     ap.add_argument("--pin", action="store_true",
                     help="the proxies on CPU 1, the clients and the upstream on CPU 0")
+    ap.add_argument("--litellm", metavar="EXE",
+                    help="also LiteLLM's proxy: the litellm command of an environment with "
+                    "litellm[proxy] installed (not this project's: its pins differ)")
     ap.add_argument("--middleware-only", action="store_true",
                     help="only the middleware's CPU table (no proxy, no nginx)")
     ap.add_argument("--serve-upstream", type=int, metavar="PORT", help=argparse.SUPPRESS)
@@ -570,7 +613,7 @@ def main() -> int:
         report("\n".join(bench_middleware(rounds * 2 + 1, 400 if args.quick else 1000)),
                args.out)
         return 0
-    proxy = bench_proxy(rounds, 10 if args.quick else 25, args.pin)
+    proxy = bench_proxy(rounds, 10 if args.quick else 25, args.pin, args.litellm)
     uploads = bench_uploads(1 if args.quick else 3)
     mw = bench_middleware(rounds * 2 + 1, 400 if args.quick else 1000)
     import httptools
