@@ -319,6 +319,19 @@ def start_proxy(port: int, metrics: int, up: int, prefix: list[str], workers: in
     return proc
 
 
+def stop_all(procs: list[subprocess.Popen[bytes]], tmp: Path) -> None:
+    """Stop the processes together (SIGTERM to all, then a wait for each), then remove
+    ``tmp``."""
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def verdict(conc: int, added: dict[str, tuple[float, float]], cpu: dict[str, float],
             rate: dict[str, float]) -> str:
     """One concurrency's goals, for the one-process proxy."""
@@ -392,14 +405,7 @@ def bench_uploads(rounds: int) -> list[str]:
             rows.append(f"| {way} | {idle:.1f} | {peak:.1f} | **{over:.1f}** | {goal} |")
         return rows + ["", f"Body: {len(body) / 1e6:.1f} MB each."]
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
+        stop_all(procs, tmp)
 
 
 LITELLM_CONF = """
@@ -499,14 +505,7 @@ def bench_proxy(rounds: int, per_client: int, pin: bool, litellm: str | None = N
             verdicts.append(verdict(conc, added, cpu, rate))
         return rows + [""] + verdicts
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
+        stop_all(procs, tmp)
 
 
 # --- the middleware's CPU -----------------------------------------------------------------------

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass
@@ -27,6 +28,29 @@ class Seen:
 
 
 Answer = Callable[[Seen], bytes]
+
+
+class _Counted(Protocol):
+    lock: threading.Lock
+    accepted: int
+
+
+def serve_each(sock: socket.socket, owner: _Counted,
+               handle: Callable[[socket.socket], None]) -> None:
+    """Accept on ``sock`` in a thread until it closes, counting each connection in
+    ``owner.accepted`` and handling it with ``handle`` in a thread of its own."""
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            with owner.lock:
+                owner.accepted += 1
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
 
 
 def _read_chunked(conn: socket.socket, buf: bytes) -> tuple[bytes, bytes] | None:
@@ -78,17 +102,7 @@ class RawUpstream:
         self.port = int(self.sock.getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"
         self.lock = threading.Lock()
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with self.lock:
-                self.accepted += 1
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+        serve_each(self.sock, self, self._one)
 
     def _one(self, conn: socket.socket) -> None:
         with conn:

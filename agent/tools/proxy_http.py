@@ -88,6 +88,12 @@ class MessageHead:
     def count(self, name: bytes) -> int:
         return sum(1 for n, _ in self.headers if n == name)
 
+    def other_coding(self) -> bool:
+        """A ``Transfer-Encoding`` other than one ``chunked``: the proxy relays no other."""
+        coding = self.get(b"transfer-encoding")
+        return coding is not None and (self.count(b"transfer-encoding") > 1
+                                       or coding.lower() != b"chunked")
+
     def tokens(self, name: bytes) -> set[bytes]:
         """The comma-separated, lowercased tokens of every ``name`` header."""
         return {t.strip().lower() for n, v in self.headers if n == name for t in v.split(b",")}
@@ -122,9 +128,7 @@ def parse_request(data: bytes) -> MessageHead:
     hosts = head.count(b"host")
     if hosts > 1 or (hosts == 0 and head.version == b"1.1"):
         raise BadHead(400, "an HTTP/1.1 request needs exactly one Host header")
-    coding = head.get(b"transfer-encoding")
-    if coding is not None and (head.count(b"transfer-encoding") > 1
-                               or coding.lower() != b"chunked"):
+    if head.other_coding():
         raise BadHead(501, "only Transfer-Encoding: chunked is supported")
     return head
 
@@ -146,9 +150,7 @@ def parse_response(data: bytes) -> MessageHead:
     head.version = parser.get_http_version().encode()
     if not 100 <= head.status <= 599 or head.version not in (b"1.0", b"1.1"):
         raise BadHead(502, "the upstream server's answer has a malformed status line")
-    coding = head.get(b"transfer-encoding")
-    if coding is not None and (head.count(b"transfer-encoding") > 1
-                               or coding.lower() != b"chunked"):
+    if head.other_coding():
         raise BadHead(502, "the upstream server's answer has a transfer coding other than "
                       "chunked")
     return head

@@ -34,6 +34,7 @@ from tests.raw_upstream import (
     _unchunk_prefix,
     chunked_answer,
     length_answer,
+    serve_each,
     status_of,
 )
 
@@ -101,17 +102,7 @@ class Scripted:
         self.sent = 0
         self.accepted = 0
         self.ended = 0
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with self.lock:
-                self.accepted += 1
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+        serve_each(self.sock, self, self._one)
 
     def _one(self, conn: socket.socket) -> None:
         try:
@@ -415,13 +406,19 @@ def test_an_upstream_that_closes_mid_chunk_cuts_the_client_and_is_not_reused(cas
         with pytest.raises(ValueError):
             _unchunk_prefix(body)  # the chunked body is not whole
         assert _outcomes(p, 1) == {"error": 1.0}
-        with _connect(p) as s:
-            s.sendall(b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert AnswerReader(s).read()[1] == b'{"for": "/next"}'
-        assert up.accepted == 2
+        _next_on_a_new_connection(p, up)
     finally:
         p.stop()
         up.close()
+
+
+def _next_on_a_new_connection(p: ProxyThread, up: RawUpstream) -> None:
+    """The next request is answered, over a second upstream connection: the first one, whose
+    answer did not end at a message boundary, was not reused."""
+    with _connect(p) as s:
+        s.sendall(b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert AnswerReader(s).read()[1] == b'{"for": "/next"}'
+    assert up.accepted == 2
 
 
 # --- back-pressure -------------------------------------------------------------------------------
@@ -517,10 +514,7 @@ def test_a_close_delimited_answer_reaches_the_client_whole_and_is_not_pooled() -
         assert got == body
         assert _outcomes(p, 1) == {"ok": 1.0}
         assert not p.proxy._pool
-        with _connect(p) as s:
-            s.sendall(b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert AnswerReader(s).read()[1] == b'{"for": "/next"}'
-        assert up.accepted == 2
+        _next_on_a_new_connection(p, up)
     finally:
         p.stop()
         up.close()
