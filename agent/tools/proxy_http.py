@@ -19,6 +19,7 @@ import re
 import resource
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
@@ -102,23 +103,32 @@ class MessageHead:
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
+def _feed(parser: Any, head: MessageHead, data: bytes, status: int, what: str) -> None:
+    """Parse the head ``data`` into ``head``; BadHead(``status``) when llhttp refuses it (an
+    unknown method is left to the caller: its status depends on the method's shape)."""
+    try:
+        parser.feed_data(data)
+    except httptools.HttpParserUpgrade:
+        pass  # an Upgrade or CONNECT head, read whole: refused or stripped by the caller
+    except httptools.HttpParserInvalidMethodError:
+        raise
+    except httptools.HttpParserError as e:
+        raise BadHead(status, f"{what} is malformed: {e}") from None
+    if not head._complete:
+        raise BadHead(status, f"{what} is malformed")
+
+
 def parse_request(data: bytes) -> MessageHead:
     """The request head ``data`` (its blank line included); BadHead when it is refused."""
     head = MessageHead()
     parser = httptools.HttpRequestParser(head)
     try:
-        parser.feed_data(data)
-    except httptools.HttpParserUpgrade:
-        pass  # an Upgrade or CONNECT head, read whole: refused or stripped below
+        _feed(parser, head, data, 400, "the request head")
     except httptools.HttpParserInvalidMethodError:
         method = data.split(b" ", 1)[0]
         if _TOKEN.fullmatch(method):
             raise BadHead(501, "the request method is not supported") from None
         raise BadHead(400, "the request line is malformed") from None
-    except httptools.HttpParserError as e:
-        raise BadHead(400, f"the request head is malformed: {e}") from None
-    if not head._complete:
-        raise BadHead(400, "the request head is malformed")
     head.method = parser.get_method()
     head.version = parser.get_http_version().encode()
     if head.version not in (b"1.0", b"1.1"):
@@ -138,14 +148,7 @@ def parse_response(data: bytes) -> MessageHead:
     a strict HTTP/1.1 client reads."""
     head = MessageHead()
     parser = httptools.HttpResponseParser(head)
-    try:
-        parser.feed_data(data)
-    except httptools.HttpParserUpgrade:
-        pass
-    except httptools.HttpParserError as e:
-        raise BadHead(502, f"the upstream server's answer head is malformed: {e}") from None
-    if not head._complete:
-        raise BadHead(502, "the upstream server's answer head is malformed")
+    _feed(parser, head, data, 502, "the upstream server's answer head")
     head.status = parser.get_status_code()
     head.version = parser.get_http_version().encode()
     if not 100 <= head.status <= 599 or head.version not in (b"1.0", b"1.1"):
