@@ -62,7 +62,6 @@ from collections.abc import Coroutine
 from typing import TypeVar, cast
 
 from mrc_agent.agent.tools.proxy_http import (
-    HEAD_END,
     LINGER_BYTES,
     LINGER_S,
     BadHead,
@@ -78,7 +77,6 @@ from mrc_agent.agent.tools.proxy_http import (
 )
 from mrc_agent.agent.tools.proxy_upstream import (
     FULL,
-    MAX_HEAD,
     ClientGone,
     Relay,
     Side,
@@ -99,7 +97,6 @@ POOL_SIZE = 64
 #: 512 per worker, and each proxied connection costs two descriptors (client and upstream).
 MAX_CONNECTIONS = 1024
 _timeout = getattr(asyncio, "timeout", None)
-_LAST_CHUNK = b"0\r\n\r\n"
 T = TypeVar("T")
 
 
@@ -125,14 +122,10 @@ class ClientConn(Side):
     def __init__(self, proxy: Proxy) -> None:
         super().__init__()
         self.proxy = proxy
-        self.buf = bytearray()
-        self.eof = False
-        self.relay: Relay | None = None
         self.answering = False
         self.gone = False
         self.task: asyncio.Task[None] | None = None
         self.peer = ""
-        self._reading: asyncio.Future[None] | None = None
         self._drop = -1  # lingering: bytes still to read and drop
         self._lingered: asyncio.Future[None] | None = None
 
@@ -150,31 +143,18 @@ class ClientConn(Side):
             return
         relay = self.relay
         if relay is not None:
-            data = relay.feed(data)
+            data = relay.feed(data)  # what is left is the next request's
             if not data:
                 return
-        self.buf += data
-        if len(self.buf) > MAX_HEAD + 2:
-            self.hold(FULL)  # until a head is taken from it
-        settle(self._reading)
-        self._reading = None
+        self._buffer(data)
 
     def eof_received(self) -> bool:
         self._ended()
         return True  # still writable: a refusal can be answered
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
-        self._ended()
-        self.resume_writing()
-
     def _ended(self) -> None:
-        self.eof = True
-        settle(self._reading)
-        self._reading = None
+        super()._ended()
         settle(self._lingered)
-        if self.relay is not None:
-            self.relay.source_ended()
         self.leave()
 
     def leave(self) -> None:
@@ -199,21 +179,17 @@ class ClientConn(Side):
             if buf[:1] in (b"\r", b"\n"):  # blank lines before a request (RFC 9112 §2.2)
                 blank = len(buf) - len(buf.lstrip(b"\r\n"))
                 del buf[:blank]
-            end = HEAD_END.search(buf, 0, MAX_HEAD + 2)
-            if end is not None and end.end() <= MAX_HEAD:
-                head = bytes(buf[:end.end()])
-                del buf[:end.end()]
-                if len(buf) <= MAX_HEAD + 2:
-                    self.release(FULL)
+            try:
+                head = self.split_head()
+            except ValueError:
+                raise BadHead(431, "the request head is over 64 KiB") from None
+            if head is not None:
                 return head
-            if (end.end() if end is not None else len(buf)) > MAX_HEAD:
-                raise BadHead(431, "the request head is over 64 KiB")
             if self.lost or (self.eof and not buf):
                 return None
             if self.eof:
                 raise BadHead(400, "the connection ended part-way through a request head")
-            self._reading = asyncio.get_running_loop().create_future()
-            await self._reading
+            await self._more()
 
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -478,8 +454,7 @@ class Proxy:
             # task waits for the answer, which may come before the body has ended.
             assert up.transport is not None
             body = Relay(Relay.CHUNKED if chunked else Relay.LENGTH, length, up.transport,
-                         up_head, _LAST_CHUNK if chunked else b"",
-                         None if exchange is None else
+                         up_head, None if exchange is None else
                          lambda piece: exchange.request_body(piece, True),
                          None, UpstreamFailed, ClientGone)
 
@@ -555,13 +530,13 @@ class Proxy:
         assert client.transport is not None
         relay = Relay(mode, length, client.transport,
                       head_bytes(b"HTTP/1.1 %d %s" % (answer.status, answer.reason), headers),
-                      _LAST_CHUNK if mode == Relay.CHUNKED else b"", payload, start,
+                      payload, start,
                       ClientGone, UpstreamFailed)
         client.feed_from(up)
         up.relay = relay
         try:
             relay.feed(up.take())
-            if up.at_eof:
+            if up.eof:
                 relay.source_ended()
             await relay.wait()
         except UpstreamFailed:

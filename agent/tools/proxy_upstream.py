@@ -53,18 +53,70 @@ def chunk_size(buf: bytearray, pos: int, end: int) -> int:
 
 
 class Side(asyncio.Protocol):
-    """One of the proxy's connections: holds on its reading, each for a reason, and the side
-    that writes into it (:attr:`feeder`), held while this side's write buffer is full."""
+    """One of the proxy's connections: the bytes waiting for its next head (:attr:`buf`), the
+    body :attr:`relay` its bytes go through while one is forwarded, holds on its reading, each
+    for a reason, and the side that writes into it (:attr:`feeder`), held while this side's
+    write buffer is full."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.feeder: Side | None = None
+        self.relay: Relay | None = None
+        self.buf = bytearray()
+        self.eof = False
         self.writing_paused = False
         self.lost = False
         self._holds = 0
+        self._reading: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._ended()
+        self.resume_writing()
+
+    def _ended(self) -> None:
+        """The connection ended (or half-ended): a wait for bytes returns, a body being read
+        from it fails (or ends, when the end delimits it)."""
+        self.eof = True
+        self._wake()
+        if self.relay is not None:
+            self.relay.source_ended()
+
+    def _buffer(self, data: bytes) -> None:
+        """Keep ``data`` for the next head; past a head's bound, stop reading until one is
+        taken."""
+        self.buf += data
+        if len(self.buf) > MAX_HEAD + 2:
+            self.hold(FULL)
+        self._wake()
+
+    def _wake(self) -> None:
+        settle(self._reading)
+        self._reading = None
+
+    async def _more(self) -> None:
+        """Until bytes arrive or the connection ends."""
+        self._reading = asyncio.get_running_loop().create_future()
+        await self._reading
+
+    def split_head(self) -> bytes | None:
+        """The head at the start of :attr:`buf`, its blank line included, taken from it; None
+        while it is incomplete; ValueError when it is over :data:`MAX_HEAD` bytes, however it
+        arrived."""
+        buf = self.buf
+        end = HEAD_END.search(buf, 0, MAX_HEAD + 2)
+        if end is not None and end.end() <= MAX_HEAD:
+            head = bytes(buf[:end.end()])
+            del buf[:end.end()]
+            if len(buf) <= MAX_HEAD + 2:
+                self.release(FULL)
+            return head
+        if (end.end() if end is not None else len(buf)) > MAX_HEAD:
+            raise ValueError("a head over 64 KiB")
+        return None
 
     def hold(self, reason: int) -> None:
         if not self._holds and self.transport is not None and not self.transport.is_closing():
@@ -107,8 +159,8 @@ class Relay:
     arrives (the reading protocol's ``data_received``), so no task wakes per piece:
 
     * ``CHUNKED``: chunks (size line, payload, CRLF) pass as they are, everything forwardable
-      in one read in one write; the last chunk and trailers are replaced by ``end`` (trailers
-      are dropped, as h11 and uvicorn drop them);
+      in one read in one write; the last chunk and trailers are replaced by a last chunk of
+      this hop's own (trailers are dropped, as h11 and uvicorn drop them);
     * ``DECHUNK``: the payloads only, for an HTTP/1.0 client;
     * ``LENGTH``: ``length`` bytes;
     * ``CLOSE``: everything until the reading side ends.
@@ -127,10 +179,11 @@ class Relay:
                  "error", "waiter")
 
     def __init__(self, mode: int, length: int, sink: asyncio.WriteTransport, head: bytes,
-                 end: bytes, payload: Callable[[bytes], None] | None,
+                 payload: Callable[[bytes], None] | None,
                  start: Callable[[], None] | None, sink_error: type[Exception],
                  source_error: type[Exception]) -> None:
-        self._mode, self._sink, self._head, self._end = mode, sink, head, end
+        self._mode, self._sink, self._head = mode, sink, head
+        self._end = b"0\r\n\r\n" if mode == self.CHUNKED else b""
         self._payload, self._start = payload, start
         self._sink_error, self._source_error = sink_error, source_error
         self._buf = bytearray()
@@ -297,11 +350,6 @@ class UpstreamConn(Side):
         self.idle_since = 0.0
         #: In the pool, owing no answer: any byte received now closes it.
         self.pooled = False
-        self.relay: Relay | None = None
-        self._buf = bytearray()
-        self._eof = False
-        self._reading: asyncio.Future[None] | None = None
-        self._writable: asyncio.Future[None] | None = None
 
     # asyncio.Protocol
     def data_received(self, data: bytes) -> None:
@@ -312,78 +360,42 @@ class UpstreamConn(Side):
         if self.pooled:
             # Bytes from an upstream that owes no answer: past the end of the last one. The
             # next request must not read them as its own answer.
-            self._eof = True
+            self.eof = True
             self.close()
             return
-        self._buf += data
-        if len(self._buf) > MAX_HEAD + 2:
-            self.hold(FULL)  # until next_head takes it
-        settle(self._reading)
-        self._reading = None
+        self._buffer(data)
 
     def eof_received(self) -> bool:
         self._ended()
         return False
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
-        self._ended()
-        self.resume_writing()
-        settle(self._writable)
-        self._writable = None
-
-    def _ended(self) -> None:
-        self._eof = True
-        settle(self._reading)
-        self._reading = None
-        if self.relay is not None:
-            self.relay.source_ended()
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        settle(self._writable)
-        self._writable = None
-
     # what the proxy calls
     async def next_head(self) -> bytes:
         """The next answer head, its blank line included; UpstreamFailed when the connection
         ends first or the head is over :data:`MAX_HEAD`."""
-        buf = self._buf
         while True:
-            end = HEAD_END.search(buf, 0, MAX_HEAD + 2)
-            if end is not None and end.end() <= MAX_HEAD:
-                head = bytes(buf[:end.end()])
-                del buf[:end.end()]
-                self.release(FULL)
+            try:
+                head = self.split_head()
+            except ValueError:
+                raise UpstreamFailed from None
+            if head is not None:
                 return head
-            if end is not None or len(buf) > MAX_HEAD or self._eof:
+            if self.eof:
                 raise UpstreamFailed
-            self._reading = asyncio.get_running_loop().create_future()
-            await self._reading
+            await self._more()
 
     def take(self) -> bytes:
         """The bytes received past the last head, and not yet read."""
-        data = bytes(self._buf)
-        self._buf.clear()
+        data = bytes(self.buf)
+        self.buf.clear()
         self.release(FULL)
         return data
-
-    @property
-    def at_eof(self) -> bool:
-        return self._eof
 
     def write(self, data: bytes) -> None:
         if self.lost or self.transport is None or self.transport.is_closing():
             raise UpstreamFailed
         self.transport.write(data)
 
-    async def drain(self) -> None:
-        while self.writing_paused and not self.lost:
-            self._writable = asyncio.get_running_loop().create_future()
-            await self._writable
-        if self.lost:
-            raise UpstreamFailed
-
     def usable(self) -> bool:
-        return (not self._eof and not self._buf and self.transport is not None
+        return (not self.eof and not self.buf and self.transport is not None
                 and not self.transport.is_closing())
