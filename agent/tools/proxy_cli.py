@@ -47,12 +47,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prometheus_client.metrics_core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from mrc_agent.agent.tools.proxy import MAX_CONNECTIONS, POOL_SIZE, Proxy, run_loop
@@ -240,19 +235,13 @@ class _Merged(Collector):
         from prometheus_client.multiprocess import MultiProcessCollector
 
         from mrc_agent.exporters.instrumentation.families import FAMILIES
+        from mrc_agent.exporters.instrumentation.stores import empty_family
 
         merged = {m.name: m for m in MultiProcessCollector(None, self._path).collect()}
         for f in FAMILIES:
             name = f.name.removesuffix("_total") if f.kind == "counter" else f.name
             found = merged.pop(name, None)
-            if found is not None:
-                yield found
-            elif f.kind == "histogram":
-                yield HistogramMetricFamily(f.name, f.help, labels=list(f.labelnames))
-            elif f.kind == "counter":
-                yield CounterMetricFamily(f.name, f.help, labels=list(f.labelnames))
-            else:
-                yield GaugeMetricFamily(f.name, f.help, labels=list(f.labelnames))
+            yield found if found is not None else empty_family(f)
         yield from merged.values()
 
 

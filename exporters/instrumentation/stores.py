@@ -47,6 +47,16 @@ from mrc_agent.exporters.instrumentation.families import FAMILIES, MODEL_INFO, F
 _Series = tuple[Family, tuple[str, ...]]
 
 
+def empty_family(f: Family) -> Metric:
+    """The family ``f`` with no series yet, of its kind."""
+    labels = list(f.labelnames)
+    if f.kind == "histogram":
+        return HistogramMetricFamily(f.name, f.help, labels=labels)
+    if f.kind == "counter":
+        return CounterMetricFamily(f.name, f.help, labels=labels)
+    return GaugeMetricFamily(f.name, f.help, labels=labels)
+
+
 class _Store(Protocol):
     """Where the values live. Every method is one atomic update; ids index the series lists."""
 
@@ -116,13 +126,13 @@ class _LocalStore:
             self._info[new] = 1.0
 
     def describe(self) -> list[Metric]:
-        return [self._family(f) for f in FAMILIES]
+        return [empty_family(f) for f in FAMILIES]
 
     def collect(self) -> list[Metric]:
         with self._lock:
             hcounts = [list(c) for c in self._hcounts]
             hsums, c, g, info = list(self._hsums), list(self._c), list(self._g), dict(self._info)
-        out = {f.name: self._family(f) for f in FAMILIES}
+        out = {f.name: empty_family(f) for f in FAMILIES}
         for hid, (f, lv) in enumerate(self._hist):
             hist = out[f.name]
             assert isinstance(hist, HistogramMetricFamily)
@@ -145,14 +155,6 @@ class _LocalStore:
             model.add_metric(list(lv), v)
         return list(out.values())
 
-    @staticmethod
-    def _family(f: Family) -> Metric:
-        labels = list(f.labelnames)
-        if f.kind == "histogram":
-            return HistogramMetricFamily(f.name, f.help, labels=labels)
-        if f.kind == "counter":
-            return CounterMetricFamily(f.name, f.help, labels=labels)
-        return GaugeMetricFamily(f.name, f.help, labels=labels)
 
 
 class _PromStore:
