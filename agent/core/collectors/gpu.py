@@ -46,16 +46,14 @@ MEMORY_UTILIZATION = gauge(
     "written.")
 MEMORY_USED = gauge(NAME, "mrc_gpu_memory_used_bytes", GPU, "Device memory in use.")
 MEMORY_TOTAL = gauge(NAME, "mrc_gpu_memory_total_bytes", GPU, "Device memory installed.")
-PCIE_TX = gauge(
-    NAME, "mrc_gpu_pcie_tx_bytes_per_second", GPU,
-    "PCIe transmit throughput (device to host): over the last sampling interval from NVML's "
-    "PCIe byte counters where the driver has them, else NVML's 20 ms throughput reading "
-    "(mrc_gpu_source_info says which).")
-PCIE_RX = gauge(
-    NAME, "mrc_gpu_pcie_rx_bytes_per_second", GPU,
-    "PCIe receive throughput (host to device): over the last sampling interval from NVML's "
-    "PCIe byte counters where the driver has them, else NVML's 20 ms throughput reading "
-    "(mrc_gpu_source_info says which).")
+#: Where both PCIe rates come from.
+_PCIE_RATE_SOURCE = (
+    "over the last sampling interval from NVML's PCIe byte counters where the driver has them, "
+    "else NVML's 20 ms throughput reading (mrc_gpu_source_info says which).")
+PCIE_TX = gauge(NAME, "mrc_gpu_pcie_tx_bytes_per_second", GPU,
+                "PCIe transmit throughput (device to host): " + _PCIE_RATE_SOURCE)
+PCIE_RX = gauge(NAME, "mrc_gpu_pcie_rx_bytes_per_second", GPU,
+                "PCIe receive throughput (host to device): " + _PCIE_RATE_SOURCE)
 PCIE_TX_BYTES = counter(NAME, "mrc_gpu_pcie_tx_bytes_total", GPU,
                         "PCIe bytes transmitted (device to host), NVML's PCIe byte counter.")
 PCIE_RX_BYTES = counter(NAME, "mrc_gpu_pcie_rx_bytes_total", GPU,
