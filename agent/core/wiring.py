@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     from mrc_agent.agent.core.hw.nvml import NvmlBackend
     from mrc_agent.agent.core.hw.replay import ReplayBackend
 
-#: How often the lazily built CUPTI sampler reads the performance monitors by default.
-PROFILING_INTERVAL_S = 0.1
+#: How often the lazily built CUPTI sampler reads the performance monitors by default: 20 ms,
+#: so the hardware activity timeline (``cupti_timeline``) sees idle windows of 50 ms.
+PROFILING_INTERVAL_S = 0.02
 
 
 def open_gpu_backend(backend: str, nvml_lib: Any | None = None, *,

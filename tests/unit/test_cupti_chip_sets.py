@@ -38,6 +38,7 @@ VERSIONS = ("13.4.92", "13.5.25")
 SM = "sm__inst_executed_realtime.sum"
 GH100_SECTORS = "dramc__sectors_op_read.sum"
 GH100_PCT = "Compute_Triage.dramc__read_throughput.avg.pct_of_peak_sustained_elapsed"
+GH100_ACTIVE = "gr__cycles_active.avg.pct_of_peak_sustained_elapsed"
 
 
 def sets_of(version: str, chip: str) -> list[tuple[str, Sequence[str]]]:
@@ -98,7 +99,7 @@ def test_gh100_without_the_sector_counter_takes_the_user_metric_by_its_full_name
 
     choice = choose_from_sets([(name, without)])
 
-    assert choice == MetricChoice(SM, GH100_PCT, "Compute_Triage")
+    assert choice == MetricChoice(SM, GH100_PCT, "Compute_Triage", active_metric=GH100_ACTIVE)
     assert choice is not None and choice.dram_is_ratio
 
 
@@ -148,7 +149,7 @@ def test_an_h200_counts_dram_sectors_as_32_bytes_each_by_cuptis_unit(version: st
 
     [sample] = sampler.sample_profiling()
 
-    assert lib.collectors[0].metrics == [SM, GH100_SECTORS]
+    assert lib.collectors[0].metrics == [SM, GH100_SECTORS, GH100_ACTIVE]
     assert lib.collectors[0].config["single_pass_metric_set_name"] == "Compute_Triage"
     assert sample.sm_instructions_executed_total == 1500.0
     assert sample.dram_read_bytes_total == 15 * 32
@@ -174,7 +175,7 @@ def test_a_sector_metric_cupti_gives_another_unit_falls_to_the_throughput_user_m
 
     [sample] = sampler.sample_profiling()
 
-    assert lib.collectors[0].metrics == [SM, GH100_PCT]
+    assert lib.collectors[0].metrics == [SM, GH100_PCT, GH100_ACTIVE]
     assert sample.dram_read_bytes_total is None
     assert sample.dram_read_throughput_ratio == pytest.approx(0.3)
 

@@ -1,7 +1,9 @@
 """Derived signals computed in the agent: GPU idle windows, GPU busy time and GPU starvation.
 
-Idle windows come from the finest utilisation points the source gives (NVML's sample buffer or
-the replayed trace), so a gap shorter than the agent's interval still counts. A window is
+Idle windows come from the finest utilisation points the source gives: the hardware activity
+timeline of CUPTI PM sampling where the profiling collector has one for the GPU (a point every
+20 ms), else NVML's sample buffer or the replayed trace. So a gap shorter than the agent's
+interval still counts. A window is
 measured from its first idle point to the first busy point after it (where the buffer runs dry
 while the gauge reads idle, from where the next point was due); windows shorter than the
 source's own sampling period cannot be seen. Busy time is integrated from the same points
@@ -10,7 +12,9 @@ of utilisation scraped every 15-60 s only shows the moments the scrapes happen t
 
 A target is *starved* while its user CPU (whole process or hottest thread) is at or above the
 CPU threshold and every GPU it holds memory on (all GPUs when none is attributed) is at or below
-the GPU threshold: the CPU-side pipeline is the bottleneck and the GPU waits.
+the GPU threshold: the CPU-side pipeline is the bottleneck and the GPU waits. A GPU's reading
+is NVML's utilisation gauge, or, with a hardware timeline, the mean of its points over the last
+:data:`RECENT_S` (the span NVML's gauge covers).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from mrc_agent.agent.core.collectors.base import (
     Update,
 )
 from mrc_agent.agent.core.collectors.gpu import NO_READINGS, GpuReadings
+from mrc_agent.agent.core.collectors.profiling import HardwareActivity, timelines
 from mrc_agent.agent.core.hw.base import GPUIdentity
 from mrc_agent.agent.core.sample import HistogramValue, Sample, counter, gauge, histogram
 
@@ -62,6 +67,10 @@ STARVED_SECONDS = counter(NAME, "mrc_gpu_starved_seconds_total", PROC,
                           "Seconds the target spent in the starved state.")
 METRICS = (IDLE_WINDOW, IDLE_CURRENT, BUSY_SECONDS, STARVED, STARVED_SECONDS)
 
+
+#: The span of a hardware timeline a GPU's starvation reading is the mean of: NVML's sample
+#: period on datacenter parts, the span its utilisation gauge covers.
+RECENT_S = 1 / 6
 
 #: How many of a GPU's most recent gaps between utilisation points its sample spacing is the
 #: median of: one long gap (an agent pause, an idle stretch with an empty buffer) never moves a
@@ -169,13 +178,19 @@ class DerivedCollector:
         gpus_read = view.get(GpuReadings) or NO_READINGS
         processes = view.get(Processes)
         starved_now: dict[int, bool] = {}
-        for gpu, points in gpus_read.util_points.items():
+        hardware = view.get(HardwareActivity)
+        util = dict(gpus_read.util)
+        for gpu, hw_points in (hardware.points.items() if hardware is not None else ()):
+            if hw_points:
+                recent = [u for t, u in hw_points if t >= hw_points[-1][0] - RECENT_S]
+                util[gpu] = sum(recent) / len(recent)
+        for gpu, points in timelines(gpus_read, hardware).items():
             tracker = self._idle.get(gpu)
             if tracker is None:
                 tracker = self._idle[gpu] = IdleTracker(self.thresholds.idle_util)
             before = tracker.last_t
             tracker.feed(points)
-            gauge = gpus_read.util.get(gpu)
+            gauge = util.get(gpu)
             if tracker.last_t == before and gauge is not None:
                 tracker.quiet_pass(view.now, gauge)
             out.append((IDLE_WINDOW.name, gpu.labels, tracker.histogram.copy()))
@@ -184,7 +199,6 @@ class DerivedCollector:
         dt = 0.0 if self._last_now is None else view.now - self._last_now
         self._last_now = view.now
         live = set()
-        util = gpus_read.util
         if util and processes is not None:
             for pid, st in processes.by_pid.items():
                 cpu = max(st.user_ratio or 0.0, st.hottest_thread_user_ratio or 0.0)
@@ -219,5 +233,5 @@ def _build(ctx: BuildContext) -> DerivedCollector:
 
 DEFINITION = CollectorDef(
     name=NAME, default_on=True, factory=_build, metrics=METRICS,
-    reads=(Processes, GpuReadings), provides=(Starvation,),
+    reads=(Processes, GpuReadings, HardwareActivity), provides=(Starvation,),
     description="GPU idle windows and the GPU-starvation signal, computed in the agent.")

@@ -1,6 +1,10 @@
 """Profiling collector: true SM instructions executed and DRAM bytes read (CUPTI PM sampling,
 opt-in), and the pass-level statement of which source feeds the compute-to-memory signal.
 
+Where the chip's PM-sampling set offers a GPU-activity metric, its 20 ms timeline
+(``hw.cupti_timeline``) is published as :class:`HardwareActivity` for the derived collector,
+which finds idle windows on it in place of NVML's 1/6 s samples.
+
 ``mrc_agent_compute_memory_source_info`` is written every pass by :func:`compute_memory_source`
 (a pass finisher), whether or not this collector is on, so a dashboard never passes the GPM
 activity quotient off as an instruction count.
@@ -8,8 +12,9 @@ activity quotient off as an instruction count.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from mrc_agent.agent.core.attribution import MODE_TARGETS, MODE_UNKNOWN, Attribution
 from mrc_agent.agent.core.collectors.base import (
@@ -24,6 +29,7 @@ from mrc_agent.agent.core.collectors.base import (
     require,
 )
 from mrc_agent.agent.core.collectors.gpm import GpmReadings
+from mrc_agent.agent.core.collectors.gpu import GpuReadings
 from mrc_agent.agent.core.hw.base import (
     GPUIdentity,
     ProfilingSample,
@@ -50,12 +56,13 @@ DRAM_READ_THROUGHPUT = gauge(
 PROFILING_METRICS_INFO = info(
     NAME, "mrc_gpu_profiling_metrics_info",
     (*GPU, "sm_metric", "dram_metric", "metric_set", "dram_unit", "dram_unit_bytes",
-     "dram_unit_basis"),
+     "dram_unit_basis", "activity_metric"),
     "Which CUPTI PM-sampling metrics feed the profiling counters of a sampling GPU: the "
     "SM-instruction metric, the DRAM metric and the single-pass metric set (none where "
     "there is none), and the basis of mrc_gpu_dram_read_bytes_total: what the DRAM metric "
-    "counts (bytes, sectors or percent_of_peak), the bytes in one such unit, and whether "
-    "CUPTI's metric properties or the metric's name said so.")
+    "counts (bytes, sectors or percent_of_peak), the bytes in one such unit, whether "
+    "CUPTI's metric properties or the metric's name said so, and the GPU-activity metric "
+    "whose timeline the idle windows are found on (none: NVML's utilisation samples).")
 METRICS = (SM_INSTRUCTIONS, DRAM_READ_BYTES, DRAM_READ_THROUGHPUT, PROFILING_METRICS_INFO)
 
 #: Source values of :data:`COMPUTE_MEMORY_SOURCE`.
@@ -81,6 +88,26 @@ class ProfilingStatus:
 
     reason: str
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class HardwareActivity:
+    """The PM-sampling GPU-activity points decoded this pass, ``(monotonic seconds, 0-1)``
+    oldest first, for each watched GPU that samples a GPU-activity metric (possibly none this
+    pass); a GPU not in it has no hardware timeline."""
+
+    points: Mapping[GPUIdentity, tuple[tuple[float, float], ...]]
+
+
+def timelines(readings: GpuReadings, hardware: HardwareActivity | None
+              ) -> dict[GPUIdentity, Sequence[tuple[float, float]]]:
+    """Each GPU's utilisation points this pass: its hardware timeline where it has one (its
+    NVML points left out: mixed in, they would mark later hardware points as already seen),
+    else NVML's (or the replayed trace's)."""
+    out: dict[GPUIdentity, Sequence[tuple[float, float]]] = dict(readings.util_points)
+    if hardware is not None:
+        out.update(hardware.points)
+    return out
 
 
 class ProfilingCollector:
@@ -127,7 +154,10 @@ class ProfilingCollector:
         # Instructions per DRAM byte needs both counters: with one, the profiling source
         # runs but cannot feed the compute-to-memory signal, and must not say "ok".
         self.status = ("degraded", "; ".join(one_sided)) if one_sided else ("ok", "")
-        return Update(out, (ProfilingStatus(*self.status), att))
+        activity = HardwareActivity(MappingProxyType({
+            s.gpu: s.activity_points for s in samples
+            if s.activity_metric is not None and att.watches(s.gpu)}))
+        return Update(out, (ProfilingStatus(*self.status), att, activity))
 
 
 def profiling_scope(att: Attribution, gpus: Sequence[GPUIdentity]) -> ProfilingScope:
@@ -156,7 +186,7 @@ def _metrics_info(s: ProfilingSample) -> list[Sample]:
     names = tuple(n or "none" for n in (s.sm_metric, s.dram_metric, s.metric_set))
     unit = s.dram_unit or "none"
     per_unit = {UNIT_BYTES: "1", UNIT_SECTORS: str(SECTOR_BYTES)}.get(unit, "none")
-    basis = (s.dram_unit_basis or "none",)
+    basis = (s.dram_unit_basis or "none", s.activity_metric or "none")
     return [(PROFILING_METRICS_INFO.name, (*s.gpu.labels, *names, unit, per_unit, *basis), {})]
 
 
@@ -177,7 +207,7 @@ def _build(ctx: BuildContext) -> ProfilingCollector:
 
 DEFINITION = CollectorDef(
     name=NAME, default_on=False, factory=_build, metrics=METRICS,
-    reads=(Processes, Attribution), provides=(Attribution, ProfilingStatus),
+    reads=(Processes, Attribution), provides=(Attribution, ProfilingStatus, HardwareActivity),
     description="CUPTI PM sampling: true SM instructions and DRAM bytes read, or DRAM read "
                 "throughput where the chip has no byte counter (opt-in).")
 #: Says, once per pass, which source feeds the compute-to-memory signal.

@@ -2,8 +2,9 @@
 
 Each target is sampled from outside by an austin child (:mod:`mrc_agent.agent.core.stacks`),
 whose samples carry their own times. Each pass, the samples up to the latest GPU utilisation
-point of the target's GPUs are joined with the GPU timeline at that point's granularity (NVML's
-sample period, about 1/6 s; the replayed trace's spacing): a sample of the target's hottest
+point of the target's GPUs are joined with the GPU timeline at that point's granularity (the
+hardware activity timeline's 20 ms where profiling has one, else NVML's sample period, about
+1/6 s; the replayed trace's spacing): a sample of the target's hottest
 thread (the one that ran most, decayed over about ten seconds) adds its seconds to
 ``mrc_process_function_seconds_total`` under its innermost function and the GPU's state then:
 
@@ -45,6 +46,7 @@ from mrc_agent.agent.core.collectors.base import (
 )
 from mrc_agent.agent.core.collectors.derived import Starvation
 from mrc_agent.agent.core.collectors.gpu import NO_READINGS, GpuReadings
+from mrc_agent.agent.core.collectors.profiling import HardwareActivity, timelines
 from mrc_agent.agent.core.hw.base import GPUIdentity
 from mrc_agent.agent.core.sample import Sample, counter, gauge
 from mrc_agent.agent.core.stacks import (
@@ -124,8 +126,9 @@ class StacksCollector:
         self._said: set[tuple[int, str]] = set()
 
     # -- the GPU timeline --------------------------------------------------------------------
-    def _feed_points(self, now: float, readings: GpuReadings) -> None:
-        for gpu, points in readings.util_points.items():
+    def _feed_points(self, now: float, readings: GpuReadings,
+                     hardware: HardwareActivity | None) -> None:
+        for gpu, points in timelines(readings, hardware).items():
             kept = self._points.setdefault(gpu, [])
             last = kept[-1][0] if kept else float("-inf")
             kept.extend(p for p in points if p[0] > last)
@@ -154,7 +157,7 @@ class StacksCollector:
     # -- one pass ----------------------------------------------------------------------------
     def update(self, view: PassView) -> Update:
         readings = view.get(GpuReadings) or NO_READINGS
-        self._feed_points(view.now, readings)
+        self._feed_points(view.now, readings, view.get(HardwareActivity))
         starvation = view.get(Starvation)
         processes = view.get(Processes)
         # The targets the process collector read this pass, by the name it read.
@@ -290,5 +293,5 @@ def _build(ctx: BuildContext) -> StacksCollector:
 
 DEFINITION = CollectorDef(
     name=NAME, default_on=True, factory=_build, metrics=METRICS,
-    reads=(Processes, GpuReadings, Starvation),
+    reads=(Processes, GpuReadings, HardwareActivity, Starvation),
     description="What each target's Python ran, by function and GPU state (austin samples).")

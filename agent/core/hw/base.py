@@ -155,6 +155,11 @@ class ProfilingSample:
     #: conversion behind ``dram_read_bytes_total``.
     dram_unit: str | None = None
     dram_unit_basis: str | None = None
+    #: The hardware GPU-activity timeline decoded since the last sample: ``(monotonic seconds,
+    #: 0-1 share of the interval the GPU was active)`` per PM-sampling interval, oldest first,
+    #: and the metric it is read from (``None``: not sampled on this GPU).
+    activity_points: tuple[tuple[float, float], ...] = ()
+    activity_metric: str | None = None
 
 
 class DeviceSource(Protocol):

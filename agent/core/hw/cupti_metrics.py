@@ -63,6 +63,13 @@ DRAM_THROUGHPUT_METRICS: tuple[str, ...] = (
     "dramc__read_throughput.avg.pct_of_peak_sustained_elapsed",
     "dram__read_throughput.avg.pct_of_peak_sustained_elapsed",
 )
+#: GPU activity: the share of each interval the graphics/compute engine was active, the
+#: hardware timeline idle windows are found on. GH100's ``Compute_Triage`` set offers
+#: ``gr__cycles_active``; ``sm__cycles_active`` (some SM active) is the nearest stand-in.
+GPU_ACTIVE_METRICS: tuple[str, ...] = (
+    "gr__cycles_active.avg.pct_of_peak_sustained_elapsed",
+    "sm__cycles_active.avg.pct_of_peak_sustained_elapsed",
+)
 #: DRAM read counters, bytes before sectors: both sum to a byte total.
 DRAM_COUNT_METRICS: tuple[str, ...] = DRAM_READ_METRICS + DRAM_SECTOR_METRICS
 #: The preferred pair; the names actually configured per GPU are logged when sampling starts.
@@ -129,10 +136,13 @@ class MetricChoice:
     dram_unit: str | None = None
     dram_bytes_per_unit: int | None = None
     dram_unit_basis: str | None = None
+    #: The GPU-activity percentage sampled beside them (:data:`GPU_ACTIVE_METRICS`), if any.
+    active_metric: str | None = None
 
     @property
     def metrics(self) -> list[str]:
-        return [m for m in (self.sm_metric, self.dram_metric) if m is not None]
+        return [m for m in (self.sm_metric, self.dram_metric, self.active_metric)
+                if m is not None]
 
     @property
     def dram_is_ratio(self) -> bool:
@@ -149,7 +159,8 @@ class MetricChoice:
         if self.dram_unit == UNIT_SECTORS:  # the one conversion: say where its unit came from
             unit = (f"; DRAM read in {self.dram_bytes_per_unit}-byte sectors, unit from "
                     f"{self.dram_unit_basis}")
-        return f"metrics {self.sm_metric}, {self.dram_metric} ({where}{unit})"
+        active = f", activity {self.active_metric}" if self.active_metric else ""
+        return f"metrics {self.sm_metric}, {self.dram_metric}{active} ({where}{unit})"
 
 
 def best_offered(names: Iterable[str], wanted: Sequence[str]) -> str | None:
@@ -172,7 +183,8 @@ def choices_from_sets(sets: Sequence[tuple[str, Sequence[str]]]) -> list[MetricC
     Order: an SM metric with a DRAM read counter (bytes, then sectors); an SM metric with a
     DRAM throughput percentage; then one metric alone (SM, DRAM count, DRAM throughput).
     Within that, the more preferred names; between equals, the set CUPTI lists first. A pair
-    always comes from one set, so that it fits in one pass.
+    always comes from one set, so that it fits in one pass, and carries the set's GPU-activity
+    metric where it offers one (:func:`ordered_choices` tries it without as well).
     """
     ranked: list[tuple[tuple[bool, bool, int, int], int, MetricChoice]] = []
     for set_name, names in sets:
@@ -180,13 +192,14 @@ def choices_from_sets(sets: Sequence[tuple[str, Sequence[str]]]) -> list[MetricC
         sm = best_offered(names, SM_INSTRUCTION_METRICS)
         count = best_offered(names, DRAM_COUNT_METRICS)
         pct = best_offered(names, DRAM_THROUGHPUT_METRICS)
+        active = best_offered(names, GPU_ACTIVE_METRICS)
         options: list[tuple[str | None, str | None]] = [
             (sm, d) for d in (count, pct) if sm is not None and d is not None]
         options += [(sm, None), (None, count), (None, pct)]
         for s_metric, d_metric in options:
             if s_metric is None and d_metric is None:
                 continue
-            choice = MetricChoice(s_metric, d_metric, set_name)
+            choice = MetricChoice(s_metric, d_metric, set_name, active_metric=active)
             ranked.append((_rank(s_metric, d_metric), len(ranked), choice))
     out: list[MetricChoice] = []
     for _, _, choice in sorted(ranked, key=lambda r: (r[0], r[1])):
@@ -213,13 +226,15 @@ def fallback_choices() -> list[MetricChoice]:
 
 def ordered_choices(from_sets: Sequence[MetricChoice], modes: Sequence[Any] = (None,)
                     ) -> list[tuple[MetricChoice, Any]]:
-    """``(choice, trigger mode)`` to try, in order: the sets' pairs in every mode, then per
-    mode every fallback pair, and only then one metric alone (the sets' first). A set whose
-    lists miss a DRAM name must not let an SM-only configuration, which configures fine,
-    stop a working pair from being tried. Among the fallbacks a better trigger mode comes
-    before a better name (both refusals are one ValueError to the caller)."""
+    """``(choice, trigger mode)`` to try, in order: the sets' pairs in every mode (with their
+    GPU-activity metric, then without it), then per mode every fallback pair, and only then
+    one metric alone (the sets' first). A set whose lists miss a DRAM name must not let an
+    SM-only configuration, which configures fine, stop a working pair from being tried.
+    Among the fallbacks a better trigger mode comes before a better name (both refusals are
+    one ValueError to the caller)."""
     fallback = fallback_choices()
     lead = [c for c in from_sets if c.is_pair]
+    lead += [replace(c, active_metric=None) for c in lead if c.active_metric is not None]
     pairs = [c for c in fallback if c.is_pair]
     singles = [c for c in from_sets if not c.is_pair] + [c for c in fallback if not c.is_pair]
     return ([(c, m) for c in lead for m in modes] + [(c, m) for m in modes for c in pairs]

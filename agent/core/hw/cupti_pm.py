@@ -60,7 +60,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mrc_agent.agent.core.hw.base import (
@@ -92,6 +92,8 @@ from mrc_agent.agent.core.hw.cupti_reasons import classify as _classify
 from mrc_agent.agent.core.hw.cupti_reasons import describe as _describe
 from mrc_agent.agent.core.hw.cupti_reasons import not_initialised as _not_initialised
 from mrc_agent.agent.core.hw.cupti_reasons import runtime_errors as _runtime_errors
+from mrc_agent.agent.core.hw.cupti_timeline import ActivityTimeline, Row, decode_rows
+from mrc_agent.agent.core.hw.nvml.device import default_sample_clocks
 
 __all__ = [
     "BACKOFF_INITIAL_S",
@@ -109,7 +111,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Raw-record buffer CUPTI fills between decodes. The library default (512 MiB) is sized for
-#: microsecond intervals; the agent samples at about 10 Hz and must not take memory from the
+#: microsecond intervals; the agent samples at 50 Hz (20 ms) and must not take memory from the
 #: service it watches. The size of one record is not documented, so this is to be checked on a
 #: GPU (an overflow shows up as a HardwareError from decode).
 HARDWARE_BUFFER_BYTES = 32 * 1024 * 1024
@@ -142,6 +144,7 @@ class _Device:
     """Per-GPU sampling state. Totals stay ``None`` until a metric for them is configured."""
 
     gpu: GPUIdentity
+    timeline: ActivityTimeline = field(repr=False)
     #: The CUDA ordinal CUPTI numbers this GPU by (found by UUID); None until enabled once.
     ordinal: int | None = None
     #: The enabled Collector; disabled only as :meth:`CuptiPmSampler._cycle` says.
@@ -170,7 +173,8 @@ class CuptiPmSampler:
     CUDA driver boundary (:class:`CudaDriver`); when ``None`` it is the real one if ``lib`` is
     ``None`` too, and no driver calls at all when only a stand-in ``lib`` is given (then CUDA's
     ordinal is taken to be NVML's index: the stand-in numbers devices that way).
-    ``interval_s`` is the hardware sampling interval. ``profile_undecided`` lets
+    ``interval_s`` is the hardware sampling interval; ``sample_clocks`` the clocks its sample
+    stamps may be on (``cupti_timeline``). ``profile_undecided`` lets
     :meth:`sample_profiling_for` profile every GPU while the attribution is undecided on a node
     of several. Nothing touches CUDA or CUPTI until the first sample.
     """
@@ -182,6 +186,7 @@ class CuptiPmSampler:
         interval_s: float = 0.1,
         *,
         clock: Callable[[], float] = time.monotonic,
+        sample_clocks: dict[str, Callable[[], float]] | None = None,
         cuda: CudaDriver | None = None,
         profile_undecided: bool = False,
     ) -> None:
@@ -193,7 +198,9 @@ class CuptiPmSampler:
         self._cuda_error: SourceUnavailable | None = None
         self._interval_s = interval_s
         self._clock = clock
-        self._devices = [_Device(gpu) for gpu in devices]
+        stamps = sample_clocks or default_sample_clocks(time.time)
+        self._devices = [_Device(gpu, ActivityTimeline(f"GPU {gpu.index}", clock, stamps))
+                         for gpu in devices]
         #: The GPUs profiled now: every one until a scope says otherwise.
         self._watched = list(self._devices)
         #: Why no GPU is profiled under the current scope (attribution_unknown, no_gpu).
@@ -508,8 +515,14 @@ class CuptiPmSampler:
             return
         ratios: list[float] = []
         for _ in range(_MAX_DECODE_ROUNDS):
-            rows = self._cupti_decode(dev.collector, choice.sm_metric, choice.dram_metric)
-            for sm_value, dram_value in rows:
+            rows = self._cupti_decode(dev.collector, choice.metrics)
+            named = [(dict(zip(choice.metrics, values, strict=True)), stamp)
+                     for values, stamp in rows]
+            if choice.active_metric is not None:
+                dev.timeline.add((stamp, row[choice.active_metric]) for row, stamp in named)
+            for row, _ in named:
+                sm_value = row[choice.sm_metric] if choice.sm_metric is not None else None
+                dram_value = row[choice.dram_metric] if choice.dram_metric is not None else None
                 # Added as they come, so a decode that fails later loses nothing already read.
                 if dev.sm_total is not None:
                     dev.sm_total += _count(sm_value)
@@ -570,6 +583,7 @@ class CuptiPmSampler:
             sm_metric=choice.sm_metric, dram_metric=choice.dram_metric,
             metric_set=choice.metric_set, dram_unit=choice.dram_unit,
             dram_unit_basis=choice.dram_unit_basis,
+            activity_points=dev.timeline.take(), activity_metric=choice.active_metric,
         )
 
     # -- the CUPTI boundary: the only methods that call the library -----------------------------
@@ -657,24 +671,10 @@ class CuptiPmSampler:
     def _cupti_start(self, collector: Any) -> None:
         collector.start()
 
-    def _cupti_decode(
-        self, collector: Any, sm_metric: str | None, dram_metric: str | None
-    ) -> list[tuple[float | None, float | None]]:
-        """Completed intervals since the last decode, as ``(sm, dram)`` values per interval."""
-        data = collector.decode(max_samples=self._max_samples)
-        names = list(data.metrics)
-        sm_at = names.index(sm_metric) if sm_metric is not None else None
-        dram_at = names.index(dram_metric) if dram_metric is not None else None
-        rows: list[tuple[float | None, float | None]] = []
-        for sample in data:  # evaluates each completed sample on the host
-            values = sample.metric_values
-            rows.append(
-                (
-                    values[sm_at] if sm_at is not None else None,
-                    values[dram_at] if dram_at is not None else None,
-                )
-            )
-        return rows
+    def _cupti_decode(self, collector: Any, metrics: list[str]) -> list[Row]:
+        """Completed intervals since the last decode: each one's values of ``metrics``, in
+        that order, and its end stamp."""
+        return decode_rows(collector.decode(max_samples=self._max_samples), metrics)
 
     def _cupti_stop(self, collector: Any) -> None:
         """Stop sampling, whatever state it is in: stop() raises when it was not running."""

@@ -20,7 +20,8 @@ It mirrors the real libraries' shape and the behaviour their sources show (cupti
   metrics outside the named single-pass set, for an unknown set name and for an unsupported
   trigger mode; ``start`` / ``stop`` raise RuntimeError out of order, and
   ``decode(max_samples)`` hands back at most ``max_samples`` completed samples, leaving the
-  rest in the "hardware buffer" for the next decode.
+  rest in the "hardware buffer" for the next decode. A queued record's ``START``/``END`` keys
+  (nanoseconds) become the sample's stamps; without them the stamps count 0, 1, 2, ...
 - ``lib.profiler_host.get_single_pass_sets(chip)`` / ``get_metrics_in_single_pass_set(chip,
   set)`` with the real ValueErrors for an unsupported chip or set (absent with
   ``set_api=False``, as in cupti-python before 13.4).
@@ -152,6 +153,10 @@ def shipped_device(sets: dict[str, Any] | None = None, **overrides: Any) -> Fake
     }
     fields.update(overrides)
     return FakeDevice(**fields)
+
+
+#: Keys of a queued record that carry the sample's stamps rather than a metric's value.
+START, END = "__start_ns", "__end_ns"
 
 
 @dataclass(frozen=True)
@@ -469,7 +474,8 @@ class FakeCollector:
         for record in taken:
             self._time += 1
             values = [record.get(m, 0.0) for m in self.metrics]
-            samples.append(Sample(self._time - 1, self._time, values))
+            samples.append(Sample(int(record.get(START, self._time - 1)),
+                                  int(record.get(END, self._time)), values))
         return CounterData(list(self.metrics), samples)
 
     def disable(self) -> None:
@@ -493,17 +499,21 @@ class ClockedCupti(FakeCupti):
     sampling intervals ``clock`` has completed since ``start``. Each interval's values come from
     two cumulative functions of (device index, time): ``instructions`` (SM instructions) and
     ``dram_read_bytes``, read as sectors of :data:`SECTOR_BYTES` and as a percentage of
-    :data:`DRAM_READ_PEAK_BYTES_PER_S`. The dry run's GPU and ``tracegen`` are both one."""
+    :data:`DRAM_READ_PEAK_BYTES_PER_S`, and, given ``busy_seconds`` (cumulative seconds the GPU
+    was active), the GPU-activity percentage. Each sample is stamped in nanoseconds of
+    ``clock``. The dry run's GPU and ``tracegen`` are both one."""
 
     def __init__(self, uuids: list[str], clock: Callable[[], float],
                  instructions: Callable[[int, float], float],
                  dram_read_bytes: Callable[[int, float], float],
-                 sets: dict[str, Any] | None = None) -> None:
+                 sets: dict[str, Any] | None = None,
+                 busy_seconds: Callable[[int, float], float] | None = None) -> None:
         super().__init__({i: shipped_device(sets, uuid=uuid) for i, uuid in enumerate(uuids)},
                          properties_api=True)
         self.clock = clock
         self.instructions = instructions
         self.dram_read_bytes = dram_read_bytes
+        self.busy_seconds = busy_seconds
         self.driver.initialised = True  # CUDA is up before the sampler starts
         self._started: dict[int, tuple[float, int]] = {}  # id(collector) -> (start, emitted)
         self.on_call = self.clocked_call
@@ -522,13 +532,18 @@ class ClockedCupti(FakeCupti):
             batch = []
             for k in range(emitted, completed):
                 t0 = start + k * interval
-                batch.append({name: self._value(collector.device_index, name, t0, t0 + interval)
-                              for name in collector.metrics})
+                record = {name: self._value(collector.device_index, name, t0, t0 + interval)
+                          for name in collector.metrics}
+                record.update({START: round(t0 * 1e9), END: round((t0 + interval) * 1e9)})
+                batch.append(record)
             self._started[key] = (start, max(emitted, completed))
             self.devices[collector.device_index].decodes.append(batch)
 
     def _value(self, index: int, metric: str, t0: float, t1: float) -> float:
         name = base_name(metric)
+        if "cycles_active" in name:
+            busy = self.busy_seconds
+            return 0.0 if busy is None else 100.0 * (busy(index, t1) - busy(index, t0)) / (t1 - t0)
         if "inst_executed" in name:
             return self.instructions(index, t1) - self.instructions(index, t0)
         read = self.dram_read_bytes(index, t1) - self.dram_read_bytes(index, t0)
