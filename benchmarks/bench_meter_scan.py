@@ -4,7 +4,7 @@ Run as ``python3 benchmarks/bench_meter_scan.py [--quick] [--out FILE]``. A meas
 test: it prints a Markdown table, writes it to ``--out`` and exits 0 whether or not the goals are
 met.
 
-Goals (issue: "linear cost whatever the bytes"):
+Goals, so that the scans cost time linear in the bytes whatever the bytes are:
 
 * the request scan (:class:`~mrc_agent.exporters.instrumentation.meter.ChatRequestScan`) costs
   at most 5x as much per byte for a prompt made of JSON escapes (``\\u00e9``, ``\\n``, ``\\"``)

@@ -10,7 +10,7 @@ sides. Per phase:
 - the agent's CPU: user + system seconds per second of the agent and its austin child, read
   from ``/proc``.
 
-Goals (issue: see every GPU idle window and what the serving process ran during it): the
+Goals, so that every GPU idle window shows with what the serving process ran in it: the
 target loses at most 1 % of its throughput and the agent uses at most 1 % of a core more.
 
     python3 benchmarks/bench_stacks.py [--phase 20] [--rounds 2] [--clients 4] [--out FILE]

@@ -6,7 +6,7 @@ benchmarks/results/starvation.md]``. A measurement, not a test: it prints a Mark
 writes it to ``--out`` and exits 0 whether or not the goals are met (1 when it cannot measure:
 no austin).
 
-Goals (issue: see every GPU idle window and what the serving process ran during it):
+Goals, so that every GPU idle window shows with what the serving process ran during it:
 
 * starvation flagged (``mrc_gpu_starved`` 1) at most 2 s after its onset;
 * at least 90 % of the starved seconds on the right function.
