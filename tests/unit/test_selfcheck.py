@@ -168,7 +168,8 @@ def test_dry_run_through_the_cli_passes_and_writes_table_json_and_trace(
     assert set(verdicts.values()) == {cmp.PASS}, out
     for name in ("pcie.h2d.rx_counter", "pcie.d2h.tx_counter", "pcie.h2d.gpm_rx_rate",
                  "cupti.dram_read_bytes", "gpm.tensor_util", "cupti.sm_instructions_2x",
-                 "nvlink.peer_tx", "nvml.util_samples_time", "trace.record"):
+                 "nvlink.peer_tx", "nvml.util_samples_time", "cupti.activity_idle_gaps",
+                 "trace.record"):
         assert name in verdicts
     table = (tmp_path / "gpu_truth.txt").read_text()
     assert out.startswith(table)
@@ -185,7 +186,8 @@ def test_dry_run_through_the_cli_passes_and_writes_table_json_and_trace(
 
 def test_a_lying_dry_device_fails_exactly_the_checks_it_lies_to(tmp_path: Path) -> None:
     faults = DryFaults(pcie_counter_scale=0.5, dram_read_scale=0.5,
-                       gemm_instruction_offset=1e12, util_timestamp_offset_s=3.0)
+                       gemm_instruction_offset=1e12, util_timestamp_offset_s=3.0,
+                       activity_stamp_offset_s=0.1)
     code, result = _run_dry(tmp_path, DryModel(faults=faults))
     verdicts = _verdicts(result)
     failed = {name for name, v in verdicts.items() if v == cmp.FAIL}
@@ -199,8 +201,9 @@ def test_a_lying_dry_device_fails_exactly_the_checks_it_lies_to(tmp_path: Path) 
     cadence = {"pcie.h2d_every_1s.rx_counter", "pcie.h2d_every_0.5s.rx_counter",
                "pcie.h2d_gap_1.5s.rx_counter"}
     assert failed == {"pcie.h2d.rx_counter", "pcie.d2h.tx_counter", "cupti.dram_read_bytes",
-                      "cupti.sm_instructions_2x", "nvml.util_samples_time"} | from_counters \
-        | cadence, verdicts
+                      "cupti.sm_instructions_2x", "nvml.util_samples_time",
+                      "cupti.activity_idle_gaps"} | from_counters | cadence, verdicts
+    assert "clock mapping is off" in notes["cupti.activity_idle_gaps"]
     assert verdicts["pcie.h2d.gpm_rx_rate"] == verdicts["gpm.sm_util"] == cmp.PASS
     h2d = next(c for c in result["checks"] if c["name"] == "pcie.h2d.rx_counter")
     assert h2d["ratio"] == pytest.approx(0.53, abs=0.02)  # reported whatever the verdict

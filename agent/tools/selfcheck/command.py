@@ -6,7 +6,9 @@ One run, in order (each window ``Plan.window_s`` long, 6 s on a GPU):
 1. a priming poll of the agent's readers (``NvmlBackend``, ``CuptiPmSampler``): it starts
    PCIe and CUPTI sampling, primes GPM and drains NVML's utilisation buffer;
 2. idle; pinned host->device copies; device->host copies; device-to-device copies; bf16
-   GEMMs; N then 2N GEMMs; a peer copy when a second GPU shares NVLink with the first;
+   GEMMs; N then 2N GEMMs; GEMM stretches around idle gaps of 50, 100 and 200 ms (the
+   hardware activity timeline's idle windows); a peer copy when a second GPU shares NVLink
+   with the first;
    each window polled (:mod:`.phases`) and compared (:mod:`.compare`);
    then host->device copies with PCIe read at the agent's cadences and over one long gap,
    and the throughput call on its own (:mod:`.pcie`);
@@ -48,13 +50,20 @@ from mrc_agent.agent.tools.selfcheck.dry import DryModel, DryWorkload
 from mrc_agent.agent.tools.selfcheck.dry_device import DryCupti
 from mrc_agent.agent.tools.selfcheck.pcie import pcie_cadence_checks
 from mrc_agent.agent.tools.selfcheck.sampler import LocalSampler, SamplerProcess, SamplerServer
-from mrc_agent.agent.tools.selfcheck.workload import CudaUnavailable, Workload, run_mixed
+from mrc_agent.agent.tools.selfcheck.workload import (
+    GAP_PATTERN_S,
+    CudaUnavailable,
+    Workload,
+    gap_sequence,
+    run_mixed,
+)
 
 log = logging.getLogger(__name__)
 
 TRACE_INTERVAL_S = 0.1
-#: CUPTI PM sampling interval: the agent's default.
-PROFILING_INTERVAL_S = 0.1
+#: CUPTI PM sampling interval: the agent's default (``wiring``), the hardware activity
+#: timeline's resolution.
+PROFILING_INTERVAL_S = 0.02
 DEFAULT_TRACE_S = 20.0
 DEFAULT_DRY_TRACE_S = 2.0
 #: --duration's range: the GPU run must stay inside a 5-minute budget.
@@ -78,6 +87,10 @@ class Plan:
     #: The longest gap between two PCIe reads checked: 5 s of copies wrap a 32-bit byte
     #: counter ~60 times; a dry run keeps to its window (it wraps ~20 times in 1.5 s).
     pcie_gap_s: float = 5.0
+    #: The activity-timeline phase: GEMMs this long between idle gaps, and how many rounds of
+    #: ``workload.GAP_PATTERN_S`` (50, 100, 200 ms) gaps; five rounds make a 50 ms miss 20 %.
+    gap_busy_s: float = 0.3
+    gap_rounds: int = 5
 
     @classmethod
     def for_mode(cls, dry: bool, duration: float | None = None) -> Plan:
@@ -89,7 +102,9 @@ class Plan:
             # even when a busy machine delays the polls. The simulated PCIe thread and
             # utilisation need no more than 0.3 s to settle.
             window = min(6.0, max(1.5, 0.3 * trace))
-            return cls(window, trace, 0.2, 0.05, 0.3, 0.3, 0.3, window)
+            # Two rounds of gaps between 0.1 s stretches: ~1.4 s of a run on the real clock.
+            return cls(window, trace, 0.2, 0.05, 0.3, 0.3, 0.3, window, gap_busy_s=0.1,
+                       gap_rounds=2)
         return cls(min(6.0, max(4.0, 0.3 * trace)), trace, 1.0, 0.1, 0.5)
 
 
@@ -270,12 +285,17 @@ def measure(rig: Rig, plan: Plan, say: Callable[[str], None]) -> tuple[list[Trut
     n = max(8, round(w / 3 / per_gemm)) if per_gemm > 0 else 8
     single = run("gemm_n", f"{n} GEMMs", lambda: work.gemm(count=n))
     double = run("gemm_2n", f"{2 * n} GEMMs", lambda: work.gemm(count=2 * n))
-    phases = [idle, h2d, d2h, d2d, gemm, single, double]
+    gaps = gap_sequence(plan.gap_rounds)
+    gapped = run("idle_gaps", f"GEMMs in {plan.gap_busy_s * 1e3:g} ms stretches around "
+                 f"{len(gaps)} idle gaps of {'/'.join(f'{g * 1e3:g}' for g in GAP_PATTERN_S)} "
+                 "ms", lambda: work.idle_gaps(plan.gap_busy_s, gaps))
+    phases = [idle, h2d, d2h, d2d, gemm, single, double, gapped]
 
     checks = ph.pcie_checks(h2d, gpu, r) + ph.pcie_checks(d2h, gpu, r)
     checks += ph.dram_checks(d2d, idle, gpu, r)
     checks += ph.gemm_checks(gemm, idle, gpu, r)
     checks.append(ph.doubling_check(single, double, gpu, r))
+    checks.append(ph.activity_gap_check(gapped, gpu, r, PROFILING_INTERVAL_S))
     peer = ph.nvlink_peer(primed, gpu, work, nvml_uuid)
     if peer is None:
         checks.append(cmp.skip("nvlink.peer", "unverifiable on one GPU: no second GPU with "

@@ -65,6 +65,18 @@ TIMESTAMP_SLACK_S = 1.0
 #: NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_{TX,RX} count data payload (the DATA, not RAW, fields),
 #: so a peer copy's bytes read ~1.0; the band allows flits' padding and the window edge.
 NVLINK_BAND = (0.90, 1.30)
+#: The hardware activity timeline (a CUPTI point every 20 ms) against idle gaps made on
+#: purpose: the share of gaps of each planned length the agent's idle detection must find. A
+#: 50 ms gap holds at least one whole 20 ms interval, but only just (two where its start falls
+#: early enough in an interval), so one in five may blur into its neighbours' busy edges; from
+#: 100 ms on every gap holds four whole intervals and must be found.
+GAP_RECALL_MIN = {0.05: 0.80}
+GAP_RECALL_MIN_DEFAULT = 1.0
+#: |median(detected start - true start)| over the gaps found, in PM-sampling intervals. A
+#: point is dated by its interval's end and only an interval wholly idle reads idle, so a
+#: correct clock mapping trails by one to two intervals (~+30 ms at 20 ms); a stamp clock off
+#: by 100 ms reads -70 or +130 ms.
+GAP_OFFSET_MAX_INTERVALS = 2.0
 
 
 @dataclass

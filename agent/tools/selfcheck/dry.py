@@ -4,7 +4,8 @@ self-check runs on a machine without a GPU.
 :class:`DryModel` is the simulated hardware: a log of activities (a copy or GEMM run of known
 size over a monotonic time window, work spread evenly over it) from which every reading is
 integrated at the moment it is asked for: PCIe and NVLink byte counters, 20 ms throughputs, GPM
-ratios over any two sample times, utilisation samples on NVML's grid, CUPTI intervals. So the
+ratios over any two sample times, utilisation samples on NVML's grid, CUPTI intervals (their
+GPU-activity share from the seconds kernels ran, :meth:`DryModel.busy_seconds`). So the
 agent's real readers (``NvmlBackend`` and ``CuptiPmSampler``, fed through the project's one
 simulated pynvml and cupti-python, ``agent/tools/simgpu``, whose data :mod:`.dry_device`
 writes from this model) see numbers that agree with what :class:`DryWorkload` says it did, in
@@ -16,10 +17,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from mrc_agent.agent.tools.selfcheck.workload import COPY_BYTES, D2D_BYTES, GEMM_N, WorkDone
+from mrc_agent.agent.tools.selfcheck.workload import (
+    COPY_BYTES,
+    D2D_BYTES,
+    GEMM_N,
+    GapsDone,
+    WorkDone,
+    busy_with_gaps,
+)
 
 #: The simulated hardware's speeds: an H200 on PCIe Gen5 x16 with NVLink 4, roughly.
 DRY_RATES = {"h2d": 52e9, "d2h": 54e9, "d2d": 2.0e12, "peer": 120e9}  # bytes per second
@@ -52,6 +60,8 @@ class DryFaults:
     gpm_scale: float = 1.0  # every GPM activity ratio
     pcie_counters_absent: bool = False  # the PCIe byte-count fields answer NOT_SUPPORTED
     cupti_refused: bool = False  # PM sampling cannot be enabled (no profiling permission)
+    activity_stamp_offset_s: float = 0.0  # CUPTI PM samples stamped this much too early
+    activity_busy_throughout: bool = False  # CUPTI's GPU-activity metric never reads idle
 
 
 @dataclass(frozen=True)
@@ -110,6 +120,20 @@ class DryModel:
     def amount(self, gpu: int, kind: str, t: float) -> float:
         """Cumulative amount of ``kind`` done by time ``t``."""
         return sum(a.done_by(t) for a in self._activities(gpu, (kind,)))
+
+    def busy_seconds(self, gpu: int, t: float) -> float:
+        """Cumulative seconds up to ``t`` during which a kernel ran (:data:`KERNEL_KINDS`,
+        overlapping runs counted once): what CUPTI's GPU-activity metric integrates."""
+        if self.faults.activity_busy_throughout:
+            return t - self.created
+        spans = sorted((a.start, min(a.end, t)) for a in self._activities(gpu, KERNEL_KINDS)
+                       if a.start < t)
+        total, reach = 0.0, float("-inf")
+        for start, end in spans:
+            if end > reach:
+                total += end - max(start, reach)
+                reach = end
+        return total
 
     def busy(self, gpu: int, kinds: Iterable[str], t0: float, t1: float) -> float:
         """Fraction of ``[t0, t1]`` covered by activities of ``kinds`` (at most 1)."""
@@ -236,6 +260,9 @@ class DryWorkload:
 
     def idle(self, seconds: float) -> None:
         self._sleep(seconds)
+
+    def idle_gaps(self, busy_s: float, gaps: Sequence[float]) -> GapsDone:
+        return busy_with_gaps(lambda s: self.gemm(seconds=s), self._sleep, busy_s, gaps)
 
     def close(self) -> None:
         pass

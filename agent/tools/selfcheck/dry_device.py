@@ -10,14 +10,16 @@ model's width, NVLink counters in KiB, the aggregate scope the links' sum) and
 self-check does not verify (power, clocks, temperature, ECC, processes, MIG, events) answers
 NOT_SUPPORTED, as on a GPU without it.
 
-:class:`DryCupti` is a ``ClockedCupti`` (``simgpu.cupti``) on the model's clock and counters,
-with one ``gh100`` device per GPU offering the shipped ``Compute_Triage`` set; it refuses
-``enable`` when the model's faults say so.
+:class:`DryCupti` is a ``ClockedCupti`` (``simgpu.cupti``) on the model's clock, counters and
+kernel-busy seconds (its GPU-activity metric), with one ``gh100`` device per GPU offering the
+shipped ``Compute_Triage`` set; it refuses ``enable`` when the model's faults say so, and
+stamps its samples early when they say that.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from mrc_agent.agent.tools.selfcheck.dry import DryModel
@@ -116,11 +118,22 @@ class DryNvml(FakeNvml):
 
 class DryCupti(ClockedCupti):
     """The simulated ``cupti`` reading one :class:`DryModel`: a ``gh100`` per GPU, refusing
-    ``enable`` when the model's faults say so."""
+    ``enable`` when the model's faults say so.
+
+    With ``activity_stamp_offset_s`` the library runs on a clock that far behind the model's,
+    each cumulative reading taken that far ahead: every interval holds the model's values for
+    its true span, stamped ``offset`` too early."""
 
     def __init__(self, model: DryModel, sets: dict[str, Any] | None = None) -> None:
-        super().__init__([model.uuid(i) for i in range(model.gpus)], model.clock,
-                         model.instructions, model.dram_read_bytes, sets)
+        shift = model.faults.activity_stamp_offset_s
+
+        def late(read: Callable[[int, float], float]) -> Callable[[int, float], float]:
+            return read if not shift else (lambda i, t: read(i, t + shift))
+
+        clock = model.clock if not shift else (lambda: model.clock() - shift)
+        super().__init__([model.uuid(i) for i in range(model.gpus)], clock,
+                         late(model.instructions), late(model.dram_read_bytes), sets,
+                         busy_seconds=late(model.busy_seconds))
         self.model = model
         self.on_call = self._on_call
 

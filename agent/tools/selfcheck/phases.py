@@ -27,8 +27,9 @@ from mrc_agent.agent.core.hw.base import (
     SourceUnavailable,
 )
 from mrc_agent.agent.tools.selfcheck import compare as cmp
+from mrc_agent.agent.tools.selfcheck import timeline
 from mrc_agent.agent.tools.selfcheck.compare import TruthCheck
-from mrc_agent.agent.tools.selfcheck.workload import WorkDone, Workload
+from mrc_agent.agent.tools.selfcheck.workload import GapsDone, WorkDone, Workload
 
 #: NVML's PCIe thread reads every 0.25 s (+40 ms of reads); a reading this far into a window
 #: is the window's own.
@@ -322,6 +323,34 @@ def timestamp_check(readers: AgentReaders, gpu: str, start: float,
     if check.verdict == cmp.SKIP and readers.note("device"):
         check.note += f" ({readers.note('device')})"
     return check
+
+
+def activity_gap_check(phase: Phase, gpu: str, readers: AgentReaders,
+                       interval_s: float) -> TruthCheck:
+    """The activity points CUPTI gave while GEMM stretches alternated with idle gaps (every
+    poll of the phase and the one after it; each carries the points decoded since the one
+    before) against the gaps (:mod:`.timeline`)."""
+    name = timeline.NAME
+    work = phase.work
+    if not isinstance(work, GapsDone):
+        return cmp.skip(name, "the workload made no idle gaps", "s")
+    samples = [s for s in (p.profiling.get(gpu) for p in [*phase.polls, phase.after])
+               if s is not None]
+    if not any(s.sm_metric or s.dram_metric or s.activity_metric for s in samples):
+        why = readers.note("profiling") or "PM sampling is not running on this GPU"
+        return cmp.skip(name, f"the agent reports no value: profiling unavailable ({why})",
+                        "s", missing=True)
+    if not any(s.activity_metric for s in samples):
+        metric_set = next((s.metric_set for s in samples if s.metric_set), None)
+        return cmp.skip(name, "unverifiable: this chip's PM sampling offers no GPU-activity "
+                        f"metric (set {metric_set}), so the agent keeps NVML's points", "s")
+    if work.busy_duty < cmp.MIN_WORKLOAD_DUTY:
+        return cmp.skip(name, f"the GEMMs kept the GPU busy only {work.busy_duty:.2f} of the "
+                        f"stretches between the gaps (< {cmp.MIN_WORKLOAD_DUTY:.2f}); no busy "
+                        "reference", "s")
+    # Through JSON (the sampler's process) a point arrives as a list.
+    points = [(float(t), float(u)) for s in samples for t, u in s.activity_points]
+    return timeline.idle_gaps_check(points, work.gaps, work.start, work.end, interval_s)
 
 
 def nvlink_checks(peer: Phase, src: str, dst: str) -> list[TruthCheck]:

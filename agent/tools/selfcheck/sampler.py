@@ -231,8 +231,8 @@ class SamplerServer:
     def report(self) -> dict[str, Any]:
         libs = mapped_libraries()
         started = self.started
-        metrics = [m for m in ((started.sm_metric, started.dram_metric) if started else ())
-                   if m]
+        metrics = [m for m in ((started.sm_metric, started.dram_metric, started.activity_metric)
+                               if started else ()) if m]
         cuda = getattr(self.sampler, "_cuda", None)
         return {
             "pid": os.getpid(),
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--index", type=int, required=True)
     ap.add_argument("--uuid", required=True)
     ap.add_argument("--name", default="")
-    ap.add_argument("--interval", type=float, default=0.1)
+    ap.add_argument("--interval", type=float, default=0.02)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="sampler %(asctime)s %(levelname)s %(name)s: %(message)s")

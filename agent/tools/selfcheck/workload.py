@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,6 +29,9 @@ GEMM_N = 8192
 BATCH = 16
 
 KINDS = ("h2d", "d2h", "d2d", "gemm", "peer")
+#: The idle gaps the activity-timeline phase makes, in the order of one round: 50 ms spans two
+#: or three 20 ms PM-sampling intervals, 200 ms ten.
+GAP_PATTERN_S = (0.05, 0.1, 0.2)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,48 @@ class WorkDone:
         return self.bytes / self.gpu_s if self.gpu_s > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class GapsDone(WorkDone):
+    """Busy stretches of GEMMs with idle gaps between them made on purpose: ``gaps`` holds
+    ``(planned seconds, start, end)`` per gap, ``start`` when the busy stretch before it had
+    finished on the GPU and ``end`` when the next one was enqueued, both monotonic. The
+    counts and GPU time are the GEMMs'; the window runs from the first GEMM to the last."""
+
+    gaps: tuple[tuple[float, float, float], ...] = ()
+
+    @property
+    def idle_s(self) -> float:
+        return sum(end - start for _, start, end in self.gaps)
+
+    @property
+    def busy_duty(self) -> float:
+        """Fraction of the busy stretches (the window less the gaps) the GEMMs kept the GPU
+        busy."""
+        busy = self.end - self.start - self.idle_s
+        return min(1.0, self.gpu_s / busy) if busy > 0 else 0.0
+
+
+def gap_sequence(rounds: int, pattern: Sequence[float] = GAP_PATTERN_S) -> list[float]:
+    """``rounds`` rounds of ``pattern``, interleaved so each length is spread over the phase."""
+    return [g for _ in range(rounds) for g in pattern]
+
+
+def busy_with_gaps(gemm: Callable[[float], WorkDone], sleep: Callable[[float], None],
+                   busy_s: float, gaps: Sequence[float]) -> GapsDone:
+    """``gemm(busy_s)``, then for each of ``gaps`` that long idle and ``gemm(busy_s)`` again.
+    Each gap runs from one stretch's end (its final synchronisation) to the next one's start
+    (its first enqueue), so it holds whatever the sleep overshot."""
+    runs = [gemm(busy_s)]
+    marks = []
+    for gap in gaps:
+        sleep(gap)
+        runs.append(gemm(busy_s))
+        marks.append((gap, runs[-2].end, runs[-1].start))
+    first, last = runs[0], runs[-1]
+    return GapsDone("idle_gaps", sum(r.count for r in runs), first.bytes_per_op,
+                    sum(r.gpu_s for r in runs), first.start, last.end, tuple(marks))
+
+
 class Workload(Protocol):
     """GPU work of known size on the GPU under test (and its NVLink peers)."""
 
@@ -83,6 +128,11 @@ class Workload(Protocol):
         ...
 
     def idle(self, seconds: float) -> None:
+        ...
+
+    def idle_gaps(self, busy_s: float, gaps: Sequence[float]) -> GapsDone:
+        """bf16 GEMMs for about ``busy_s``, then idle for each of ``gaps`` in turn with
+        ``busy_s`` of GEMMs after each (:func:`busy_with_gaps`)."""
         ...
 
     def close(self) -> None:
@@ -213,6 +263,9 @@ class TorchWorkload:
 
     def idle(self, seconds: float) -> None:
         time.sleep(seconds)
+
+    def idle_gaps(self, busy_s: float, gaps: Sequence[float]) -> GapsDone:
+        return busy_with_gaps(lambda s: self.gemm(seconds=s), time.sleep, busy_s, gaps)
 
     def close(self) -> None:
         self._peer_bufs.clear()
