@@ -1,0 +1,268 @@
+"""``mrc-agent proxy``'s answer paths on real loopback sockets, byte for byte: the head a client
+gets (framing headers the proxy writes itself, ``connection: close`` when the client asked for
+it), the connection kept or closed after it, the 502 a client gets when the first chunk of an
+answer is malformed, the close of a connection answered before its request body ended; and,
+called directly, the count of a refused head whose request line names a metered path and the
+pool's admission and reuse rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import generate_latest
+
+from mrc_agent.agent.tools.proxy import POOL_SIZE, Proxy
+from mrc_agent.agent.tools.proxy_http import raw_error
+from tests.conftest import parse_metrics
+from tests.openai_support import ProxyThread
+from tests.raw_upstream import AnswerReader, RawUpstream, chunked_answer, length_answer
+from tests.unit.test_proxy_units import _conn, _proxy
+
+
+def _connect(p: ProxyThread) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", int(p.url.rsplit(":", 1)[1])), timeout=10)
+
+
+def _until_closed(sock: socket.socket) -> bytes:
+    """Everything the proxy writes until it closes the connection (a timeout fails)."""
+    got = b""
+    while data := sock.recv(65536):
+        got += data
+    return got
+
+
+@pytest.fixture
+def proxied() -> Iterator[tuple[RawUpstream, ProxyThread]]:
+    up = RawUpstream(length_answer(b'{"ok":1}'))
+    p = ProxyThread(up.url)
+    yield up, p
+    p.stop()
+    up.close()
+
+
+@pytest.mark.parametrize("value", [b"close", b"Keep-Alive, CLOSE", b"te ,Close"])
+def test_a_client_that_asks_to_close_gets_connection_close_and_the_close(
+        proxied: tuple[RawUpstream, ProxyThread], value: bytes) -> None:
+    up, p = proxied
+    with _connect(p) as sock:
+        sock.sendall(b"GET /a HTTP/1.1\r\nHost: h\r\nConnection: " + value + b"\r\n\r\n")
+        assert _until_closed(sock) == (
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 8\r\n"
+            b"connection: close\r\n\r\n{\"ok\":1}")
+    assert [s.header(b"connection") for s in up.seen] == [[]]
+
+
+def test_a_client_that_does_not_ask_to_close_keeps_its_connection(
+        proxied: tuple[RawUpstream, ProxyThread]) -> None:
+    up, p = proxied
+    with _connect(p) as sock:
+        reader = AnswerReader(sock)
+        for target in (b"/a", b"/b"):
+            sock.sendall(b"GET " + target + b" HTTP/1.1\r\nHost: h\r\n"
+                         b"Connection: keep-alive\r\n\r\n")
+            assert reader.read() == (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                     b"content-length: 8", b'{"ok":1}')
+    assert [s.target for s in up.seen] == [b"/a", b"/b"]
+    assert up.accepted == 1
+
+
+def test_a_chunked_answer_gets_the_proxys_own_framing_headers() -> None:
+    up = RawUpstream(chunked_answer(b"data: 1\n\n", b"data: 2\n\n",
+                                    tail=b"0\r\nx-trailer: t\r\n\r\n"))
+    p = ProxyThread(up.url)
+    try:
+        with _connect(p) as sock:
+            sock.sendall(b"GET /s HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
+            assert _until_closed(sock) == (
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+                b"9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n0\r\n\r\n")
+    finally:
+        p.stop()
+        up.close()
+
+
+def test_a_malformed_first_chunk_is_answered_with_a_502_naming_it() -> None:
+    up = RawUpstream(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                     b"zz\r\nhello\r\n0\r\n\r\n")
+    p = ProxyThread(up.url)
+    try:
+        with _connect(p) as sock:
+            sock.sendall(b"GET /s HTTP/1.1\r\nHost: h\r\n\r\n")
+            assert _until_closed(sock) == raw_error(
+                502, "the upstream server's answer is malformed")
+    finally:
+        p.stop()
+        up.close()
+
+
+class EarlyAnswer:
+    """An upstream that answers as soon as a request head arrives, then reads what else
+    comes until the proxy closes the connection."""
+
+    def __init__(self, answer: bytes, then_close: bool = False) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.answer = answer
+        self.then_close = then_close
+        self.received = b""
+        self.closed = threading.Event()
+        threading.Thread(target=self._one, daemon=True).start()
+
+    def _one(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            while b"\r\n\r\n" not in self.received:
+                self.received += conn.recv(65536)
+            conn.sendall(self.answer)
+            if self.then_close:
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.settimeout(10)
+            while not self.then_close and (data := conn.recv(65536)):
+                self.received += data
+        self.closed.set()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_an_answer_before_the_whole_request_body_ends_both_connections() -> None:
+    up = EarlyAnswer(length_answer(b"early"))
+    p = ProxyThread(up.url)
+    try:
+        with _connect(p) as sock:
+            sock.sendall(b"POST /x HTTP/1.1\r\nHost: h\r\nContent-Length: 10\r\n\r\n12345")
+            assert _until_closed(sock) == (
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 5"
+                b"\r\n\r\nearly")
+        assert up.closed.wait(10)
+        assert up.received.endswith(b"\r\n\r\n12345")
+    finally:
+        p.stop()
+        up.close()
+
+
+@pytest.mark.parametrize("answer", [b"", b"HTTP/1.1 200 OK\r\ncontent-le"],
+                         ids=["nothing", "part-of-a-head"])
+def test_an_upstream_that_ends_before_its_answer_head_is_a_502_naming_it(
+        answer: bytes) -> None:
+    up = EarlyAnswer(answer, then_close=True)
+    p = ProxyThread(up.url)
+    try:
+        with _connect(p) as sock:
+            sock.sendall(b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n")
+            assert _until_closed(sock) == raw_error(502, "the upstream server failed")
+    finally:
+        p.stop()
+        up.close()
+
+
+def test_an_answer_head_the_proxy_refuses_is_a_502_saying_why() -> None:
+    up = RawUpstream(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n")
+    p = ProxyThread(up.url)
+    try:
+        with _connect(p) as sock:
+            sock.sendall(b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n")
+            assert _until_closed(sock) == raw_error(
+                502, "the upstream server's answer has a transfer coding other than chunked")
+    finally:
+        p.stop()
+        up.close()
+
+
+def test_interim_answers_pass_on_less_their_hop_by_hop_headers() -> None:
+    up = RawUpstream(b"HTTP/1.1 102 Processing\r\n\r\n"
+                     b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\nConnection: x\r\n\r\n"
+                     + length_answer(b"{}"))
+    p = ProxyThread(up.url)
+    try:
+        with _connect(p) as sock:
+            sock.sendall(b"GET /x HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
+            assert _until_closed(sock) == (
+                b"HTTP/1.1 102 Processing\r\n\r\n"
+                b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n"
+                b"connection: close\r\n\r\n{}")
+    finally:
+        p.stop()
+        up.close()
+
+
+# --- the count of a refused head -----------------------------------------------------------
+
+
+def _counted(p: Proxy) -> dict[str, float]:
+    values = parse_metrics(generate_latest(p.metrics.registry).decode())
+    return {dict(labels)["outcome"]: v for (name, labels), v in values.items()
+            if name == "mrc_requests_total" and v}
+
+
+@pytest.mark.parametrize(("raw", "counted"), [
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n", True),
+    (b"POST /v1/completions HTTP/1.1\r\n\r\n", True),
+    (b"POST /v1/chat/completions?stream=1 HTTP/1.1\r\n\r\n", True),
+    (b"POST /v1/chat/completions?a?b HTTP/1.1\r\n\r\n", True),
+    (b"POST /v1/chat/completions HTTP/1.1\nHost: x\n\n", True),
+    (b"POST /v1/chat/completions HTTP/1.1", True),
+    (b"POST /v1/chat/completions HTTP/1.1 \r\n\r\n", False),
+    (b"POST  /v1/chat/completions HTTP/1.1\r\n\r\n", False),
+    (b"POST /v1/chat/completions\tHTTP/1.1\r\n\r\n", False),
+    (b"POST /v1/chat/completions\r\n\r\n", False),
+    (b"GET /v1/chat/completions HTTP/1.1\r\n\r\n", False),
+    (b"POST /v1/models HTTP/1.1\r\n\r\n", False),
+    (b"POST /v1/chat/completions/x HTTP/1.1\r\n\r\n", False),
+    (None, False),
+], ids=["chat", "completions", "query", "two-question-marks", "bare-lf", "no-line-end",
+        "trailing-blank", "double-blank", "tab", "two-parts", "get", "other-path",
+        "longer-path", "no-head"])
+def test_a_refused_head_is_counted_only_when_its_request_line_names_a_metered_path(
+        raw: bytes | None, counted: bool) -> None:
+    p = _proxy()
+    p._meter_refusal(raw, 431)
+    assert _counted(p) == ({"client_error": 1.0} if counted else {})
+
+
+def test_a_refused_head_is_metered_by_the_proxys_own_paths() -> None:
+    p = _proxy(paths=("/custom",))
+    p._meter_refusal(b"POST /v1/chat/completions HTTP/1.1\r\n\r\n", 400)
+    assert _counted(p) == {}
+    p._meter_refusal(b"POST /api/custom HTTP/1.1\r\n\r\n", 400)
+    assert _counted(p) == {"client_error": 1.0}
+
+
+@pytest.mark.parametrize(("already", "draining", "eof", "pooled"), [
+    (0, False, False, True), (POOL_SIZE - 1, False, False, True),
+    (POOL_SIZE, False, False, False), (0, True, False, False), (0, False, True, False),
+], ids=["empty-pool", "one-place-left", "full-pool", "draining", "not-usable"])
+def test_an_upstream_connection_is_pooled_only_usable_with_room_and_no_drain(
+        already: int, draining: bool, eof: bool, pooled: bool) -> None:
+    p = _proxy()
+    p._pool = [_conn()[0] for _ in range(already)]
+    p._draining = draining
+    c, t = _conn(eof=eof)
+    p._pool_add(c)
+    assert (c in p._pool, c.pooled, t.closing) == (pooled, pooled, not pooled)
+    assert len(p._pool) == already + pooled
+    if pooled:
+        assert c.idle_since > 0
+
+
+def test_a_pooled_connection_is_reused_only_while_fresh_and_usable() -> None:
+    p = _proxy()
+    stale, stale_t = _conn(pooled=True, idle_since=0.0)
+    ok, ok_t = _conn()
+    p._pool = [stale]
+    p._pool_add(ok)
+    got = asyncio.run(p._connect())
+    assert (got, got.pooled, ok_t.closing, p._pool) == (ok, False, False, [stale])
+    closed, closed_t = _conn()
+    p._pool_add(closed)
+    closed_t.closing = True
+    with pytest.raises(OSError):  # nothing listens on port 9: the pool had none to give
+        asyncio.run(p._connect())
+    assert (p._pool, stale_t.closing, stale.pooled, closed.pooled) == ([], True, False, False)
