@@ -17,6 +17,7 @@ from mrc_agent.agent.core.collectors.base import (
 from mrc_agent.agent.core.collectors.gpu import GpuReadings
 from mrc_agent.agent.core.hw.base import GPUIdentity
 from mrc_agent.agent.core.sample import Sample
+from mrc_agent.agent.core.stacks import StackSample, StacksUnavailable
 from mrc_agent.agent.core.targets import Target
 
 T = TypeVar("T")
@@ -93,3 +94,34 @@ def run_pass(view: PassView, collectors: Iterable[Collector]) -> tuple[PassView,
         samples.extend(update.samples)
         view = view.with_outputs(update.outputs)
     return view, samples
+
+
+class FakeSampler:
+    """A stack sampler (the austin child's reader) handing out the samples it is given, once;
+    ``error`` is why it cannot run, ``fail`` is raised by ``start``, ``history`` reads them
+    all again. Counts its starts and stops."""
+
+    def __init__(self, samples: Sequence[StackSample] = (),
+                 error: StacksUnavailable | None = None, alive: bool = True,
+                 fail: OSError | None = None) -> None:
+        self.samples, self.error, self.alive, self.fail = list(samples), error, alive, fail
+        self.kept = list(samples)
+        self.started = self.stopped = 0
+
+    def start(self) -> None:
+        self.started += 1
+        if self.fail is not None:
+            raise self.fail
+
+    def running(self) -> bool:
+        return self.alive
+
+    def take(self) -> list[StackSample]:
+        out, self.samples = self.samples, []
+        return out
+
+    def history(self, since: float) -> list[StackSample]:
+        return [s for s in self.kept if s.t >= since]
+
+    def stop(self) -> None:
+        self.stopped += 1

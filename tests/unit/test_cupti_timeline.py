@@ -22,9 +22,9 @@ from mrc_agent.agent.core.hw.cupti_timeline import (
     decode_rows,
 )
 from mrc_agent.agent.core.sample import HistogramValue
-from mrc_agent.agent.core.stacks import StackSample, StacksUnavailable
+from mrc_agent.agent.core.stacks import StackSample
 from mrc_agent.agent.tools.simgpu.cupti import ClockedCupti, CounterData, Sample, fake_uuid
-from tests.support import GPU0, GPU1, Clock, pass_view
+from tests.support import GPU0, GPU1, Clock, FakeSampler, pass_view
 
 ACTIVE = GPU_ACTIVE_METRICS[0]
 LOGGER = "mrc_agent.agent.core.hw.cupti_timeline"
@@ -263,35 +263,11 @@ def test_a_pass_without_hardware_points_falls_back_on_the_gauge_for_starvation()
     assert starved["mrc_gpu_starved"] == 1.0
 
 
-class _Samples:
-    """A stack sampler that hands out its samples once (the austin child's reader)."""
-
-    def __init__(self, samples: list[StackSample]) -> None:
-        self.samples = samples
-        self.error: StacksUnavailable | None = None
-
-    def start(self) -> None:
-        pass
-
-    def running(self) -> bool:
-        return True
-
-    def take(self) -> list[StackSample]:
-        out, self.samples = self.samples, []
-        return out
-
-    def history(self, since: float) -> list[StackSample]:
-        return []
-
-    def stop(self) -> None:
-        pass
-
-
 def test_the_stacks_join_sees_a_60_ms_wait_on_the_hardware_timeline() -> None:
     """A 10 ms stack sample every 10 ms: the six inside the hardware's idle stretch
     (10.40, 10.46] land in "starved"; NVML's samples, busy throughout, are not used."""
     samples = [StackSample(10.0 + k / 100, 0.01, "T0:1", "app:resize") for k in range(1, 101)]
-    c = StacksCollector(lambda pid: _Samples(samples), idle_util=0.05, clock=lambda: 0.0)
+    c = StacksCollector(lambda pid: FakeSampler(samples), idle_util=0.05, clock=lambda: 0.0)
     view = pass_view(11.0, (7,), processes={7: TargetState(7, "python", 0.5, 0.98)},
                      points={GPU0: [(10.0 + k / 6, 0.9) for k in range(1, 7)]},
                      util={GPU0: 0.9},

@@ -19,7 +19,8 @@ from mrc_agent.agent.tools.diagnose.stacks import (
     parse_collapsed,
     top_functions,
 )
-from tests.unit.test_stacks import AUSTIN_OUTPUT, FakeSampler, _ctx
+from tests.support import FakeSampler
+from tests.unit.test_stacks import AUSTIN_OUTPUT, _ctx
 
 RESIZE = "/srv/app/preprocess.py:resize_image:41"
 MODULE = "/srv/app/server.py:<module>:3"

@@ -19,7 +19,7 @@ from mrc_agent.agent.core.stacks import (
     function_name,
     module_of,
 )
-from tests.support import GPU0, GPU1, GPU2, pass_view
+from tests.support import GPU0, GPU1, GPU2, FakeSampler, pass_view
 
 AUSTIN_OUTPUT = """\
 # austin: 3.7.0
@@ -96,32 +96,6 @@ def test_module_of_a_file_outside_any_package_is_its_name() -> None:
 def test_austins_failures_say_why(stderr: str, readable: bool, reason: str) -> None:
     err = explain(stderr, 42, readable)
     assert err.reason == reason and "42" in str(err)
-
-
-class FakeSampler:
-    """Hands out the samples it is given, as the austin child's reader would."""
-
-    def __init__(self, samples: list[StackSample], error: StacksUnavailable | None = None,
-                 alive: bool = True) -> None:
-        self.samples, self.error, self.alive = list(samples), error, alive
-        self.kept = list(samples)
-        self.started = self.stopped = 0
-
-    def start(self) -> None:
-        self.started += 1
-
-    def running(self) -> bool:
-        return self.alive
-
-    def take(self) -> list[StackSample]:
-        out, self.samples = self.samples, []
-        return out
-
-    def history(self, since: float) -> list[StackSample]:
-        return [s for s in self.kept if s.t >= since]
-
-    def stop(self) -> None:
-        self.stopped += 1
 
 
 def _ctx(now: float, points: list[tuple[float, float]], starved: bool | None,

@@ -8,7 +8,7 @@ labels, and the availability reasons with their retries and log lines."""
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import pytest
 
@@ -32,34 +32,9 @@ from mrc_agent.agent.core.stacks import (
     module_of,
 )
 from tests.support import GPU0, GPU1, pass_view
+from tests.support import FakeSampler as Fake
 
 LOGGER = "mrc_agent.agent.core.collectors.stacks"
-
-
-class Fake:
-    """A sampler handing out the samples put in ``samples``; ``fail`` is raised by start."""
-
-    def __init__(self, samples: Sequence[StackSample] = (), error: StacksUnavailable | None = None,
-                 alive: bool = True, fail: OSError | None = None) -> None:
-        self.samples, self.error, self.alive, self.fail = list(samples), error, alive, fail
-        self.stopped = 0
-
-    def start(self) -> None:
-        if self.fail is not None:
-            raise self.fail
-
-    def running(self) -> bool:
-        return self.alive
-
-    def take(self) -> list[StackSample]:
-        out, self.samples = self.samples, []
-        return out
-
-    def history(self, since: float) -> list[StackSample]:
-        return []
-
-    def stop(self) -> None:
-        self.stopped += 1
 
 
 def _view(now: float, points: Mapping[GPUIdentity, list[tuple[float, float]]] | None = None,
