@@ -128,12 +128,19 @@ class JsonScanner:
                 pos = m.end()
 
     def close(self) -> None:
-        """The body ended: a literal waiting for its end is complete; an open string is not."""
-        if self.failed is None and self._carry and not self._in_string:
+        """The body ended: a literal waiting for its end is complete; an open string or
+        container is not, and a body of no value at all is no JSON. A second close does
+        nothing."""
+        if self._done:
+            return
+        carried = bool(self._carry) and not self._in_string
+        if self.failed is None and carried:
             carry, self._carry = self._carry, b""
             self._literal(carry)
-        elif self.failed is None and (self._in_string or self._keys):
+        if self.failed is None and (self._in_string or self._keys):
             self.failed = "the body ended inside a value"
+        elif self.failed is None and not self._tokens and not carried:
+            self.failed = "no JSON value in the body"
         self._done = True
 
     # --- structure --------------------------------------------------------------------------

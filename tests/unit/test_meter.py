@@ -105,6 +105,10 @@ def test_a_capture_stops_at_its_limit_and_says_so() -> None:
     (b'{"a": "\\q"}', "an unknown escape in a string"),
     (b'{"a": "\\u12G4"}', "a \\u escape without four hex digits"),
     (b'{"messages": [{"content": "abc', "the body ended inside a value"),
+    (b'{"model": "m", "max_tokens": 5', "the body ended inside a value"),
+    (b'{"stream": fal', "the body ended inside a value"),
+    (b"", "no JSON value in the body"),
+    (b" \r\n", "no JSON value in the body"),
     (b"]", "a closing bracket with nothing open"),
 ])
 def test_a_body_that_is_not_json_stops_the_scan_with_a_reason(body: bytes, reason: str) -> None:

@@ -125,3 +125,22 @@ def test_image_heads_in_every_spelling_a_client_uses() -> None:
     assert image_size(b"data:;base64," + base64.b64encode(b"not an image at all")) is None
     assert image_size(b"data:image/png;base64" + b64) is None  # no comma
     assert image_size(b"data:image/png," + b64) is None  # not base64
+
+
+@pytest.mark.parametrize("pieces", [
+    pytest.param([(b"", False)], id="one-empty-piece"),
+    pytest.param([(b"", True), (b"", False)], id="two-empty-pieces"),
+    pytest.param([(b"  ", True), (b"\n", False)], id="whitespace-in-two"),
+])
+def test_an_empty_body_is_counted_in_no_cell_however_it_arrives(
+        pieces: list[tuple[bytes, bool]]) -> None:
+    reg = CollectorRegistry()
+    x = Exchange(MRCMetrics(registry=reg, resolution_unknown=True))
+    for chunk, more in pieces:
+        x.request_body(chunk, more)
+    x.response_start(200, "application/json")
+    x.response_body(b"{}", False)
+    x.finish()
+    counted = [s for metric in reg.collect() for s in metric.samples
+               if s.name == "mrc_request_duration_seconds_count" and s.value]
+    assert counted == []
