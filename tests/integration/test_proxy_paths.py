@@ -12,6 +12,7 @@ import asyncio
 import socket
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from prometheus_client import generate_latest
@@ -23,6 +24,16 @@ from tests.openai_support import ProxyThread
 from tests.raw_upstream import AnswerReader, RawUpstream, chunked_answer, length_answer
 from tests.unit.test_proxy_units import _conn, _proxy
 
+
+@contextmanager
+def fronting(up: RawUpstream | EarlyAnswer) -> Iterator[ProxyThread]:
+    """A proxy in front of ``up``; both stopped at the end, whatever happened."""
+    p = ProxyThread(up.url)
+    try:
+        yield p
+    finally:
+        p.stop()
+        up.close()
 
 def _connect(p: ProxyThread) -> socket.socket:
     return socket.create_connection(("127.0.0.1", int(p.url.rsplit(":", 1)[1])), timeout=10)
@@ -74,31 +85,25 @@ def test_a_client_that_does_not_ask_to_close_keeps_its_connection(
 def test_a_chunked_answer_gets_the_proxys_own_framing_headers() -> None:
     up = RawUpstream(chunked_answer(b"data: 1\n\n", b"data: 2\n\n",
                                     tail=b"0\r\nx-trailer: t\r\n\r\n"))
-    p = ProxyThread(up.url)
-    try:
-        with _connect(p) as sock:
-            sock.sendall(b"GET /s HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
-            assert _until_closed(sock) == (
-                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n"
-                b"9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n0\r\n\r\n")
-    finally:
-        p.stop()
-        up.close()
+    with fronting(up) as p, _connect(p) as sock:
+        sock.sendall(b"GET /s HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
+        assert _until_closed(sock) == (
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+            b"9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n0\r\n\r\n")
 
 
-def test_a_malformed_first_chunk_is_answered_with_a_502_naming_it() -> None:
-    up = RawUpstream(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
-                     b"zz\r\nhello\r\n0\r\n\r\n")
-    p = ProxyThread(up.url)
-    try:
-        with _connect(p) as sock:
-            sock.sendall(b"GET /s HTTP/1.1\r\nHost: h\r\n\r\n")
-            assert _until_closed(sock) == raw_error(
-                502, "the upstream server's answer is malformed")
-    finally:
-        p.stop()
-        up.close()
+@pytest.mark.parametrize(("answer", "why"), [
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n",
+     "the upstream server's answer is malformed"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
+     "the upstream server's answer has a transfer coding other than chunked"),
+], ids=["a malformed first chunk", "a transfer coding other than chunked"])
+def test_an_answer_the_proxy_cannot_relay_is_a_502_saying_why(answer: bytes, why: str) -> None:
+    up = RawUpstream(answer)
+    with fronting(up) as p, _connect(p) as sock:
+        sock.sendall(b"GET /s HTTP/1.1\r\nHost: h\r\n\r\n")
+        assert _until_closed(sock) == raw_error(502, why)
 
 
 class EarlyAnswer:
@@ -133,8 +138,7 @@ class EarlyAnswer:
 
 def test_an_answer_before_the_whole_request_body_ends_both_connections() -> None:
     up = EarlyAnswer(length_answer(b"early"))
-    p = ProxyThread(up.url)
-    try:
+    with fronting(up) as p:
         with _connect(p) as sock:
             sock.sendall(b"POST /x HTTP/1.1\r\nHost: h\r\nContent-Length: 10\r\n\r\n12345")
             assert _until_closed(sock) == (
@@ -142,9 +146,6 @@ def test_an_answer_before_the_whole_request_body_ends_both_connections() -> None
                 b"\r\n\r\nearly")
         assert up.closed.wait(10)
         assert up.received.endswith(b"\r\n\r\n12345")
-    finally:
-        p.stop()
-        up.close()
 
 
 @pytest.mark.parametrize("answer", [b"", b"HTTP/1.1 200 OK\r\ncontent-le"],
@@ -152,45 +153,22 @@ def test_an_answer_before_the_whole_request_body_ends_both_connections() -> None
 def test_an_upstream_that_ends_before_its_answer_head_is_a_502_naming_it(
         answer: bytes) -> None:
     up = EarlyAnswer(answer, then_close=True)
-    p = ProxyThread(up.url)
-    try:
-        with _connect(p) as sock:
-            sock.sendall(b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n")
-            assert _until_closed(sock) == raw_error(502, "the upstream server failed")
-    finally:
-        p.stop()
-        up.close()
-
-
-def test_an_answer_head_the_proxy_refuses_is_a_502_saying_why() -> None:
-    up = RawUpstream(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n")
-    p = ProxyThread(up.url)
-    try:
-        with _connect(p) as sock:
-            sock.sendall(b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n")
-            assert _until_closed(sock) == raw_error(
-                502, "the upstream server's answer has a transfer coding other than chunked")
-    finally:
-        p.stop()
-        up.close()
+    with fronting(up) as p, _connect(p) as sock:
+        sock.sendall(b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n")
+        assert _until_closed(sock) == raw_error(502, "the upstream server failed")
 
 
 def test_interim_answers_pass_on_less_their_hop_by_hop_headers() -> None:
     up = RawUpstream(b"HTTP/1.1 102 Processing\r\n\r\n"
                      b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\nConnection: x\r\n\r\n"
                      + length_answer(b"{}"))
-    p = ProxyThread(up.url)
-    try:
-        with _connect(p) as sock:
-            sock.sendall(b"GET /x HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
-            assert _until_closed(sock) == (
-                b"HTTP/1.1 102 Processing\r\n\r\n"
-                b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"
-                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n"
-                b"connection: close\r\n\r\n{}")
-    finally:
-        p.stop()
-        up.close()
+    with fronting(up) as p, _connect(p) as sock:
+        sock.sendall(b"GET /x HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
+        assert _until_closed(sock) == (
+            b"HTTP/1.1 102 Processing\r\n\r\n"
+            b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n"
+            b"connection: close\r\n\r\n{}")
 
 
 # --- the count of a refused head -----------------------------------------------------------

@@ -79,20 +79,6 @@ JPEG_REFUSED: dict[str, tuple[bytes, str]] = {
 }
 
 
-@pytest.mark.parametrize("name", list(JPEG_SIZES))
-def test_a_jpeg_walk_reads_the_frame_size_from_the_sof_segment_it_reaches(name: str) -> None:
-    data, size = JPEG_SIZES[name]
-    assert walk(data) == Layout("JPEG", size)
-
-
-@pytest.mark.parametrize("name", list(JPEG_REFUSED))
-def test_a_jpeg_one_past_a_count_is_refused_naming_that_count(name: str) -> None:
-    data, message = JPEG_REFUSED[name]
-    with pytest.raises(StructureError) as ei:
-        walk(data)
-    assert str(ei.value) == message
-
-
 # -- PNG -----------------------------------------------------------------------------------------
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -145,20 +131,6 @@ PNG_REFUSED: dict[str, tuple[bytes, str]] = {
 }
 
 
-@pytest.mark.parametrize("name", list(PNG_SIZES))
-def test_a_png_walk_reads_ihdr_and_counts_chunks_up_to_iend(name: str) -> None:
-    data, size = PNG_SIZES[name]
-    assert walk(data) == Layout("PNG", size)
-
-
-@pytest.mark.parametrize("name", list(PNG_REFUSED))
-def test_a_png_one_past_a_count_is_refused_naming_that_count(name: str) -> None:
-    data, message = PNG_REFUSED[name]
-    with pytest.raises(StructureError) as ei:
-        walk(data)
-    assert str(ei.value) == message
-
-
 # -- GIF -----------------------------------------------------------------------------------------
 
 
@@ -202,20 +174,6 @@ GIF_REFUSED: dict[str, tuple[bytes, str]] = {
     "blocks-adding-up-over-two-extensions":
         (_gif() + (b"!\xfe" + b"\x01a" * 8193 + b"\0") * 2 + DESCRIPTOR, GIF_BLOCKS),
 }
-
-
-@pytest.mark.parametrize("name", list(GIF_SIZES))
-def test_a_gif_walk_widens_the_screen_to_the_first_image_it_reaches(name: str) -> None:
-    data, size = GIF_SIZES[name]
-    assert walk(data) == Layout("GIF", size)
-
-
-@pytest.mark.parametrize("name", list(GIF_REFUSED))
-def test_a_gif_one_past_a_count_is_refused_naming_that_count(name: str) -> None:
-    data, message = GIF_REFUSED[name]
-    with pytest.raises(StructureError) as ei:
-        walk(data)
-    assert str(ei.value) == message
 
 
 # -- WebP and BMP --------------------------------------------------------------------------------
@@ -331,21 +289,6 @@ TIFF_REFUSED: dict[str, tuple[bytes, str]] = {
 }
 
 
-@pytest.mark.parametrize("name", list(TIFF_SIZES))
-def test_a_tiff_walk_reads_single_integer_width_and_height_from_the_first_directory(
-        name: str) -> None:
-    data, size = TIFF_SIZES[name]
-    assert walk(data) == Layout("TIFF", size)
-
-
-@pytest.mark.parametrize("name", list(TIFF_REFUSED))
-def test_a_tiff_one_past_a_count_is_refused_naming_that_count(name: str) -> None:
-    data, message = TIFF_REFUSED[name]
-    with pytest.raises(StructureError) as ei:
-        walk(data)
-    assert str(ei.value) == message
-
-
 # -- sniffing and the walk's own handling -------------------------------------------------------
 
 
@@ -375,3 +318,28 @@ def test_on_size_hears_the_size_the_walk_returns_and_its_refusal_stops_the_walk(
 
     with pytest.raises(OverflowError):
         walk(data, refuse)
+
+
+#: Each format's tables of sizes read (JPEG: from the SOF segment reached; PNG: IHDR, chunks
+#: counted up to IEND; GIF: the screen widened to the first image; TIFF: single-integer width
+#: and height of the first directory) and of streams one past a count.
+SIZES = {f"{fmt.lower()}-{name}": (fmt, case) for fmt, table in (
+    ("JPEG", JPEG_SIZES), ("PNG", PNG_SIZES), ("GIF", GIF_SIZES), ("TIFF", TIFF_SIZES))
+    for name, case in table.items()}
+REFUSED = {f"{fmt}-{name}": case for fmt, table in (
+    ("jpeg", JPEG_REFUSED), ("png", PNG_REFUSED), ("gif", GIF_REFUSED), ("tiff", TIFF_REFUSED))
+    for name, case in table.items()}
+
+
+@pytest.mark.parametrize("name", list(SIZES))
+def test_each_format_walk_reads_the_size_where_its_structure_puts_it(name: str) -> None:
+    fmt, (data, size) = SIZES[name]
+    assert walk(data) == Layout(fmt, size)
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_a_stream_one_past_a_count_is_refused_naming_that_count(name: str) -> None:
+    data, message = REFUSED[name]
+    with pytest.raises(StructureError) as ei:
+        walk(data)
+    assert str(ei.value) == message

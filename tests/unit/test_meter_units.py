@@ -238,12 +238,7 @@ def test_a_whole_body_that_is_not_json_fails_and_is_counted_in_no_cell() -> None
     s = ChatRequestScan()
     s.whole(b'{"messages": [')
     assert s.failed == "not JSON"
-    m, reg = _metrics()
-    x = Exchange(m)
-    x.request_body(b'{"messages": [', False)
-    x.response_start(200, "application/json")
-    x.response_body(b"{}", False)
-    x.finish()
+    _, reg = _exchanged(b'{"messages": [', "application/json", [(b"{}", False)])
     assert series(_values(reg), "mrc_requests_total", outcome="ok") == [1.0]
     assert _total(reg, "mrc_request_duration_seconds_count") == 0
     assert _total(reg, "mrc_request_images_count") == 0
@@ -581,6 +576,26 @@ def _errors(reg: CollectorRegistry) -> dict[str, float]:
     return {s: _total(reg, "mrc_meter_errors_total", stage=s) for s in METER_STAGES}
 
 
+def _exchanged(request: bytes, media: str, answer: list[tuple[bytes, bool]]
+               ) -> tuple[Exchange, CollectorRegistry]:
+    """One exchange on a fresh meter: ``request`` in one piece, a 200 of ``media`` answered
+    in ``answer``'s pieces, finished."""
+    m, reg = _metrics()
+    x = Exchange(m)
+    x.request_body(request, False)
+    x.response_start(200, media)
+    for chunk, more in answer:
+        x.response_body(chunk, more)
+    x.finish()
+    return x, reg
+
+
+def _verdict(x: Exchange, reg: CollectorRegistry, outcome: str
+             ) -> tuple[str | None, dict[str, float], list[float]]:
+    """Which stage failed, the meter's errors by stage, and the requests counted ``outcome``."""
+    return x.degraded, _errors(reg), series(_values(reg), "mrc_requests_total", outcome=outcome)
+
+
 def test_a_request_failure_stops_the_request_reading_and_its_cell(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ChatRequestScan, "feed", _boom)
@@ -617,55 +632,33 @@ def test_a_failure_reading_the_body_end_late_is_a_request_failure(
 def test_a_failure_choosing_the_answers_reader_is_a_response_failure(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(UsageScan, "__init__", _boom)
-    m, reg = _metrics()
-    x = Exchange(m)
-    x.request_body(json.dumps(chat("q")).encode(), False)
-    x.response_start(200, "application/json")
-    x.response_body(_answer(), False)
-    x.finish()
-    assert x.degraded == "response"
-    assert _errors(reg) == {"request": 0, "response": 1, "finish": 0}
-    assert series(_values(reg), "mrc_requests_total", outcome="ok") == [1.0]
+    x, reg = _exchanged(json.dumps(chat("q")).encode(), "application/json", [(_answer(), False)])
+    assert _verdict(x, reg, "ok") == (
+        "response", {"request": 0, "response": 1, "finish": 0}, [1.0])
 
 
 def test_a_response_failure_stops_the_answer_reading_and_counts_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(EventScan, "feed", _boom)
-    m, reg = _metrics()
-    x = Exchange(m)
-    x.request_body(json.dumps(chat("q", stream=True)).encode(), False)
-    x.response_start(200, "text/event-stream")
-    for chunk in (_event(_delta("a")), _event(USAGE), b"data: [DONE]\n\n"):
-        x.response_body(chunk, True)
-    x.response_body(b"", False)
-    x.finish()
-    assert x.degraded == "response"
-    assert _errors(reg) == {"request": 0, "response": 1, "finish": 0}
-    assert series(_values(reg), "mrc_requests_total", outcome="ok") == [1.0]
+    events = (_event(_delta("a")), _event(USAGE), b"data: [DONE]\n\n")
+    x, reg = _exchanged(json.dumps(chat("q", stream=True)).encode(), "text/event-stream",
+                        [(chunk, True) for chunk in events] + [(b"", False)])
+    assert _verdict(x, reg, "ok") == (
+        "response", {"request": 0, "response": 1, "finish": 0}, [1.0])
 
 
 def test_a_finish_failure_keeps_the_error_event_of_the_stream(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(RequestTracker, "tokens", _boom)
-    m, reg = _metrics()
-    x = Exchange(m)
-    x.request_body(json.dumps(chat("q", stream=True)).encode(), False)
-    x.response_start(200, "text/event-stream")
-    x.response_body(_event(_delta("a")) + _event(USAGE), True)
-    x.response_body(_event({"error": {"message": "engine died"}}), False)
-    x.finish()
-    assert x.degraded == "finish"
-    assert _errors(reg) == {"request": 0, "response": 0, "finish": 1}
-    assert series(_values(reg), "mrc_requests_total", outcome="error") == [1.0]
+    x, reg = _exchanged(json.dumps(chat("q", stream=True)).encode(), "text/event-stream",
+                        [(_event(_delta("a")) + _event(USAGE), True),
+                         (_event({"error": {"message": "engine died"}}), False)])
+    assert _verdict(x, reg, "error") == (
+        "finish", {"request": 0, "response": 0, "finish": 1}, [1.0])
 
 
 def test_a_second_finish_changes_nothing() -> None:
-    m, reg = _metrics()
-    x = Exchange(m)
-    x.request_body(json.dumps(chat("q")).encode(), False)
-    x.response_start(200, "application/json")
-    x.response_body(_answer(), False)
-    x.finish()
+    x, reg = _exchanged(json.dumps(chat("q")).encode(), "application/json", [(_answer(), False)])
     x.finish(client_left=True)
     v = _values(reg)
     assert series(v, "mrc_requests_total", outcome="ok") == [1.0]

@@ -212,20 +212,19 @@ def test_a_refused_head_carries_its_status_and_message() -> None:
     assert (e.status, e.message, str(e)) == (431, "too long", "too long")
 
 
-def test_a_reason_phrase_read_in_pieces_is_kept_whole() -> None:
+@pytest.mark.parametrize(("parser", "pieces", "field", "whole"), [
+    (httptools.HttpResponseParser, (b"HTTP/1.1 200 Al", b"l Good\r\ncontent-length: 0\r\n\r\n"),
+     "reason", b"All Good"),
+    (httptools.HttpRequestParser, (b"GET /v1/mod", b"els?x=1 HTTP/1.1\r\nHost: h\r\n\r\n"),
+     "target", b"/v1/models?x=1"),
+], ids=["a reason phrase", "a request target"])
+def test_a_head_field_read_in_pieces_is_kept_whole(
+        parser: Any, pieces: tuple[bytes, bytes], field: str, whole: bytes) -> None:
     head = MessageHead()
-    parser = httptools.HttpResponseParser(head)
-    parser.feed_data(b"HTTP/1.1 200 Al")
-    parser.feed_data(b"l Good\r\ncontent-length: 0\r\n\r\n")
-    assert head.reason == b"All Good"
-
-
-def test_a_target_read_in_pieces_is_kept_whole() -> None:
-    head = MessageHead()
-    parser = httptools.HttpRequestParser(head)
-    parser.feed_data(b"GET /v1/mod")
-    parser.feed_data(b"els?x=1 HTTP/1.1\r\nHost: h\r\n\r\n")
-    assert head.target == b"/v1/models?x=1"
+    feeder = parser(head)
+    for piece in pieces:
+        feeder.feed_data(piece)
+    assert getattr(head, field) == whole
 
 
 def test_tokens_are_the_lowercased_comma_separated_values_of_one_header() -> None:
