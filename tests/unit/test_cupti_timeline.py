@@ -106,6 +106,7 @@ def test_points_never_taken_are_bounded_newest_kept() -> None:
 def test_decoded_rows_follow_the_configured_order_and_carry_the_end_stamp() -> None:
     data = CounterData(["b", "a"], [Sample(5, 9, [2.0, 1.0]), Sample(9, 0, [4.0, 3.0])])
     assert decode_rows(data, ["a", "b", "c"]) == [([1.0, 2.0, None], 9), ([3.0, 4.0, None], None)]
+    assert decode_rows(data, [None, "b"]) == [([None, 2.0], 9), ([None, 4.0], None)]
 
 
 # -- the sampler ----------------------------------------------------------------------------

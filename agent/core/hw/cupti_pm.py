@@ -59,7 +59,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -515,14 +515,11 @@ class CuptiPmSampler:
             return
         ratios: list[float] = []
         for _ in range(_MAX_DECODE_ROUNDS):
-            rows = self._cupti_decode(dev.collector, choice.metrics)
-            named = [(dict(zip(choice.metrics, values, strict=True)), stamp)
-                     for values, stamp in rows]
+            rows = self._cupti_decode(
+                dev.collector, (choice.sm_metric, choice.dram_metric, choice.active_metric))
             if choice.active_metric is not None:
-                dev.timeline.add((stamp, row[choice.active_metric]) for row, stamp in named)
-            for row, _ in named:
-                sm_value = row[choice.sm_metric] if choice.sm_metric is not None else None
-                dram_value = row[choice.dram_metric] if choice.dram_metric is not None else None
+                dev.timeline.add((stamp, values[2]) for values, stamp in rows)
+            for (sm_value, dram_value, _), _ in rows:
                 # Added as they come, so a decode that fails later loses nothing already read.
                 if dev.sm_total is not None:
                     dev.sm_total += _count(sm_value)
@@ -671,9 +668,9 @@ class CuptiPmSampler:
     def _cupti_start(self, collector: Any) -> None:
         collector.start()
 
-    def _cupti_decode(self, collector: Any, metrics: list[str]) -> list[Row]:
+    def _cupti_decode(self, collector: Any, metrics: Sequence[str | None]) -> list[Row]:
         """Completed intervals since the last decode: each one's values of ``metrics``, in
-        that order, and its end stamp."""
+        that order (``None`` for a name not configured), and its end stamp."""
         return decode_rows(collector.decode(max_samples=self._max_samples), metrics)
 
     def _cupti_stop(self, collector: Any) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from mrc_agent.agent.core.hw.base import ratio_of_percent
@@ -40,9 +40,10 @@ _UNSET = "unset"
 Row = tuple[list[float | None], int | None]
 
 
-def decode_rows(data: Any, metrics: list[str]) -> list[Row]:
+def decode_rows(data: Any, metrics: Sequence[str | None]) -> list[Row]:
     """Each completed sample of a ``decode()`` answer as its values for ``metrics`` (``None``
-    for a name the answer lacks) and its end stamp (``None`` when it has none)."""
+    for a name that is ``None`` or that the answer lacks) and its end stamp (``None`` when it
+    has none)."""
     names = list(data.metrics)
     at = [names.index(m) if m in names else None for m in metrics]
     rows: list[Row] = []
