@@ -62,8 +62,9 @@ GPM_METRICS = {
     "NVML_GPM_METRIC_ANY_TENSOR_UTIL": "tensor_util",
     "NVML_GPM_METRIC_DRAM_BW_UTIL": "dram_bw_util",
 }
-#: The cumulative quantities, integrated from their rates (``<name>_rate`` in an activity).
-CUMULATIVE = ("nvlink_tx", "nvlink_rx", "instructions", "dram_read")
+#: The cumulative quantities, integrated from their rates (``<name>_rate`` in an activity):
+#: ``busy`` is the seconds the GPU was active, the integral of its utilisation.
+CUMULATIVE = ("nvlink_tx", "nvlink_rx", "instructions", "dram_read", "busy")
 _KIB = 1024.0
 
 
@@ -90,7 +91,7 @@ def activity(pattern: str, t: float, gpu_index: int) -> dict[str, float]:
         "pcie_tx_bytes_per_second": pcie_rx * 0.1, "pcie_rx_bytes_per_second": pcie_rx,
         "power_watts": 180.0 + 450.0 * util,
         "nvlink_tx_rate": nvlink_rate, "nvlink_rx_rate": nvlink_rate * 0.9,
-        "instructions_rate": inst_rate, "dram_read_rate": dram_rate,
+        "instructions_rate": inst_rate, "dram_read_rate": dram_rate, "busy_rate": util,
     }
 
 
@@ -139,7 +140,8 @@ class SimulatedNode:
         self._written: dict[int, float] = {}
         self.cupti = ClockedCupti([self.uuid(i) for i in range(gpus)], clock,
                                   lambda i, t: self.total(i, "instructions", t),
-                                  lambda i, t: self.total(i, "dram_read", t))
+                                  lambda i, t: self.total(i, "dram_read", t),
+                                  busy_seconds=lambda i, t: self.total(i, "busy", t))
 
     @staticmethod
     def uuid(index: int) -> str:
@@ -220,7 +222,8 @@ def write_trace(out: TextIO, gpus: int = 1, duration: float = 12.0, step: float 
                        sample_clocks={"realtime": clock})
     profiling = None if mig else CuptiPmSampler(
         [GPUIdentity(i, node.uuid(i), "NVIDIA H200 (synthetic)") for i in range(gpus)],
-        lib=node.cupti, interval_s=min(step, PROFILING_INTERVAL_S), clock=clock)
+        lib=node.cupti, interval_s=min(step, PROFILING_INTERVAL_S), clock=clock,
+        sample_clocks={"monotonic": clock})  # the simulated samples are stamped on it
 
     def sleep(seconds: float) -> None:
         clock.sleep(seconds)

@@ -19,6 +19,7 @@ from mrc_agent.agent.tools.doctor import run_doctor
 from mrc_agent.agent.tools.record import record
 from mrc_agent.agent.tools.simgpu.cupti import FakeCupti, FakeDevice
 from mrc_agent.agent.tools.simgpu.nvml import FakeNvml, gpu, nvlink
+from mrc_agent.exporters.exposition.snapshot import HistogramValue
 from tests.conftest import DATA
 
 
@@ -78,7 +79,8 @@ def test_record_writes_a_trace_that_replays(tmp_path) -> None:
     path.write_text(out.getvalue())
     gpus = load_trace(str(path))  # validates: counters monotonic, ratios in range
     assert [g.identity.index for g in gpus.values()] == [0, 1]  # keyed by UUID
-    first = json.loads(out.getvalue().splitlines()[0])
+    version, first = map(json.loads, out.getvalue().splitlines()[:2])
+    assert version == {"version": 2}  # the format's version comes first
     assert first["uuid"] == "GPU-fixed-0000" and "sm_instructions_executed_total" in first
     assert "dram_bw_util" in first and "nvlink_tx_bytes_total" in first
 
@@ -138,3 +140,32 @@ def test_real_libraries_on_this_host_answer_or_say_why() -> None:
         assert sampler.status()[0] == exc.reason
     finally:
         sampler.close()
+
+
+def test_a_replayed_activity_timeline_feeds_idle_windows_nvml_rows_cannot_show(
+        tmp_path) -> None:
+    # NVML's rows every 0.1 s say busy throughout; the 20 ms hardware timeline holds one
+    # 60 ms idle window per second. Replayed through the collectors, the windows are counted.
+    rows: list[dict[str, object]] = []
+    for k in range(20):
+        t = round(k * 0.1, 4)
+        pts = [[round(t + j * 0.02, 4), 0.0 if 0.5 <= (t + j * 0.02) % 1.0 < 0.56 else 1.0]
+               for j in range(1, 6)]
+        rows.append({"t": t, "gpu": 0, "gpu_util": 1.0, "activity": pts,
+                     "activity_metric": "gr__cycles_active.avg.pct_of_peak_sustained_elapsed"})
+    path = tmp_path / "v2.jsonl"
+    path.write_text('{"version": 2}\n' + "".join(json.dumps(r) + "\n" for r in rows))
+    now = [50.0]
+    src = ReplayBackend(str(path), clock=lambda: now[0])
+    runner = Runner(build_collectors(AgentConfig(), Sources(src, None, src),
+                                     ("gpu", "profiling", "derived")),
+                    TargetResolver(), 1.0, clock=lambda: now[0])
+    for _ in range(12):  # three seconds: over one loop of the two-second trace
+        now[0] += 0.25
+        snap = runner.sample_once()
+    (hist,) = [v for n, _, v in snap.samples if n == "mrc_gpu_idle_window_seconds"]
+    assert isinstance(hist, HistogramValue)
+    assert hist.total == 3  # at 0.5, 1.5 and (the next loop) 2.5 s
+    assert 0.04 <= hist.sum / hist.total <= 0.08
+    busy = _values(snap, "mrc_gpu_busy_seconds_total")
+    assert busy and 2.5 < busy[0] < 3.0

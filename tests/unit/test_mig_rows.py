@@ -18,7 +18,12 @@ import pytest
 from mrc_agent.agent.core.attribution import Attribution
 from mrc_agent.agent.core.collectors.gpm import GPM_SCOPE_INFO, METRICS, GpmCollector
 from mrc_agent.agent.core.hw.nvml import NvmlBackend
-from mrc_agent.agent.core.hw.replay import ReplayBackend, ReplayFormatError, load_trace
+from mrc_agent.agent.core.hw.replay import (
+    FORMAT_VERSION,
+    ReplayBackend,
+    ReplayFormatError,
+    load_trace,
+)
 from mrc_agent.agent.core.hw.sources import Sources
 from mrc_agent.agent.tools.record import record
 from mrc_agent.agent.tools.simgpu.nvml import FakeNvml, gpu, mig_device
@@ -56,7 +61,9 @@ def recorded(fake: FakeNvml) -> list[dict[str, Any]]:
     record(Sources(device=backend, gpm=backend), out, duration=1.0, interval=0.25,
            clock=lambda: clock[0], sleep=sleep)
     backend.close()
-    return [json.loads(line) for line in out.getvalue().splitlines()]
+    header, *rows = (json.loads(line) for line in out.getvalue().splitlines())
+    assert header == {"version": FORMAT_VERSION}
+    return rows
 
 
 def write(tmp_path: Path, rows: list[dict[str, Any]]) -> str:

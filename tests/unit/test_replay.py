@@ -107,3 +107,103 @@ def test_a_gpu_that_appears_later_is_absent_until_then(tmp_path) -> None:
     clock.t = 1000.0 + backend.period + 0.5
     late = {s.gpu.index: s for s in backend.sample_devices()}
     assert set(late) == {0, 1} and (late[1].nvlink_tx_bytes_total or 0) >= 21
+
+
+# --- version 2: the hardware activity timeline ----------------------------------------------
+
+V2 = {"version": 2}
+METRIC = "gr__cycles_active.avg.pct_of_peak_sustained_elapsed"
+
+
+@pytest.mark.parametrize(
+    ("rows", "line", "reason"),
+    [
+        ([{"version": 3}, {"t": 0, "gpu": 0}], 1, "version 3 is newer than this mrc-agent"),
+        ([{"version": "2"}, {"t": 0, "gpu": 0}], 1, "'version' must be an integer"),
+        ([{"version": True}, {"t": 0, "gpu": 0}], 1, "'version' must be an integer"),
+        ([{"version": 0}, {"t": 0, "gpu": 0}], 1, "'version' must be an integer >= 1"),
+        ([{"t": 0, "gpu": 0}, V2], 2, "must be the first line"),
+        ([V2, V2, {"t": 0, "gpu": 0}], 2, "must be the first line"),
+        ([{"t": 0, "gpu": 0, "activity_metric": METRIC, "activity": [[0, 1]]}], 1,
+         "version 2 fields"),
+        ([{"version": 1}, {"t": 0, "gpu": 0, "activity_metric": METRIC}], 2, "version 2 fields"),
+        ([V2, {"t": 0, "gpu": 0, "activity": [[0, 1]]}], 2, "needs 'activity_metric'"),
+        ([V2, {"t": 0, "gpu": 0, "activity_metric": 7}], 2, "must be a metric name"),
+        ([V2, {"t": 0, "gpu": 0, "activity_metric": ""}], 2, "must be a metric name"),
+        ([V2, {"t": 0, "gpu": 0, "activity_metric": "x" * 257}], 2, "must be a metric name"),
+        ([V2, {"t": 0, "gpu": 0, "activity_metric": "a"},
+          {"t": 1, "gpu": 0, "activity_metric": "b"}], 3, "changed activity_metric to 'b'"),
+        ([V2, {"t": 0, "gpu": 0, "activity_metric": METRIC, "activity": {"0": 1}}], 2,
+         "must be a list"),
+        ([V2, {"t": 0, "gpu": 0, "activity_metric": METRIC, "activity": [[0, 0]] * 10_001}], 2,
+         "at most 10000"),
+        ([V2, {"t": 0, "gpu": 0, "activity_metric": METRIC, "activity": [[0, 1.5]]}], 2,
+         "ratio 0-1"),
+        ([V2, {"t": 0, "gpu": 0, "activity_metric": METRIC, "activity": [[-1, 0.5]]}], 2,
+         "t >= 0"),
+        ([V2, {"t": 0, "gpu": 0, "activity_metric": METRIC, "activity": [[0, 0.5, 1]]}], 2,
+         "[t >= 0, ratio"),
+        ([V2, {"t": 0, "gpu": 0, "activity_metric": METRIC, "activity": [["0", 0.5]]}], 2,
+         "[t >= 0, ratio"),
+        ([V2, {"t": 0, "gpu": 0, "activity_metric": METRIC, "activity": [[0, True]]}], 2,
+         "[t >= 0, ratio"),
+        ([V2, {"t": 0, "gpu": 0, "activity_metric": METRIC, "activity": [[0.1, 1], [0.1, 0]]}],
+         2, "times must increase"),
+        ([V2, {"t": 0, "gpu": 0, "activity_metric": METRIC, "activity": [[0.2, 1]]},
+          {"t": 1, "gpu": 0, "activity": [[0.1, 0]]}], 3, "(0.2 then 0.1)"),
+    ],
+)
+def test_malformed_version_2_fields_name_line_and_reason(tmp_path, rows, line, reason) -> None:
+    path = _write(tmp_path, rows)
+    with pytest.raises(ReplayFormatError) as err:
+        load_trace(path)
+    assert f"{path}:{line}:" in str(err.value)
+    assert reason in str(err.value)
+
+
+def test_a_version_line_alone_holds_no_samples_and_version_1_still_reads(tmp_path) -> None:
+    with pytest.raises(ReplayFormatError, match="no samples"):
+        load_trace(_write(tmp_path, [V2]))
+    (trace,) = load_trace(_write(tmp_path, [{"version": 1}, {"t": 0, "gpu": 0}])).values()
+    assert trace.times == [0.0] and trace.activity_metric is None
+
+
+def test_activity_points_play_once_each_on_the_agent_clock_across_loops(tmp_path) -> None:
+    # Two devices; GPU 1's timeline rides in rows without counters (activity alone).
+    rows: list[object] = [V2]
+    for t in (0.0, 0.1, 0.2):
+        pts = [[round(t + d, 3), 1.0 if d < 0.05 else 0.0] for d in (0.02, 0.04, 0.06, 0.08)]
+        rows.append({"t": t, "gpu": 0, "sm_instructions_executed_total": 10 * t,
+                     "activity_metric": METRIC, "activity": pts})
+        rows.append({"t": t, "gpu": 1, "activity_metric": METRIC, "activity": pts[:1]})
+    clock = Clock()
+    backend = ReplayBackend(_write(tmp_path, rows), clock=clock)
+    assert backend.period == pytest.approx(0.3)
+    clock.t = 1000.05
+    first = {s.gpu.index: s for s in backend.sample_profiling()}
+    assert first[0].activity_metric == METRIC == first[1].activity_metric
+    assert first[1].sm_instructions_executed_total is None
+    # Only the points the trace has passed, dated start + t: 0.02 and 0.04.
+    assert [p for p in first[0].activity_points] == [
+        (pytest.approx(1000.02), 1.0), (pytest.approx(1000.04), 1.0)]
+    clock.t = 1000.0 + 0.3 + 0.03  # into the second loop
+    (again, other) = backend.sample_profiling()
+    times = [t - 1000.0 for t, _ in again.activity_points]
+    assert times == pytest.approx([0.06, 0.08, 0.12, 0.14, 0.16, 0.18, 0.22, 0.24, 0.26, 0.28,
+                                   0.32])  # the next loop's 0.02, dated one period later
+    assert [v for _, v in again.activity_points][:2] == [0.0, 0.0]
+    assert [t - 1000.0 for t, _ in other.activity_points] == pytest.approx([0.12, 0.22, 0.32])
+    assert backend.sample_profiling()[0].activity_points == ()  # nothing new since
+
+
+def test_a_long_pause_hands_out_at_most_the_cap_of_activity_points(tmp_path) -> None:
+    pts = [[round(k * 0.001, 3), 0.5] for k in range(1, 1001)]
+    rows = [V2, {"t": 0, "gpu": 0, "activity_metric": METRIC, "activity": pts},
+            {"t": 1.0, "gpu": 0}]
+    clock = Clock()
+    backend = ReplayBackend(_write(tmp_path, rows), clock=clock)
+    clock.t += 1000 * backend.period  # a thousand loops of a thousand points
+    (s,) = backend.sample_profiling()
+    assert len(s.activity_points) == 10_000
+    stamps = [t for t, _ in s.activity_points]
+    assert stamps == sorted(stamps) and stamps[-1] <= clock.t

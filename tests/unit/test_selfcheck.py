@@ -179,9 +179,13 @@ def test_dry_run_through_the_cli_passes_and_writes_table_json_and_trace(
     assert h2d["ratio"] == pytest.approx(1.06, abs=0.02)
     trace = Path(result["trace"])
     assert trace.name == "dry_h200_trace.jsonl" and trace.parent == tmp_path
-    rows = [json.loads(line) for line in trace.read_text().splitlines()]
-    assert rows and {r["gpu"] for r in rows} == {0, 1}
+    version, *rows = (json.loads(line) for line in trace.read_text().splitlines())
+    assert version == {"version": 2} and rows and {r["gpu"] for r in rows} == {0, 1}
     assert any(r.get("sm_instructions_executed_total", 0) > 0 for r in rows)
+    # The profiled GPU's hardware timeline is in the trace, every 20 ms.
+    stamps = [t for r in rows for t, _ in r.get("activity", ())]
+    assert len(stamps) >= 20 and stamps == sorted(stamps)
+    assert max(b - a for a, b in zip(stamps, stamps[1:], strict=False)) < 0.05
 
 
 def test_a_lying_dry_device_fails_exactly_the_checks_it_lies_to(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from mrc_agent.agent.core.hw.replay import ReplayBackend, load_trace
+from mrc_agent.agent.core.hw.replay import FORMAT_VERSION, ReplayBackend, load_trace
 from mrc_agent.agent.tools.tracegen import (
     H200_NVLINK_LINKS,
     activity,
@@ -30,8 +30,8 @@ EMBEDDED = REPO / "agent" / "tools" / "data" / "demo_starved.jsonl"
 def rows(**kwargs: Any) -> list[dict[str, Any]]:
     out = io.StringIO()
     n = write_trace(out, **kwargs)
-    lines = [json.loads(line) for line in out.getvalue().splitlines()]
-    assert len(lines) == n
+    header, *lines = (json.loads(line) for line in out.getvalue().splitlines())
+    assert header == {"version": FORMAT_VERSION} and len(lines) == n
     return lines
 
 
@@ -79,8 +79,17 @@ def test_what_the_adapters_read_is_what_the_pattern_did(pattern: str, tmp_path: 
         end = round(r["t"] / step) // 2 * 2
         steps = [activity(pattern, k * step, 0) for k in (end - 2, end - 1)]
         assert r["sm_util"] == pytest.approx(sum(s["sm_util"] for s in steps) / 2, abs=1e-6)
+    # The hardware activity timeline: a point per PM-sampling interval (the step here), dated
+    # by the interval's end, holding the share of it the GPU was busy.
+    points = [p for r in got for p in r.get("activity", ())]
+    assert [t for t, _ in points] == [round(k * step, 4) for k in range(1, 60)]
+    for t, share in points:
+        assert share == pytest.approx(activity(pattern, t - step, 0)["gpu_util"], abs=1e-4)
+    assert {r["activity_metric"] for r in got} == {
+        "gr__cycles_active.avg.pct_of_peak_sustained_elapsed"}
     path = tmp_path / "t.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in got))
+    path.write_text(f'{{"version": {FORMAT_VERSION}}}\n'
+                    + "".join(json.dumps(r) + "\n" for r in got))
     assert load_trace(str(path))  # the replay validator takes it as it is
 
 

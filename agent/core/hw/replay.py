@@ -1,8 +1,14 @@
 """Replay backend: plays a JSON Lines GPU trace at wall-clock pace, looping forever.
 
-One object per device per sample (format in ``docs/replay-format.md``)::
+One object per device per sample (format in ``docs/replay-format.md``), after an optional
+first line naming the format's version (none: version 1)::
 
+    {"version": 2}
     {"t": 0.0, "gpu": 0, "uuid": "GPU-…", "name": "NVIDIA H200", "gpu_util": 0.93, ...}
+
+Version 2 adds the hardware GPU-activity timeline: ``activity``, the ``[t, ratio]`` points
+CUPTI PM sampling decoded since the row before, and ``activity_metric``, the metric they were
+read from. Playback hands them to the profiling collector as the live sampler does.
 
 Rows are keyed by ``uuid``: a GPU in MIG mode has a row of its own and one per MIG device
 (``MIG-…`` UUID), all with the physical GPU's ``gpu`` index, as the NVML source reports them.
@@ -66,8 +72,13 @@ TRACE_FIELDS: dict[str, tuple[str, str, str]] = {
     "dram_read_throughput_ratio": ("profiling", "dram_read_throughput_ratio", "ratio"),
 }
 
-#: At most this many fine-grained utilisation points are handed out per sampling pass.
+#: At most this many fine-grained utilisation (or activity) points are handed out per pass.
 _MAX_UTIL_POINTS = 10_000
+#: The newest version of the format this reader knows: 1, the rows alone; 2 adds ``activity``
+#: and ``activity_metric``. Written by ``mrc-agent record`` on the trace's first line.
+FORMAT_VERSION = 2
+#: Points one row's ``activity`` may hold: ten seconds of PM sampling at 1 ms.
+MAX_ACTIVITY_POINTS = 10_000
 
 
 #: A trace is read whole and kept parsed in memory: 16 MiB is about 50,000 lines (8 GPUs at
@@ -99,6 +110,10 @@ class _GpuTrace:
     last_counter: dict[str, float] = field(default_factory=dict)
     #: For a MIG device, the GPU instance its GPM was measured over (``gpu_instance``).
     gpu_instance: int | None = None
+    #: The hardware activity timeline (version 2): point times, their 0-1 values, the metric.
+    activity_times: list[float] = field(default_factory=list)
+    activity_values: list[float] = field(default_factory=list)
+    activity_metric: str | None = None
 
 
 def _text(value: str) -> bool:
@@ -142,6 +157,7 @@ def load_trace(path: str) -> dict[str, _GpuTrace]:
     gpus: dict[str, _GpuTrace] = {}
     #: The whole GPU (not a MIG device) that holds each index.
     whole: dict[int, str] = {}
+    version: int | None = None  # set by the first line: its own, or 1 for a row
     try:
         lines = read_bounded(path, MAX_TRACE_BYTES, "replay trace").decode("utf-8").splitlines()
     except OSError as exc:
@@ -162,6 +178,12 @@ def load_trace(path: str) -> dict[str, _GpuTrace]:
             raise ReplayFormatError(f"{where}: not valid JSON ({exc})") from exc
         if not isinstance(obj, dict):
             raise ReplayFormatError(f"{where}: expected a JSON object")
+        if "version" in obj and "t" not in obj:
+            if version is not None:
+                raise ReplayFormatError(f"{where}: the 'version' line must be the first line")
+            version = _version(obj["version"], where)
+            continue
+        version = version or 1
         t, gpu = obj.get("t"), obj.get("gpu")
         if not _number(t) or t < 0:
             raise ReplayFormatError(f"{where}: 't' must be a number >= 0")
@@ -214,6 +236,7 @@ def load_trace(path: str) -> dict[str, _GpuTrace]:
                 trace.last_counter[key] = float(value)
             record[key] = float(value)
         processes = _processes(obj.get("processes"), where)
+        _activity(obj, trace, version, where)
         if trace.times and t == trace.times[-1]:
             # Keyed by UUID, a second row at one time would hide the first: which is the
             # device's reading is not said (a MIG row that forgot its ``MIG-`` uuid, say).
@@ -226,6 +249,55 @@ def load_trace(path: str) -> dict[str, _GpuTrace]:
     for trace in gpus.values():
         _fill_loop_increments(trace)
     return gpus
+
+
+def _version(value: Any, where: str) -> int:
+    """The first line's format version: 1 up to :data:`FORMAT_VERSION`."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ReplayFormatError(f"{where}: 'version' must be an integer >= 1")
+    if value > FORMAT_VERSION:
+        raise ReplayFormatError(f"{where}: trace format version {value} is newer than this "
+                                f"mrc-agent reads (1-{FORMAT_VERSION}): upgrade mrc-agent")
+    return value
+
+
+def _activity(obj: dict[str, Any], trace: _GpuTrace, version: int, where: str) -> None:
+    """A row's version-2 ``activity`` (``[[t, ratio], ...]``, times from the trace start,
+    increasing over the device's rows) and ``activity_metric``, appended to ``trace``."""
+    points, metric = obj.get("activity"), obj.get("activity_metric")
+    if points is None and metric is None:
+        return
+    if version < 2:
+        raise ReplayFormatError(f"{where}: 'activity' and 'activity_metric' are version 2 "
+                                'fields: the trace needs the first line {"version": 2}')
+    if metric is not None:
+        if not isinstance(metric, str) or not metric or len(metric) > MAX_LABEL_CHARS or (
+                not _text(metric)):
+            raise ReplayFormatError(f"{where}: 'activity_metric' must be a metric name of 1-"
+                                    f"{MAX_LABEL_CHARS} characters")
+        if trace.activity_metric not in (None, metric):
+            raise ReplayFormatError(f"{where}: uuid {trace.identity.uuid!r} changed "
+                                    f"activity_metric to {metric!r}")
+        trace.activity_metric = metric
+    if points is None:
+        return
+    if trace.activity_metric is None:
+        raise ReplayFormatError(f"{where}: 'activity' needs 'activity_metric' (the metric it "
+                                "was read from) on this row or an earlier one of the device")
+    if not isinstance(points, list) or len(points) > MAX_ACTIVITY_POINTS:
+        raise ReplayFormatError(f"{where}: 'activity' must be a list of at most "
+                                f"{MAX_ACTIVITY_POINTS} [t, ratio] points")
+    times, values = trace.activity_times, trace.activity_values
+    for point in points:
+        if not (isinstance(point, list) and len(point) == 2 and all(map(_number, point))
+                and point[0] >= 0 and 0 <= point[1] <= 1):
+            raise ReplayFormatError(f"{where}: each 'activity' point must be [t >= 0, ratio "
+                                    f"0-1], not {json.dumps(point)[:40]}")
+        if times and point[0] <= times[-1]:
+            raise ReplayFormatError(f"{where}: 'activity' times must increase over the "
+                                    f"device's rows ({times[-1]} then {point[0]})")
+        times.append(float(point[0]))
+        values.append(float(point[1]))
 
 
 def _processes(value: Any, where: str) -> dict[int, float]:
@@ -280,7 +352,11 @@ class ReplayBackend:
         # Last (loop, index) handed out as fine-grained utilisation, per device UUID.
         self._util_cursor: dict[str, tuple[int, int]] = {}
         kinds = {TRACE_FIELDS[k][0] for tr in self._gpus.values() for r in tr.records for k in r}
+        if any(tr.activity_metric for tr in self._gpus.values()):
+            kinds.add("profiling")
         self._has = kinds
+        # Activity points handed out so far, counted over the loops, per device UUID.
+        self._activity_cursor: dict[str, int] = {}
 
     @property
     def period(self) -> float:
@@ -363,8 +439,25 @@ class ReplayBackend:
         if "profiling" not in self._has:
             raise SourceUnavailable(
                 "not_in_trace", f"{self.path} has no profiling-counter fields")
-        return [ProfilingSample(gpu=tr.identity, **v)  # type: ignore[arg-type]  # numeric only
-                for tr, v in self._current("profiling") if v]
+        return [ProfilingSample(gpu=tr.identity, activity_points=self._activity_points(tr),
+                                activity_metric=tr.activity_metric,
+                                **v)  # type: ignore[arg-type]  # numeric only
+                for tr, v in self._current("profiling") if v or tr.activity_metric]
+
+    def _activity_points(self, trace: _GpuTrace) -> tuple[tuple[float, float], ...]:
+        """The activity points the trace passed since the last call (since the start on the
+        first), on this backend's clock, oldest first; at most :data:`_MAX_UTIL_POINTS`."""
+        times = trace.activity_times
+        n = len(times)
+        if not n:
+            return ()
+        loop, pos = self._position(self._clock())
+        now = loop * n + bisect.bisect_right(times, pos)
+        first = max(self._activity_cursor.get(trace.identity.uuid, 0), now - _MAX_UTIL_POINTS)
+        self._activity_cursor[trace.identity.uuid] = now
+        values = trace.activity_values
+        return tuple((self._start + lp * self._period + times[i], values[i])
+                     for lp, i in (divmod(k, n) for k in range(first, now)))
 
     def close(self) -> None:
         """Nothing to release: the trace was read whole when the backend was made."""

@@ -330,7 +330,7 @@ def measure(rig: Rig, plan: Plan, say: Callable[[str], None]) -> tuple[list[Trut
 def record_trace(rig: Rig, plan: Plan, path: Path) -> TruthCheck:
     """``mrc-agent record``'s recorder over ``make_sources``' sources for ``plan.trace_s``
     while the mixed workload runs; the trace must replay."""
-    from mrc_agent.agent.core.hw.replay import ReplayBackend, ReplayFormatError
+    from mrc_agent.agent.core.hw.replay import ReplayBackend, ReplayFormatError, load_trace
     from mrc_agent.agent.tools.record import record
 
     stop = threading.Event()
@@ -364,6 +364,9 @@ def record_trace(rig: Rig, plan: Plan, path: Path) -> TruthCheck:
     try:
         replay = ReplayBackend(str(path))
         notes.append(f"replays: {len(replay.identities)} GPU(s), {replay.period:.1f} s")
+        timed = [tr for tr in load_trace(str(path)).values() if tr.activity_times]
+        notes.append(f"activity timeline: {sum(len(tr.activity_times) for tr in timed)} "
+                     f"points on {len(timed)} GPU(s)")
     except ReplayFormatError as exc:
         verdict = cmp.FAIL
         notes.append(f"does not replay: {exc}")
