@@ -207,3 +207,12 @@ def test_a_long_pause_hands_out_at_most_the_cap_of_activity_points(tmp_path) -> 
     assert len(s.activity_points) == 10_000
     stamps = [t for t, _ in s.activity_points]
     assert stamps == sorted(stamps) and stamps[-1] <= clock.t
+
+
+def test_start_sets_the_moment_the_trace_begins_on_the_clock(tmp_path) -> None:
+    rows = [{"t": t, "gpu": 0, "gpu_util": u} for t, u in [(0, 0.1), (1, 0.2), (2, 0.3)]]
+    clock = Clock()
+    backend = ReplayBackend(_write(tmp_path, rows), clock=clock, start=clock.t + 5.0)
+    assert backend.sample_devices()[0].gpu_util == 0.1  # before its start: the first row
+    clock.t += 6.5
+    assert backend.sample_devices()[0].gpu_util == 0.2  # 1.5 s in, not 6.5

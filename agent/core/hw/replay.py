@@ -341,14 +341,17 @@ def _period(gpus: dict[str, _GpuTrace]) -> float:
 class ReplayBackend:
     """Implements DeviceSource, GpmSource and ProfilingSource from a trace file."""
 
-    def __init__(self, path: str, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, path: str, clock: Callable[[], float] = time.monotonic,
+                 start: float | None = None) -> None:
+        """``start``: the moment on ``clock`` the trace's ``t`` = 0 plays at (default: once
+        the trace is read), for a trace that must keep time with something else."""
         self.path = path
         self._gpus = load_trace(path)
         # By GPU index, a GPU before its MIG devices (the order of first appearance).
         self._order = sorted(self._gpus.values(), key=lambda tr: tr.identity.index)
         self._period = _period(self._gpus)
         self._clock = clock
-        self._start = clock()
+        self._start = clock() if start is None else start
         # Last (loop, index) handed out as fine-grained utilisation, per device UUID.
         self._util_cursor: dict[str, tuple[int, int]] = {}
         kinds = {TRACE_FIELDS[k][0] for tr in self._gpus.values() for r in tr.records for k in r}
