@@ -70,7 +70,7 @@ def test_stamps_on_no_known_clock_give_no_points_and_say_so_once(
     with caplog.at_level(logging.INFO, logger=LOGGER):
         timeline.add([(_ns(1e5), 50.0)])  # ahead of the monotonic clock, far behind the wall
         timeline.add([(_ns(1e5 + 0.02), 50.0)])
-    assert timeline.stamp_clock is None
+    assert timeline.stamp_clock == "unknown"
     assert timeline.take() == ()
     assert [r.getMessage() for r in caplog.records] == [
         "GPU 0: PM-sampling stamps fit no known clock; its hardware activity timeline is "
@@ -136,6 +136,7 @@ def test_the_sampler_configures_the_activity_metric_and_hands_out_its_timeline()
     sampler, lib = _sampler(clock)
     first = sampler.sample_profiling()  # starts sampling
     assert [s.activity_metric for s in first] == [ACTIVE, ACTIVE]
+    assert [s.activity_clock for s in first] == [None, None]  # no stamp yet
     assert ACTIVE in (lib.collectors[0].metrics or [])
     clock.t = 100.5
     gpu0, gpu1 = sampler.sample_profiling()
@@ -146,6 +147,7 @@ def test_the_sampler_configures_the_activity_metric_and_hands_out_its_timeline()
     assert partial == {}  # the window starts and ends on interval bounds
     assert all(u == pytest.approx(1.0) for _, u in gpu1.activity_points)
     assert gpu0.sm_instructions_executed_total == pytest.approx(0.5e9)  # counters unchanged
+    assert gpu0.activity_clock == gpu1.activity_clock == "monotonic"
 
 
 def test_a_chip_without_an_activity_metric_has_no_timeline() -> None:
@@ -161,7 +163,8 @@ def test_a_chip_without_an_activity_metric_has_no_timeline() -> None:
     sampler.sample_profiling()
     clock.t = 100.2
     (sample,) = sampler.sample_profiling()
-    assert (sample.activity_metric, sample.activity_points) == (None, ())
+    assert (sample.activity_metric, sample.activity_points, sample.activity_clock) == (
+        None, (), None)
     assert sample.sm_instructions_executed_total is not None
 
 
@@ -178,7 +181,8 @@ def test_the_profiling_collector_publishes_the_timeline_of_the_gpus_it_watches()
     assert all(len(p) == 5 for p in activity.points.values())
     info = [labels for name, labels, _ in update.samples
             if name == "mrc_gpu_profiling_metrics_info"]
-    assert info and all(labels[-1] == ACTIVE for labels in info)
+    # The activity metric, then the clock its stamps were found on.
+    assert info and all(labels[-2:] == (ACTIVE, "monotonic") for labels in info)
 
 
 # -- the derived collector ------------------------------------------------------------------

@@ -56,13 +56,15 @@ DRAM_READ_THROUGHPUT = gauge(
 PROFILING_METRICS_INFO = info(
     NAME, "mrc_gpu_profiling_metrics_info",
     (*GPU, "sm_metric", "dram_metric", "metric_set", "dram_unit", "dram_unit_bytes",
-     "dram_unit_basis", "activity_metric"),
+     "dram_unit_basis", "activity_metric", "activity_clock"),
     "Which CUPTI PM-sampling metrics feed the profiling counters of a sampling GPU: the "
     "SM-instruction metric, the DRAM metric and the single-pass metric set (none where "
     "there is none), and the basis of mrc_gpu_dram_read_bytes_total: what the DRAM metric "
     "counts (bytes, sectors or percent_of_peak), the bytes in one such unit, whether "
     "CUPTI's metric properties or the metric's name said so, and the GPU-activity metric "
-    "whose timeline the idle windows are found on (none: NVML's utilisation samples).")
+    "whose timeline the idle windows are found on (none: NVML's utilisation samples), and "
+    "the clock its sample stamps were found on (realtime, boottime or monotonic; unknown: "
+    "none fits and the timeline is not used; none: no stamp yet).")
 METRICS = (SM_INSTRUCTIONS, DRAM_READ_BYTES, DRAM_READ_THROUGHPUT, PROFILING_METRICS_INFO)
 
 #: Source values of :data:`COMPUTE_MEMORY_SOURCE`.
@@ -186,7 +188,8 @@ def _metrics_info(s: ProfilingSample) -> list[Sample]:
     names = tuple(n or "none" for n in (s.sm_metric, s.dram_metric, s.metric_set))
     unit = s.dram_unit or "none"
     per_unit = {UNIT_BYTES: "1", UNIT_SECTORS: str(SECTOR_BYTES)}.get(unit, "none")
-    basis = (s.dram_unit_basis or "none", s.activity_metric or "none")
+    basis = (s.dram_unit_basis or "none", s.activity_metric or "none",
+             s.activity_clock or "none")
     return [(PROFILING_METRICS_INFO.name, (*s.gpu.labels, *names, unit, per_unit, *basis), {})]
 
 

@@ -160,6 +160,10 @@ class ProfilingSample:
     #: and the metric it is read from (``None``: not sampled on this GPU).
     activity_points: tuple[tuple[float, float], ...] = ()
     activity_metric: str | None = None
+    #: The clock the activity points' stamps were found on (``realtime``, ``boottime``,
+    #: ``monotonic``; ``unknown``: none fits, so the timeline is not used); ``None`` before the
+    #: first stamp, or where nothing stamps them (a replayed trace).
+    activity_clock: str | None = None
 
 
 class DeviceSource(Protocol):

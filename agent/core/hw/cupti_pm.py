@@ -581,6 +581,7 @@ class CuptiPmSampler:
             metric_set=choice.metric_set, dram_unit=choice.dram_unit,
             dram_unit_basis=choice.dram_unit_basis,
             activity_points=dev.timeline.take(), activity_metric=choice.active_metric,
+            activity_clock=dev.timeline.stamp_clock if choice.active_metric else None,
         )
 
     # -- the CUPTI boundary: the only methods that call the library -----------------------------

@@ -72,9 +72,11 @@ class ActivityTimeline:
 
     @property
     def stamp_clock(self) -> str | None:
-        """The clock the stamps were found on; ``None`` before the first stamp or when none
-        fits."""
-        return None if self._stamp_clock == _UNSET else self._stamp_clock
+        """The clock the stamps were found on (``realtime``, ``boottime``, ``monotonic``), or
+        ``unknown`` when they fit none; ``None`` before the first stamp."""
+        if self._stamp_clock == _UNSET:
+            return None
+        return self._stamp_clock or "unknown"
 
     def add(self, points: Iterable[tuple[int | None, float | None]]) -> None:
         """``(end stamp in ns, activity percentage)`` per decoded interval, oldest first."""
