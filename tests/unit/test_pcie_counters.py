@@ -375,3 +375,61 @@ def test_without_the_device_max_generation_the_reported_one_at_16_lanes_bounds_i
     b = backend(FakeNvml([gpu(pcie=link, pcie_count=counted(0, 0, U32))]))
     b.sample_devices()
     assert b._pcie_counters.narrow_period() == pytest.approx(2**32 / 32e9 / 3)  # Gen4 x16
+
+
+def test_a_round_reads_every_narrow_gpu_and_leaves_a_failing_one_to_the_careful_path() -> None:
+    # Three narrow GPUs; one then loses its byte-count fields, one answers a field error.
+    clock = Clock()
+    fake = FakeNvml([gpu(index=i, pcie_count=counted(0, 0, U32)) for i in range(3)])
+    b = backend(fake, clock=clock)
+    b.sample_devices()
+    counters = b._pcie_counters
+    snapshot = b._session.snapshot()
+    assert snapshot is not None
+    lib, gpus = snapshot
+    tx_id = pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES
+    fake.gpus[1]["field_errors"] = {tx_id: pynvml.NVML_ERROR_NOT_SUPPORTED}
+    fake.gpus[2]["field_errors"] = {tx_id: pynvml.NVML_ERROR_UNKNOWN}
+    true = 0.0
+    for _ in range(10):
+        clock.now += 0.02
+        true += RATE * 0.02
+        for g in fake.gpus:
+            g["pcie_count"] = counted(true, true / 2, U32)
+        failed = counters.poll_round(lib, gpus)
+        assert [(g.index, type(e).__name__) for g, e in failed] == [(2, "NVMLError_Unknown")]
+    uuid2 = gpus[2].identity.uuid
+    assert counters.absent(gpus[1].identity.uuid) and not counters.absent(uuid2)
+    fake.gpus[2]["field_errors"] = {}
+    first, _, third = b.sample_devices()
+    assert first.pcie_tx_bytes_total == int(true) and first.pcie_rx_bytes_total == int(true / 2)
+    # Nothing was applied from the failed reads: the sampler's read comes 0.2 s after the
+    # last good one, too late for a 32-bit counter at this rate, and is dropped as a gap.
+    assert third.pcie_tx_bytes_total == 0.0
+    assert sum(n for (d, _), n in counters.dropped(uuid2).items() if d == "tx") == 1
+
+
+def test_a_round_told_to_stop_applies_what_it_read_and_reads_no_further() -> None:
+    clock = Clock()
+    fake = FakeNvml([gpu(index=i, pcie_count=counted(0, 0, U32)) for i in range(2)])
+    b = backend(fake, clock=clock)
+    b.sample_devices()
+    snapshot = b._session.snapshot()
+    assert snapshot is not None
+    lib, gpus = snapshot
+    stop = threading.Event()
+    read = fake.nvmlDeviceGetFieldValues
+
+    def read_then_stop(handle, fields):  # type: ignore[no-untyped-def]
+        stop.set()  # stopping while the first GPU is read
+        return read(handle, fields)
+
+    fake.nvmlDeviceGetFieldValues = read_then_stop  # type: ignore[method-assign]
+    clock.now += 0.02
+    for g in fake.gpus:
+        g["pcie_count"] = counted(RATE * 0.02, 0, U32)
+    assert b._pcie_counters.poll_round(lib, gpus, stop) == []
+    fake.nvmlDeviceGetFieldValues = read  # type: ignore[method-assign]
+    first, second = b.sample_devices()
+    assert first.pcie_tx_bytes_total == int(RATE * 0.02)  # read and applied
+    assert second.pcie_tx_bytes_total == int(RATE * 0.02)  # read later, by the sampler
