@@ -7,6 +7,7 @@ forwarded shows up as a second, smuggled request in :attr:`RawUpstream.seen`."""
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -96,15 +97,23 @@ class RawUpstream:
     sent: int = 0
     #: Connections accepted so far.
     accepted: int = 0
+    #: Serve HTTPS with this server context (the URL is then ``https://``).
+    tls: ssl.SSLContext | None = None
 
     def __post_init__(self) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = int(self.sock.getsockname()[1])
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
         self.lock = threading.Lock()
         serve_each(self.sock, self, self._one)
 
     def _one(self, conn: socket.socket) -> None:
+        if self.tls is not None:
+            try:  # a client that does not speak TLS, or does not trust us, ends here
+                conn = self.tls.wrap_socket(conn, server_side=True)
+            except OSError:
+                conn.close()
+                return
         with conn:
             buf = b""
             while True:

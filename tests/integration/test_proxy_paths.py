@@ -3,13 +3,16 @@ gets (framing headers the proxy writes itself, ``connection: close`` when the cl
 it), the connection kept or closed after it, the 502 a client gets when the first chunk of an
 answer is malformed, the close of a connection answered before its request body ended; and,
 called directly, the count of a refused head whose request line names a metered path and the
-pool's admission and reuse rules.
+pool's admission and reuse rules; and an HTTPS upstream spoken to over TLS, verified against
+the CA the proxy is given (or the system's, by default).
 """
 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import socket
+import ssl
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +24,7 @@ from mrc_agent.agent.tools.proxy import POOL_SIZE, Proxy
 from mrc_agent.agent.tools.proxy_http import raw_error
 from tests.conftest import parse_metrics
 from tests.openai_support import ProxyThread
+from tests.pki import make_pki
 from tests.raw_upstream import AnswerReader, RawUpstream, chunked_answer, length_answer
 from tests.unit.test_proxy_units import _conn, _proxy
 
@@ -244,3 +248,29 @@ def test_a_pooled_connection_is_reused_only_while_fresh_and_usable() -> None:
     with pytest.raises(OSError):  # nothing listens on port 9: the pool had none to give
         asyncio.run(p._connect())
     assert (p._pool, stale_t.closing, stale.pooled, closed.pooled) == ([], True, False, False)
+
+
+@pytest.mark.parametrize("trust", ["the test CA", "the system's"])
+def test_an_https_upstream_is_spoken_to_over_tls_and_verified(tmp_path, trust: str) -> None:
+    pki = make_pki(tmp_path)
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(pki.server, pki.server_key)
+    up = RawUpstream(length_answer(b'{"ok":1}'), tls=server)
+    assert up.url.startswith("https://")
+    tls = ssl.create_default_context(cafile=pki.ca) if trust == "the test CA" else None
+    p = ProxyThread(up.url, tls=tls)
+    try:
+        client = http.client.HTTPConnection("127.0.0.1", int(p.url.rsplit(":", 1)[1]),
+                                            timeout=10)
+        client.request("GET", "/v1/models")
+        answer = client.getresponse()
+        body = answer.read()
+        client.close()
+    finally:
+        p.stop()
+        up.close()
+    if tls is not None:
+        assert (answer.status, body) == (200, b'{"ok":1}')
+        assert [s.target for s in up.seen] == [b"/v1/models"]  # decrypted on the far side
+    else:  # a certificate the system does not trust: no request reaches the upstream
+        assert answer.status == 502 and not up.seen

@@ -6,9 +6,7 @@ trust store."""
 from __future__ import annotations
 
 import base64
-import datetime
 import http.client
-import ipaddress
 import os
 import re
 import select
@@ -20,15 +18,10 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import bcrypt
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from prometheus_client.registry import CollectorRegistry
 
 from mrc_agent.agent.cli import main
@@ -42,81 +35,16 @@ from mrc_agent.exporters.exposition.http import (
 )
 from mrc_agent.exporters.exposition.http.webconfig import BasicAuth, credentials, load_web_config
 from tests.conftest import REPO, wait_until
+from tests.pki import Pki, make_pki
 
 LIMITS = Limits(idle_timeout_s=2.0, head_timeout_s=2.0, body_timeout_s=2.0,
                 write_timeout_s=2.0, linger_s=0.5)
 
 
-# -- a throwaway PKI ---------------------------------------------------------------------------
-
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _issue(cn: str, issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None, *,
-           usage: x509.ObjectIdentifier | None = None,
-           ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """A certificate for ``cn``: a CA when ``issuer`` is None (self-signed), else a leaf for
-    ``usage`` (server or client auth) signed by ``issuer``."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder().subject_name(_name(cn)).public_key(key.public_key())
-               .serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(now + datetime.timedelta(days=1)))
-    if issuer is None:
-        builder = builder.issuer_name(_name(cn)).add_extension(
-            x509.BasicConstraints(ca=True, path_length=None), critical=True).add_extension(
-            x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                          content_commitment=False, key_encipherment=False,
-                          data_encipherment=False, key_agreement=False, encipher_only=False,
-                          decipher_only=False), critical=True)
-        return builder.sign(key, hashes.SHA256()), key
-    ca_cert, ca_key = issuer
-    builder = builder.issuer_name(ca_cert.subject).add_extension(
-        x509.BasicConstraints(ca=False, path_length=None), critical=True)
-    if usage is ExtendedKeyUsageOID.SERVER_AUTH:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False)
-    if usage is not None:
-        builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-    return builder.sign(ca_key, hashes.SHA256()), key
-
-
-@dataclass(frozen=True)
-class Pki:
-    dir: Path
-
-    def __getattr__(self, name: str) -> str:
-        """``pki.server_key`` is the path of ``server-key.pem``."""
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return str(self.dir / f"{name.replace('_', '-')}.pem")
-
-    def der(self, name: str) -> bytes:
-        return ssl.PEM_cert_to_DER_cert((self.dir / f"{name}.pem").read_text())
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    """ca, server (and server2, for rotation), client (signed by ca) and rogue-client (signed
-    by a CA the server does not trust): each ``NAME.pem`` with its ``NAME-key.pem``."""
-    root = tmp_path_factory.mktemp("pki")
-    ca = _issue("mrc-test-ca", None)
-    other_ca = _issue("someone-elses-ca", None)
-    made = {"ca": ca,
-            "server": _issue("mrc-agent", ca, usage=ExtendedKeyUsageOID.SERVER_AUTH),
-            "server2": _issue("mrc-agent", ca, usage=ExtendedKeyUsageOID.SERVER_AUTH),
-            "client": _issue("prometheus", ca, usage=ExtendedKeyUsageOID.CLIENT_AUTH),
-            "rogue-client": _issue("prometheus", other_ca,
-                                   usage=ExtendedKeyUsageOID.CLIENT_AUTH)}
-    for name, (cert, key) in made.items():
-        (root / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (root / f"{name}-key.pem").write_bytes(key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption()))
-    return Pki(root)
+    """A throwaway CA with server and client certificates (``tests/pki.py``)."""
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def _client_tls(pki: Pki, cert: str | None = None) -> ssl.SSLContext:
