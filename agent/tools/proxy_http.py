@@ -136,8 +136,10 @@ def parse_request(data: bytes) -> MessageHead:
     if head.method == b"CONNECT":
         raise BadHead(501, "CONNECT is not supported")
     hosts = head.count(b"host")
-    if hosts > 1 or (hosts == 0 and head.version == b"1.1"):
-        raise BadHead(400, "an HTTP/1.1 request needs exactly one Host header")
+    if hosts > 1:  # RFC 9112 §3.2: whatever the version
+        raise BadHead(400, "a request may have only one Host header")
+    if hosts == 0 and head.version == b"1.1":
+        raise BadHead(400, "an HTTP/1.1 request needs a Host header")
     if head.other_coding():
         raise BadHead(501, "only Transfer-Encoding: chunked is supported")
     return head
