@@ -99,11 +99,13 @@ class RawUpstream:
     accepted: int = 0
     #: Serve HTTPS with this server context (the URL is then ``https://``).
     tls: ssl.SSLContext | None = None
+    #: The loopback address to listen on.
+    host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock = socket.create_server((self.host, 0))
         self.port = int(self.sock.getsockname()[1])
-        self.url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+        self.url = f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
         self.lock = threading.Lock()
         serve_each(self.sock, self, self._one)
 

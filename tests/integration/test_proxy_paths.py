@@ -3,7 +3,9 @@ gets (framing headers the proxy writes itself, ``connection: close`` when the cl
 it), the connection kept or closed after it, the 502 a client gets when the first chunk of an
 answer is malformed, the close of a connection answered before its request body ended; and,
 called directly, the count of a refused head whose request line names a metered path and the
-pool's admission and reuse rules; and an HTTPS upstream spoken to over TLS, verified against
+pool's admission and reuse rules (its idle limit exact, on a stubbed clock); an upstream that
+cannot be reached, a request body that arrives in pieces, the headers the proxy forwards, an
+upstream on another loopback address; and an HTTPS upstream spoken to over TLS, verified against
 the CA the proxy is given (or the system's, by default).
 """
 
@@ -11,21 +13,26 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import json
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import generate_latest
 
-from mrc_agent.agent.tools.proxy import POOL_SIZE, Proxy
+from mrc_agent.agent.tools import proxy as proxy_module
+from mrc_agent.agent.tools.proxy import POOL_IDLE_S, POOL_SIZE, Proxy
 from mrc_agent.agent.tools.proxy_http import raw_error
-from tests.conftest import parse_metrics
+from tests.conftest import parse_metrics, series
 from tests.openai_support import ProxyThread
 from tests.pki import make_pki
 from tests.raw_upstream import AnswerReader, RawUpstream, chunked_answer, length_answer
+from tests.support import free_port
 from tests.unit.test_proxy_units import _conn, _proxy
 
 
@@ -274,3 +281,91 @@ def test_an_https_upstream_is_spoken_to_over_tls_and_verified(tmp_path, trust: s
         assert [s.target for s in up.seen] == [b"/v1/models"]  # decrypted on the far side
     else:  # a certificate the system does not trust: no request reaches the upstream
         assert answer.status == 502 and not up.seen
+
+
+@pytest.mark.parametrize("request_head", [
+    b"GET /v1/models HTTP/1.1\r\nHost: h\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nContent-Length: 2\r\n\r\n{}",
+], ids=["unmetered", "metered"])
+def test_an_unreachable_upstream_is_a_502_saying_so_and_the_connection_closes(
+        request_head: bytes) -> None:
+    p = ProxyThread(f"http://127.0.0.1:{free_port()}", connect_timeout=2.0)
+    try:
+        with _connect(p) as sock:
+            sock.sendall(request_head)
+            answer = _until_closed(sock)
+        want = {"error": 1.0} if b"POST" in request_head else {}
+        deadline = time.monotonic() + 5  # counted as the exchange ends, after the close
+        while _counted(p.proxy) != want and time.monotonic() < deadline:
+            time.sleep(0.02)
+        counted = _counted(p.proxy)
+    finally:
+        p.stop()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 502 Bad Gateway\r\n")
+    assert json.loads(body)["error"] == {"message": "the upstream server is unreachable",
+                                         "type": "bad_gateway", "param": None, "code": 502}
+    assert counted == want
+
+
+def test_a_request_body_in_pieces_is_metered_as_the_whole_body() -> None:
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "a" * 75}]})
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nContent-Type: application/json"
+            b"\r\nContent-Length: %d\r\n\r\n" % len(body))
+    up = RawUpstream(length_answer(b'{"choices":[]}'))
+    with fronting(up) as p:
+        for pieces in ([body.encode()], [body[:20].encode(), body[20:50].encode(),
+                                         body[50:].encode()]):
+            with _connect(p) as sock:
+                reader = AnswerReader(sock)
+                sock.sendall(head)
+                for piece in pieces:
+                    time.sleep(0.05)  # each piece its own read on the proxy's side
+                    sock.sendall(piece)
+                assert reader.read()[0].startswith(b"HTTP/1.1 200 OK")
+        deadline = time.monotonic() + 10
+        while sum(_counted(p.proxy).values()) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        values = parse_metrics(generate_latest(p.metrics.registry).decode())
+    assert [s.body for s in up.seen] == [body.encode()] * 2
+    # 75 characters of prompt: both in the 50-100 cell, whole or in three pieces.
+    assert [v for v in series(values, "mrc_request_duration_seconds_count",
+                              prompt_length="50-100") if v] == [2.0]
+
+
+def test_the_upstream_gets_the_clients_headers_less_the_named_and_the_proxys_view() -> None:
+    up = RawUpstream(length_answer(b"{}"))
+    with fronting(up) as p, _connect(p) as sock:
+        # HTTP/1.0 without Host; Connection names two headers with no space between them.
+        sock.sendall(b"GET /a HTTP/1.0\r\nConnection: x-one,x-two\r\nX-One: 1\r\nX-Two: 2\r\n"
+                     b"X-Kept: X1 \t\r\n\r\n")
+        assert _until_closed(sock).startswith(b"HTTP/1.1 200 OK")
+    (seen,) = up.seen
+    names = [n for n, _ in seen.headers]
+    assert b"x-one" not in names and b"x-two" not in names
+    assert seen.header(b"x-kept") == [b"X1"]  # only spaces and tabs are trimmed
+    assert seen.header(b"x-forwarded-host") == []  # the client named no host
+    assert seen.header(b"x-forwarded-proto") == [b"http"]
+
+
+def test_an_upstream_on_another_loopback_address_is_reached_there() -> None:
+    up = RawUpstream(length_answer(b"{}"), host="127.0.0.2")
+    with fronting(up) as p, _connect(p) as sock:
+        sock.sendall(b"GET /a HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
+        assert _until_closed(sock).startswith(b"HTTP/1.1 200 OK")
+    assert [s.target for s in up.seen] == [b"/a"]
+
+
+def test_a_pooled_connection_idle_exactly_the_limit_is_not_reused(monkeypatch) -> None:
+    now = 1000.0
+    monkeypatch.setattr(proxy_module, "time", SimpleNamespace(monotonic=lambda: now))
+    p = _proxy()
+    at_limit, at_limit_t = _conn(pooled=True, idle_since=now - POOL_IDLE_S)
+    fresh, _ = _conn(pooled=True, idle_since=now - POOL_IDLE_S + 0.001)
+    p._pool = [at_limit, fresh]
+    assert asyncio.run(p._connect()) is fresh
+    p._pool = [at_limit]
+    with pytest.raises(OSError):  # nothing listens on port 9: the pool had none to give
+        asyncio.run(p._connect())
+    assert at_limit_t.closing
