@@ -39,7 +39,7 @@ What it does to the traffic, and what it does not:
   or part-way through one) is closed to make room, and when every one is being answered the new
   one gets 503.
 
-Upstream connections are kept alive and reused while idle for at most ``POOL_IDLE_S``, below
+Upstream connections are kept alive and reused while idle for less than ``POOL_IDLE_S``, below
 uvicorn's five-second keep-alive, so a reused connection is not one the upstream is closing.
 
 Both connections are asyncio protocols (:mod:`~mrc_agent.agent.tools.proxy_upstream`): heads
@@ -334,7 +334,9 @@ class Proxy:
                 except (TimeoutError, asyncio.TimeoutError):
                     return
                 except BadHead as e:
-                    self._meter_refusal(raw, e.status)
+                    # A head over the limit or cut short has no whole head: its request line
+                    # is still what the client sent first.
+                    self._meter_refusal(raw if raw is not None else bytes(client.buf), e.status)
                     client.write(raw_error(e.status, e.message))
                     await client.linger(LINGER_S, LINGER_BYTES)
                     return

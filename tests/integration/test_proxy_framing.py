@@ -7,6 +7,7 @@ that got another's answer is seen."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -308,7 +309,10 @@ def test_the_head_limit_is_exact_however_the_head_arrives(
                     break
         else:
             s.sendall(head)
-        assert status_of(AnswerReader(s).read()[0]) == status
+        answer, body = AnswerReader(s).read()
+        assert status_of(answer) == status
+        if status == 431:
+            assert json.loads(body)["error"]["message"] == "the request head is over 64 KiB"
     assert len(up.seen) == (status == 200)
 
 

@@ -369,3 +369,59 @@ def test_a_pooled_connection_idle_exactly_the_limit_is_not_reused(monkeypatch) -
     with pytest.raises(OSError):  # nothing listens on port 9: the pool had none to give
         asyncio.run(p._connect())
     assert at_limit_t.closing
+
+
+def test_blank_lines_before_a_request_line_are_skipped() -> None:
+    """RFC 9112 §2.2: a server ignores at least one empty line (CRLF or a bare LF) received
+    before a request line, as after a body some clients send one."""
+    up = RawUpstream(length_answer(b"{}"))
+    with fronting(up) as p, _connect(p) as sock:
+        reader = AnswerReader(sock)
+        sock.sendall(b"\r\n\n\r\nGET /a HTTP/1.1\r\nHost: h\r\n\r\n")
+        assert reader.read()[0].startswith(b"HTTP/1.1 200 OK")
+        sock.sendall(b"\r\nGET /b HTTP/1.1\r\nHost: h\r\n\r\n")
+        assert reader.read()[0].startswith(b"HTTP/1.1 200 OK")
+    assert [s.target for s in up.seen] == [b"/a", b"/b"]
+
+
+_CUT = "the connection ended part-way through a request head"
+_LONG = "the request head is over 64 KiB"
+
+
+@pytest.mark.parametrize(("sent", "status", "message", "counted"), [
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\n", 400, _CUT, {"client_error": 1.0}),
+    (b"\r\nGET /v1/models HTTP/1.1\r\nHost: h\r\n", 400, _CUT, {}),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nX: " + b"x" * (64 * 1024) + b"\r\n\r\n", 431,
+     _LONG, {"client_error": 1.0}),
+], ids=["cut-short-metered", "cut-short-unmetered", "over-64-kib-metered"])
+def test_a_head_cut_short_or_too_long_is_refused_saying_why_and_counted_where_metered(
+        sent: bytes, status: int, message: str, counted: dict[str, float]) -> None:
+    """The request line is what a client sent first, so a refused head whose line names a
+    metered path is counted as a client error even with no whole head to parse."""
+    up = RawUpstream(length_answer(b"{}"))
+    with fronting(up) as p:
+        with _connect(p) as sock:
+            try:
+                sock.sendall(sent)
+                sock.shutdown(socket.SHUT_WR)  # the client's end, part-way through the head
+            except OSError:  # refused part-way: the answer is waiting
+                pass
+            answer = _until_closed(sock)
+        deadline = time.monotonic() + 5
+        while _counted(p.proxy) != counted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _counted(p.proxy) == counted
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status) and not up.seen
+    assert json.loads(body)["error"]["message"] == message
+
+
+def test_a_client_that_ends_between_requests_gets_nothing_more() -> None:
+    up = RawUpstream(length_answer(b"{}"))
+    with fronting(up) as p, _connect(p) as sock:
+        reader = AnswerReader(sock)
+        sock.sendall(b"GET /a HTTP/1.1\r\nHost: h\r\n\r\n")
+        assert reader.read()[0].startswith(b"HTTP/1.1 200 OK")
+        sock.shutdown(socket.SHUT_WR)  # after its answer, before any next request
+        assert _until_closed(sock) == b""  # closed, no 400 for a head never begun
+    assert [s.target for s in up.seen] == [b"/a"]
