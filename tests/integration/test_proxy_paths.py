@@ -377,7 +377,7 @@ def test_blank_lines_before_a_request_line_are_skipped() -> None:
     up = RawUpstream(length_answer(b"{}"))
     with fronting(up) as p, _connect(p) as sock:
         reader = AnswerReader(sock)
-        sock.sendall(b"\r\n\n\r\nGET /a HTTP/1.1\r\nHost: h\r\n\r\n")
+        sock.sendall(b"\n\r\n\nGET /a HTTP/1.1\r\nHost: h\r\n\r\n")
         assert reader.read()[0].startswith(b"HTTP/1.1 200 OK")
         sock.sendall(b"\r\nGET /b HTTP/1.1\r\nHost: h\r\n\r\n")
         assert reader.read()[0].startswith(b"HTTP/1.1 200 OK")
@@ -425,3 +425,34 @@ def test_a_client_that_ends_between_requests_gets_nothing_more() -> None:
         sock.shutdown(socket.SHUT_WR)  # after its answer, before any next request
         assert _until_closed(sock) == b""  # closed, no 400 for a head never begun
     assert [s.target for s in up.seen] == [b"/a"]
+
+
+def test_the_proxy_listens_on_exactly_the_address_and_port_it_is_given() -> None:
+    async def bound(host: str, port: int) -> list[tuple[str, int]]:
+        p = _proxy()
+        got = await p.start(host, port)
+        assert got == port
+        assert p._server is not None
+        names = [s.getsockname()[:2] for s in p._server.sockets]
+        await p.stop()
+        return names
+
+    port = free_port()
+    assert asyncio.run(bound("127.0.0.1", port)) == [("127.0.0.1", port)]
+    if socket.has_ipv6:
+        port = free_port()
+        assert asyncio.run(bound("[::1]", port)) == [("::1", port)]  # brackets are not a name
+
+
+@pytest.mark.parametrize("target", [b"/v1/chat/completions?stream=0",
+                                    b"/v1/chat/completions?a=1?b=2"])
+def test_a_metered_path_with_a_query_is_metered(target: bytes) -> None:
+    up = RawUpstream(length_answer(b'{"choices":[]}'))
+    with fronting(up) as p, _connect(p) as sock:
+        sock.sendall(b"POST " + target + b" HTTP/1.1\r\nHost: h\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+        assert _until_closed(sock).startswith(b"HTTP/1.1 200 OK")
+        deadline = time.monotonic() + 5
+        while _counted(p.proxy) != {"ok": 1.0} and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _counted(p.proxy) == {"ok": 1.0}
