@@ -432,8 +432,9 @@ def test_the_proxy_listens_on_exactly_the_address_and_port_it_is_given() -> None
         p = _proxy()
         got = await p.start(host, port)
         assert got == port
-        assert p._server is not None
-        names = [s.getsockname()[:2] for s in p._server.sockets]
+        server = p._server
+        assert isinstance(server, asyncio.Server)
+        names = [s.getsockname()[:2] for s in server.sockets]
         await p.stop()
         return names
 
