@@ -212,7 +212,7 @@ class PcieCounters:
     TX and RX are read in one ``nvmlDeviceGetFieldValues`` call (no 20 ms block, unlike the
     throughput call). Totals are kept per GPU UUID across NVML sessions, never go down, and
     keep only increases the link can explain. The sampler's :meth:`read` gives the rate over
-    its own interval; the narrow-counter thread's :meth:`poll` only advances the totals. A GPU
+    its own interval; the narrow-counter thread's :meth:`poll_round` only advances the totals. A GPU
     (or an nvidia-ml-py) without the fields is remembered, and the throughput thread serves
     it instead. ``clock`` is monotonic.
     """
@@ -298,11 +298,6 @@ class PcieCounters:
             rates = ((tx_total - last.tx) / (at - last.at), (rx_total - last.rx) / (at - last.at))
         return tx_total, rx_total, rates[0], rates[1]
 
-    def poll(self, lib: Any, gpu: Gpu) -> None:
-        """Read the counters and advance the totals (the narrow-counter thread)."""
-        with self._reading:
-            self._advance(lib, gpu)
-
     def _advance(self, lib: Any, gpu: Gpu) -> bool:
         """One field read applied to the totals; False when the GPU has no byte counters.
 
@@ -343,36 +338,29 @@ class PcieCounters:
             raise HardwareError(f"GPU {gpu.index}: NVML answered other fields than asked")
         if bound is None:
             bound = self._bound(lib, gpu)
-        drops = []
         with self._lock:
-            narrow = False
-            for direction, field_id in (("tx", tx_id), ("rx", rx_id)):
-                still, drop = self._step(uuid, direction, got[field_id], bound, before, after)
-                narrow = still or narrow
-                if drop is not None:
-                    drops.append((direction, *drop))
-            period = self._note_narrow(uuid, narrow, bound)
+            drops, period = self._apply(uuid, bound, (got[tx_id], got[rx_id]), before, after)
         self._say(gpu, bound, drops, period)
         return True
 
     def poll_round(self, lib: Any, gpus: Sequence[Gpu], stop: threading.Event | None = None
                    ) -> list[tuple[Gpu, Exception]]:
         """Read each of ``gpus``' counters once and advance the totals: the narrow-counter
-        thread's round, some 45 times a second. What :meth:`poll` does per GPU, with the tables
-        locked twice a round rather than three times a GPU, and one clock read between two
+        thread's round, some 45 times a second. What :meth:`_advance` does per GPU, with the
+        tables locked twice a round rather than twice a GPU, and one clock read between two
         GPUs' reads (the end of one is the start of the next). A GPU whose answer is anything
         but two successful counts (an error, a field it lacks, an unknown value type) or whose
-        link bound is not known yet is read again by :meth:`poll`'s own path, which says what
-        it means. Returns the GPUs whose read failed there (NVMLError or HardwareError)."""
+        link bound is not known yet is read again by :meth:`_advance`, which says what it
+        means. Returns the GPUs whose read failed there (NVMLError or HardwareError)."""
         vocabulary = self._vocabulary_of(lib)
-        if vocabulary.fields is None:
-            return self._poll_each(lib, gpus)
-        tx_id, rx_id = vocabulary.fields
-        fields, read = [tx_id, rx_id], lib.nvmlDeviceGetFieldValues
-        failed: list[tuple[Gpu, Exception]] = []
-        answers: list[tuple[Gpu, float, float, float, float, float]] = []
+        answers: list[tuple[Gpu, float, tuple[float, float], float, float]] = []
         said: list[tuple[Gpu, float, list[tuple[Any, ...]], float | None]] = []
         with self._reading:
+            if vocabulary.fields is None:
+                return self._advance_each(lib, gpus)  # each marked absent, saying why
+            tx_id, rx_id = vocabulary.fields
+            fields, read = [tx_id, rx_id], lib.nvmlDeviceGetFieldValues
+            failed: list[tuple[Gpu, Exception]] = []
             with self._lock:
                 todo = [(g, self._bounds.get(g.identity.uuid)) for g in gpus
                         if g.identity.uuid not in self._absent]
@@ -387,37 +375,42 @@ class PcieCounters:
                     counts = None
                 after = self._clock()
                 if counts is None or bound is None:
-                    failed += self._poll_each(lib, [gpu], reading=True)
+                    failed += self._advance_each(lib, [gpu])
                     after = self._clock()
                     continue
-                answers.append((gpu, bound, *counts, before, after))
+                answers.append((gpu, bound, counts, before, after))
             with self._lock:
-                for gpu, bound, tx, rx, before, after in answers:
-                    uuid = gpu.identity.uuid
-                    narrow_tx, drop_tx = self._step(uuid, "tx", tx, bound, before, after)
-                    narrow_rx, drop_rx = self._step(uuid, "rx", rx, bound, before, after)
-                    period = self._note_narrow(uuid, narrow_tx or narrow_rx, bound)
-                    drops = [(d, *drop) for d, drop in (("tx", drop_tx), ("rx", drop_rx))
-                             if drop is not None]
+                for gpu, bound, counts, before, after in answers:
+                    drops, period = self._apply(gpu.identity.uuid, bound, counts, before, after)
                     if drops or period is not None:
                         said.append((gpu, bound, drops, period))
         for gpu, bound, drops, period in said:
             self._say(gpu, bound, drops, period)
         return failed
 
-    def _poll_each(self, lib: Any, gpus: Sequence[Gpu], *, reading: bool = False
-                   ) -> list[tuple[Gpu, Exception]]:
-        """:meth:`poll` each GPU (``reading``: ``_reading`` is held already); the failures."""
+    def _advance_each(self, lib: Any, gpus: Sequence[Gpu]) -> list[tuple[Gpu, Exception]]:
+        """:meth:`_advance` each GPU, holding ``_reading``; the ones whose read failed."""
         failed: list[tuple[Gpu, Exception]] = []
         for gpu in gpus:
             try:
-                if reading:
-                    self._advance(lib, gpu)
-                else:
-                    self.poll(lib, gpu)
+                self._advance(lib, gpu)
             except (lib.NVMLError, HardwareError) as err:
                 failed.append((gpu, err))
         return failed
+
+    def _apply(self, uuid: str, bound: float, counts: tuple[float, float], before: float,
+               after: float) -> tuple[list[tuple[Any, ...]], float | None]:
+        """Holding ``_lock``: one reading of the TX and RX counts applied. Returns the dropped
+        intervals to log, each led by its direction, and the thread's period when the GPU has
+        just become narrow (else None)."""
+        drops: list[tuple[Any, ...]] = []
+        narrow = False
+        for direction, raw in zip(DIRECTIONS, counts, strict=True):
+            still, drop = self._step(uuid, direction, raw, bound, before, after)
+            narrow = still or narrow
+            if drop is not None:
+                drops.append((direction, *drop))
+        return drops, self._note_narrow(uuid, narrow, bound)
 
     def _say(self, gpu: Gpu, bound: float, drops: list[tuple[Any, ...]],
              period: float | None) -> None:
