@@ -119,12 +119,8 @@ def agent_stretches(samples: list[tuple[float, float]], interval: float, end: fl
         while i < len(samples) and samples[i][0] <= now:
             batch.append(samples[i])
             i += 1
-        for t, u in batch:
-            was = tracker.idle_since
-            tracker.feed([(t, u)])
-            if was is not None and tracker.idle_since is None:
-                # The idle samples' own periods: from the first one's start to the last's end.
-                stretches.append((was - period, t - period))
+        # The idle samples' own periods: from the first one's start to the last's end.
+        stretches += [(was - period, t - period) for was, t in tracker.feed(batch)]
         if tracker.idle_since is not None:
             flagged.append(now)
         now += interval

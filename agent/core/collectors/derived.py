@@ -118,7 +118,11 @@ class IdleTracker:
         """The GPU's sample spacing: the median of its recent gaps (None before the first)."""
         return statistics.median_low(self._gaps) if self._gaps else None
 
-    def feed(self, points: Sequence[tuple[float, float]]) -> None:
+    def feed(self, points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+        """Take ``points``, oldest first (ones at or before the last point taken are skipped);
+        returns the idle windows they completed, ``(first idle point, first busy point after
+        it)``, each also observed in :attr:`histogram`."""
+        closed: list[tuple[float, float]] = []
         for t, util in points:
             if self.last_t is not None and t <= self.last_t:
                 continue  # already seen
@@ -140,7 +144,9 @@ class IdleTracker:
                     self.idle_since = t
             elif self.idle_since is not None:
                 self.histogram.observe(t - self.idle_since)
+                closed.append((self.idle_since, t))
                 self.idle_since = None
+        return closed
 
     def quiet_pass(self, now: float, gauge: float) -> None:
         """A pass at ``now`` that brought no new point while the gauge read ``gauge``: idle

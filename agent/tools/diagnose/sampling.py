@@ -23,15 +23,15 @@ class _WindowTracker(IdleTracker):
         self.windows: list[tuple[float, float]] = []
         self.points: list[tuple[float, float]] = []
 
-    def feed(self, points: Sequence[tuple[float, float]]) -> None:
-        for t, util in points:
-            if self.last_t is not None and t <= self.last_t:
-                continue
-            self.points.append((t, util))
-            since = self.idle_since
-            super().feed([(t, util)])
-            if since is not None and self.idle_since is None:
-                self.windows.append((since, t))
+    def feed(self, points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+        last = self.last_t
+        for point in points:  # the ones the tracker takes: each later than the last taken
+            if last is None or point[0] > last:
+                self.points.append(point)
+                last = point[0]
+        closed = super().feed(points)
+        self.windows += closed
+        return closed
 
 
 class IdleWindows:

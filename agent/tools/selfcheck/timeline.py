@@ -4,8 +4,8 @@ finds in CUPTI's GPU-activity points against idle gaps the workload made on purp
 The points (``ProfilingSample.activity_points``: ``(monotonic seconds, 0-1 share of the PM
 interval the GPU was active)``, one per interval, dated by the interval's end) go through the
 agent's own idle detection, :class:`~mrc_agent.agent.core.collectors.derived.IdleTracker` at the
-agent's default idle threshold, one point at a time so each window's start (its first idle
-point) and end (the first busy point after it) are seen. Only points inside the workload's
+agent's default idle threshold, which returns each window it completes: from its first idle
+point to the first busy point after it. Only points inside the workload's
 window count: the GPU idles on purpose before and after it. Three things are judged:
 
 - recall per planned gap length: a gap is found when a detected window overlaps it
@@ -43,16 +43,9 @@ def detect_windows(points: Iterable[Point], threshold: float = IDLE_THRESHOLD
     first idle point to the first busy point after it. A window still open after the last
     point ends there."""
     tracker = IdleTracker(threshold)
-    windows = []
-    last = None
-    for point in sorted(points):
-        before = tracker.idle_since
-        tracker.feed([point])
-        last = tracker.last_t
-        if before is not None and tracker.idle_since is None:
-            windows.append((before, point[0]))
-    if tracker.idle_since is not None and last is not None:
-        windows.append((tracker.idle_since, last))
+    windows = tracker.feed(sorted(points))
+    if tracker.idle_since is not None and tracker.last_t is not None:
+        windows.append((tracker.idle_since, tracker.last_t))
     return windows
 
 
